@@ -1,0 +1,41 @@
+# Two set-up commands: `make demo` and `make test`. Both create .venv if missing and install kiln.
+# torch is pinned to the CPU build this machine class carries (2.13.0); the GPU machine has 2.11.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.kiln-installed
+TORCH ?= torch==2.13.0
+TRITON ?= triton==3.6.0
+
+.PHONY: demo test test-all test-gpu bench lines install
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)" "$(TRITON)" numpy scipy rich matplotlib pytest pytest-timeout
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/kiln demo
+
+test: $(STAMP)
+	OMP_NUM_THREADS=2 $(PY) -m pytest -q -p no:cacheprovider --timeout=600
+
+test-all: $(STAMP)
+	$(PY) -m pytest -q -m "not gpu"
+
+# On the GPU machine (no package index there): PYTHONPATH=. python3 -m pytest -m gpu
+test-gpu:
+	PYTHONPATH=. python3 -m pytest -q -m gpu
+
+bench: $(STAMP)
+	$(PY) -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)" \
+	  && $(VENV)/bin/kiln bench --suite all --device cuda \
+	  || $(VENV)/bin/kiln bench --suite micro --device cpu
+
+lines:
+	@for d in kiln/*/ ; do printf "%-20s %6s\n" $$d $$(cat $$d*.py $$d*/*.py 2>/dev/null | wc -l); done
+	@printf "%-20s %6s\n" total $$(find kiln -name '*.py' | xargs cat | wc -l)

@@ -1,0 +1,83 @@
+"""kiln: a small PyTorch compiler. ``torch.compile(model, backend="kiln")`` or ``kiln.compile(model)``."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from kiln import config  # noqa: F401  (kiln.config.patch)
+from kiln import compile as _pipeline  # noqa: F401  the module; the function below takes its name
+from kiln.debug import counters  # noqa: F401
+from kiln.options import OptionError, Options  # noqa: F401
+
+__version__ = "0.1.0"
+
+
+def compile(model=None, *, dynamic=None, fullgraph: bool = False, mode=None, **options):
+    """Compile a function or nn.Module with kiln: ``kiln.compile(fn, activation_memory_budget=0.5)``.
+
+    Options are checked now (an unknown name or bad value raises OptionError listing what is valid) and
+    apply on top of any ``kiln.config.patch`` scope in force when the graph is traced.
+    """
+    from kiln.options import current
+    from kiln.capture.dynamo import backend
+    if mode is not None:
+        options["mode"] = mode
+    current(**options)  # validate eagerly
+    be = functools.partial(backend, options=options) if options else backend
+    if model is None:
+        return lambda m: torch.compile(m, backend=be, dynamic=dynamic, fullgraph=fullgraph)
+    return torch.compile(model, backend=be, dynamic=dynamic, fullgraph=fullgraph)
+
+
+def run_and_get_code(fn, *args, **kwargs):
+    """Run ``fn(*args)`` and return ``(result, [source of each wrapper and kernel generated meanwhile])``.
+
+    Compilation happens at the first call of a compiled function (the backward at its first
+    ``.backward()``), so call this with a fresh compiled function to see its code.
+    """
+    from kiln.runtime.load import collect_sources
+    with collect_sources() as sources:
+        result = fn(*args, **kwargs)
+    return result, sources
+
+
+def explain(fn, *args, **kwargs):
+    """Compile and run ``fn`` with kiln and return the list of ``(stage, graph text)`` pairs it went through."""
+    from kiln import debug
+    stages: list = []
+    debug._EXPLAIN_SINKS.append(stages)
+    try:
+        torch._dynamo.reset()
+        compiled = fn if hasattr(fn, "_torchdynamo_orig_callable") else compile(fn)
+        compiled(*args, **kwargs)
+    finally:
+        debug._EXPLAIN_SINKS.remove(stages)
+    return stages
+
+
+def __getattr__(name):
+    # Late imports keep ``import kiln`` light and let each stage load only when used.
+    lazy = {
+        "fx_graph_cse": ("kiln.passes.cse", "fx_graph_cse"),
+        "pattern_matcher": ("kiln.pattern_matcher", None),
+        "lowerings": ("kiln.lowerings", None),
+        "passes": ("kiln.passes", None),
+        "memory_efficient_fusion": ("kiln.mef", "memory_efficient_fusion"),
+        "explain_memory": ("kiln.partition", "explain_memory"),
+        "resume": ("kiln.repro", "resume"),
+    }
+    if name not in lazy:
+        raise AttributeError(f"module 'kiln' has no attribute {name!r}")
+    import importlib
+    mod_name, attr = lazy[name]
+    mod = importlib.import_module(mod_name)
+    return getattr(mod, attr) if attr else mod
+
+
+def _register():
+    from kiln.capture.dynamo import register
+    register()
+
+
+_register()

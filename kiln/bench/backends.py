@@ -1,0 +1,126 @@
+"""How each backend compiles a model, applies a memory budget, and gets fresh caches.
+
+- ``eager``: the model itself.
+- ``inductor``: ``torch.compile(model, options=case_options)``; the budget is applied with
+  ``torch._functorch.config.patch(activation_memory_budget=b)`` around every call.
+- ``kiln``: ``torch.compile(model, backend="kiln", options={**case_options, "activation_memory_budget": b})``.
+
+``fresh_caches()`` points Inductor, Triton and kiln at an empty temporary cache so that "cold"
+compile times are cold; it links Inductor's precompiled C++ headers from the user's cache, since
+they depend on the toolchain, not on the graph.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+
+import torch
+
+BACKENDS = ("eager", "inductor", "kiln")
+
+
+class UnknownBackendError(ValueError):
+    """A ``--backends`` name is not one of BACKENDS; the message lists them."""
+
+
+def check_names(names) -> list:
+    """Validate backend names; returns them as a list."""
+    bad = [n for n in names if n not in BACKENDS]
+    if bad:
+        raise UnknownBackendError(f"unknown backend(s) {bad}; choose from {list(BACKENDS)}")
+    return list(names)
+
+
+def compile_model(backend: str, model, options=None, budget=None):
+    """The callable to measure for ``backend`` (compilation happens at its first call)."""
+    options = dict(options or {})
+    if backend == "eager":
+        return model
+    if backend == "inductor":
+        return torch.compile(model, options=options or None)
+    if backend == "kiln":
+        import kiln  # noqa: F401  registers the "kiln" backend with Dynamo
+        if budget is not None:
+            options["activation_memory_budget"] = budget
+        return torch.compile(model, backend="kiln", options=options or None)
+    raise UnknownBackendError(f"unknown backend {backend!r}; choose from {list(BACKENDS)}")
+
+
+def scope(backend: str, budget=None):
+    """Context in force while ``backend`` compiles and runs (Inductor reads its budget from functorch)."""
+    if backend == "inductor" and budget is not None:
+        import torch._functorch.config as fconfig
+        return fconfig.patch(activation_memory_budget=budget)
+    return contextlib.nullcontext()
+
+
+def versions() -> dict:
+    """Versions of torch, triton and kiln (None where missing)."""
+    out = {"torch": torch.__version__, "triton": None, "kiln": None}
+    try:
+        import triton
+        out["triton"] = triton.__version__
+    except Exception:
+        pass
+    try:
+        import kiln
+        out["kiln"] = getattr(kiln, "__version__", "?")
+    except Exception as e:  # kiln not importable yet: the kiln rows will say why
+        out["kiln"] = f"unavailable: {type(e).__name__}"
+    return out
+
+
+def _prime_fn(x):
+    return torch.sigmoid(x) * x + 1.0
+
+
+def prime(backends, device: str) -> dict:
+    """Compile one trivial function per backend so process start-up (imports, worker pools,
+    toolchain checks) is not charged to the first case. Returns ``{backend: error or None}``."""
+    errors = {}
+    for b in backends:
+        if b == "eager":
+            continue
+        torch._dynamo.reset()
+        try:
+            x = torch.randn(64, device=device, requires_grad=True)
+            compile_model(b, _prime_fn)(x).sum().backward()
+            errors[b] = None
+        except Exception as e:
+            errors[b] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    torch._dynamo.reset()
+    return errors
+
+
+@contextlib.contextmanager
+def fresh_caches(enabled: bool = True):
+    """Point TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR and KILN_CACHE_DIR at a new temp dir."""
+    if not enabled:
+        yield None
+        return
+    names = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "KILN_CACHE_DIR")
+    saved = {n: os.environ.get(n) for n in names}
+    root = tempfile.mkdtemp(prefix="kiln-bench-")
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+        user = cache_dir()
+        pch = os.path.join(user, "precompiled_headers")
+        os.makedirs(pch, exist_ok=True)
+        os.makedirs(os.path.join(root, "inductor"))
+        os.symlink(pch, os.path.join(root, "inductor", "precompiled_headers"))
+    except Exception:
+        pass
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, "inductor")
+    os.environ["TRITON_CACHE_DIR"] = os.path.join(root, "triton")
+    os.environ["KILN_CACHE_DIR"] = os.path.join(root, "kiln")
+    try:
+        yield root
+    finally:
+        for n, v in saved.items():
+            if v is None:
+                os.environ.pop(n, None)
+            else:
+                os.environ[n] = v
+        shutil.rmtree(root, ignore_errors=True)

@@ -1,0 +1,132 @@
+"""Measurements: step times, compile times, memory, and the correctness check against eager.
+
+- Step time: CUDA events around each step on the GPU (synchronised), ``perf_counter`` on the CPU;
+  warm-up steps are excluded. ``summarize`` gives median, p25/p75, min and max in ms.
+- Memory on the GPU: ``torch.cuda.max_memory_allocated`` over one step (absolute, and above what
+  was allocated when the step began).
+- Saved bytes (every device): the distinct storages saved for backward during one forward, seen
+  through ``torch.autograd.graph.saved_tensors_hooks``, minus storages of inputs and parameters.
+- Correctness: per tensor ``max|got - ref| / max|ref|`` (fp32 compare), the worst over all
+  tensors, against a tolerance per dtype.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device: str):
+    """``(result, seconds)`` of one call, synchronised (used for compile times)."""
+    sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    sync(device)
+    return out, time.perf_counter() - t0
+
+
+def step_times(step, device: str, warmup: int = 3, min_iters: int = 5, max_iters: int = 100,
+               min_time: float = 0.5) -> list:
+    """Milliseconds of each measured step: at least ``min_iters`` and until ``min_time`` seconds
+    of steps have run, at most ``max_iters``; ``warmup`` steps run first and are not recorded."""
+    for _ in range(warmup):
+        step()
+    sync(device)
+    times = []
+    if device == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    while len(times) < max_iters and (len(times) < min_iters or sum(times) < min_time * 1e3):
+        if device == "cuda":
+            start.record()
+            step()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def _quantile(sorted_xs, q):
+    pos = q * (len(sorted_xs) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_xs) - 1)
+    return sorted_xs[lo] + (sorted_xs[hi] - sorted_xs[lo]) * (pos - lo)
+
+
+def summarize(times) -> dict:
+    """median, p25, p75, min, max (ms) and the count of ``times``."""
+    xs = sorted(times)
+    return {"ms": _quantile(xs, 0.5), "p25": _quantile(xs, 0.25), "p75": _quantile(xs, 0.75),
+            "min": xs[0], "max": xs[-1], "iters": len(xs)}
+
+
+def cuda_peak(step) -> dict:
+    """Peak allocated bytes during one ``step()``: absolute and above the step's starting point."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    return {"peak_bytes": peak, "peak_above_start": peak - base}
+
+
+def _storage_key(t):
+    s = t.untyped_storage()
+    return (t.device, s.data_ptr()), s.nbytes()
+
+
+def saved_bytes(forward, backward, inputs) -> dict:
+    """Bytes of distinct storages saved for backward by ``forward()`` that are not ``inputs``.
+
+    ``forward()`` runs under a pack hook that records each saved tensor's storage (deduplicated by
+    its data pointer); ``backward(out)`` then consumes the graph. Returns bytes and tensor count.
+    """
+    skip = {_storage_key(t)[0] for t in inputs if isinstance(t, torch.Tensor)}
+    seen: dict = {}
+
+    def pack(t):
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            try:
+                key, size = _storage_key(t)
+            except (RuntimeError, NotImplementedError):  # tensor subclasses without storage
+                return t
+            if key not in skip and key[1] != 0:
+                seen[key] = size
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = forward()
+    backward(out)
+    return {"saved_bytes": sum(seen.values()), "saved_tensors": len(seen)}
+
+
+def compare(ref: list, got: list, tol: float) -> dict:
+    """Worst relative error of ``got`` against ``ref`` (same order), and whether it is within ``tol``."""
+    if len(ref) != len(got):
+        return {"ok": False, "err": None, "check": f"{len(got)} tensors vs eager's {len(ref)}"}
+    worst, where = 0.0, None
+    for i, (r, g) in enumerate(zip(ref, got)):
+        if g is None or r is None or tuple(r.shape) != tuple(g.shape):
+            return {"ok": False, "err": None, "check": f"tensor {i}: shape {getattr(g, 'shape', None)} "
+                                                      f"vs eager {getattr(r, 'shape', None)}"}
+        r32, g32 = r.detach().float(), g.detach().float()
+        if r32.numel() == 0:
+            continue
+        finite = torch.isfinite(r32)
+        if not torch.equal(finite, torch.isfinite(g32)):
+            return {"ok": False, "err": float("inf"), "check": f"tensor {i}: non-finite values differ"}
+        diff = (r32[finite] - g32[finite]).abs().max().item() if finite.any() else 0.0
+        scale = max(r32[finite].abs().max().item() if finite.any() else 0.0, 1e-6)
+        if diff / scale > worst:
+            worst, where = diff / scale, i
+    ok = worst <= tol
+    return {"ok": ok, "err": worst, "check": "ok" if ok else f"tensor {where}: rel err {worst:.2e} > {tol:g}"}

@@ -1,0 +1,183 @@
+"""Rows to text: the live console line, the markdown section for RESULTS.md, and JSON.
+
+Rows are flat dicts (see ``runner.measure_backend``). The markdown pivots them to one line per
+(case, dtype, budget) with a column per backend and the ratios kiln/eager and kiln/inductor of the
+median step time (below 1 means kiln is faster), followed by the geometric means and the errors.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+
+LIVE = [("case", 16), ("dtype", 8), ("backend", 9), ("budget", 6), ("step ms", 16), ("cold s", 7),
+        ("warm s", 7), ("mem MiB", 9), ("GB/s", 7), ("check", 10)]
+
+
+def _num(x, digits=3):
+    if x is None:
+        return "-"
+    if x == 0:
+        return "0"
+    if abs(x) >= 100:
+        return f"{x:.0f}"
+    return f"{x:.{digits}g}"
+
+
+def step_cell(row) -> str:
+    """'1.23 ±4%': median step ms and half the interquartile range relative to it."""
+    if row.get("status") != "ok" or row.get("ms") is None:
+        return "error"
+    spread = (row["p75"] - row["p25"]) / 2 / row["ms"] * 100 if row["ms"] else 0.0
+    return f"{_num(row['ms'])} ±{spread:.0f}%"
+
+
+def mem_cell(row) -> str:
+    b = row.get("mem_bytes")
+    return "-" if b is None else _num(b / 2**20)
+
+
+def budget_cell(budget) -> str:
+    return "-" if budget is None else f"{budget:g}"
+
+
+def live_header() -> str:
+    return " ".join(f"{name:<{w}}" for name, w in LIVE)
+
+
+def live_line(row) -> str:
+    """One console line for a finished row; errors show the stage and the message."""
+    if row.get("status") != "ok":
+        head = [row["case"], row.get("dtype", ""), row["backend"], budget_cell(row.get("budget"))]
+        return " ".join(f"{v:<{w}}" for v, (_, w) in zip(head, LIVE)) + \
+            f" ERROR in {row.get('stage')}: {row.get('error')}"
+    cells = [row["case"], row["dtype"], row["backend"], budget_cell(row.get("budget")), step_cell(row),
+             _num(row.get("compile_s")), _num(row.get("warm_compile_s")), mem_cell(row),
+             _num(row.get("gbps"), 4), row.get("check", "")[:40]]
+    return " ".join(f"{str(v):<{w}}" for v, (_, w) in zip(cells, LIVE))
+
+
+def pivot(rows):
+    """``[(key, {backend: row})]`` with key (case, dtype, budget); eager rows join every budget."""
+    groups: dict = {}
+    eager: dict = {}
+    for r in rows:
+        k = (r["case"], r["dtype"])
+        if r["backend"] == "eager":
+            eager[k] = r
+        groups.setdefault(k, {}).setdefault(r.get("budget") if r["backend"] != "eager" else "__eager", {})[
+            r["backend"]] = r
+    out = []
+    for k, by_budget in groups.items():
+        budgets = [b for b in by_budget if b != "__eager"] or ["__eager"]
+        for b in budgets:
+            cells = dict(by_budget.get(b, {}))
+            if k in eager:
+                cells["eager"] = eager[k]
+            out.append(((k[0], k[1], None if b == "__eager" else b), cells))
+    return out
+
+
+def _ms(row):
+    return row["ms"] if row and row.get("status") == "ok" and row.get("ms") else None
+
+
+def ratio(a, b):
+    """a/b of median step times, None when either is missing."""
+    x, y = _ms(a), _ms(b)
+    return x / y if x and y else None
+
+
+def geomean(xs):
+    xs = [x for x in xs if x]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
+
+
+def markdown(meta: dict, rows: list) -> str:
+    """The RESULTS.md section: header with versions, the pivot table, geometric means, errors."""
+    backends = meta.get("backends") or sorted({r["backend"] for r in rows})
+    compiled = [b for b in backends if b != "eager"]
+    ratios = [(n, d) for n, d in (("kiln", "eager"), ("kiln", "inductor")) if n in backends and d in backends]
+    head = ["case", "dtype", "budget"] + [f"{b} ms" for b in backends] + [f"{n}/{d}" for n, d in ratios]
+    head += [f"{b} compile s cold/warm" for b in compiled] + [f"mem MiB {'/'.join(backends)}"]
+    has_bw = any(r.get("gbps") for r in rows)
+    if has_bw:
+        head.append(f"GB/s {'/'.join(backends)}")
+    head.append(f"check {'/'.join(compiled)}" if compiled else "check")
+    lines = [f"## {meta['date']} · {meta['device_name']} · torch {meta['torch']} · triton {meta['triton']}"
+             f" · kiln {meta['kiln']}", "",
+             f"`{meta['command']}`  ", f"suite {meta['suite']}, size {meta['size']}, caches {meta['caches']}, "
+             f"threads {meta['threads']}, {meta['elapsed_s']:.0f} s. Step time = median ±half IQR; "
+             f"ratios are of median step times (< 1: kiln faster). Memory: {meta['mem_kind']}. "
+             f"Cold compile = first call (compile + one step) with empty caches; warm = the same after "
+             f"torch._dynamo.reset().", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    per_ratio = {rt: [] for rt in ratios}
+    for (case, dtype, budget), cells in pivot(rows):
+        line = [case, dtype, budget_cell(budget)] + [step_cell(cells[b]) if b in cells else "-" for b in backends]
+        for rt in ratios:
+            x = ratio(cells.get(rt[0]), cells.get(rt[1]))
+            per_ratio[rt].append(x)
+            line.append(f"{x:.2f}" if x else "-")
+        for b in compiled:
+            c = cells.get(b, {})
+            line.append(f"{_num(c.get('compile_s'))}/{_num(c.get('warm_compile_s'))}" if c.get("status") == "ok"
+                        else "-")
+        line.append("/".join(mem_cell(cells[b]) if b in cells else "-" for b in backends))
+        if has_bw:
+            line.append("/".join(_num(cells[b].get("gbps"), 4) if b in cells else "-" for b in backends))
+        line.append("/".join(_check(cells.get(b)) for b in (compiled or backends)))
+        lines.append("| " + " | ".join(line) + " |")
+    lines.append("")
+    for (n, d), xs in per_ratio.items():
+        g = geomean(xs)
+        if g:
+            lines.append(f"- geomean {n}/{d}: **{g:.2f}** over {len([x for x in xs if x])} rows")
+    errors = [r for r in rows if r.get("status") != "ok"]
+    for r in errors:
+        lines.append(f"- error: {r['case']} {r.get('dtype')} {r['backend']}"
+                     f"{'@' + budget_cell(r.get('budget')) if r.get('budget') is not None else ''}"
+                     f" in {r.get('stage')}: {r.get('error')}")
+    for name, why in meta.get("skipped", []):
+        lines.append(f"- skipped: {name}: {why}")
+    return "\n".join(lines) + "\n"
+
+
+def _check(row) -> str:
+    if not row:
+        return "-"
+    if row.get("status") != "ok":
+        return "err"
+    if row.get("check") == "ref":
+        return "ref"
+    return ("ok" if row.get("ok") else "FAIL") + (f" {row['err']:.0e}" if row.get("err") is not None else "")
+
+
+def write_json(path: str, meta: dict, rows: list) -> str:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as fh:
+        json.dump({"meta": meta, "rows": rows}, fh, indent=1, default=str)
+    return path
+
+
+def read_json(path: str):
+    with open(path) as fh:
+        data = json.load(fh)
+    return data["meta"], data["rows"]
+
+
+def record(meta: dict, rows: list, record_dir: str) -> tuple:
+    """Append the markdown section to ``record_dir/RESULTS.md`` and write ``record_dir/results/*.json``."""
+    os.makedirs(os.path.join(record_dir, "results"), exist_ok=True)
+    md_path = os.path.join(record_dir, "RESULTS.md")
+    new = not os.path.exists(md_path)
+    with open(md_path, "a") as fh:
+        if new:
+            fh.write("# kiln bench results\n\nAppended by `kiln bench` (newest last). JSON for each run is in "
+                     "`results/`.\n\n")
+        fh.write(markdown(meta, rows) + "\n")
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(meta.get("t0", time.time())))
+    json_path = os.path.join(record_dir, "results", f"{stamp}_{meta['device']}_{meta['suite']}.json")
+    write_json(json_path, meta, rows)
+    return md_path, json_path

@@ -1,0 +1,129 @@
+"""Run one case for every backend in this process and yield one row (a dict) per backend and budget.
+
+Order per backend: fresh model copy, ``torch._dynamo.reset()``, compile, first call = cold compile
+time and the correctness check against eager, then (``warm``) reset and compile again (a cache hit)
+for the warm compile time, then timed steps, then memory. A failure in any stage becomes the row's
+``error`` (with the stage) and never stops the other backends or cases.
+"""
+from __future__ import annotations
+
+import gc
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+from kiln.bench import backends as B
+from kiln.bench import measure as M
+
+
+@dataclass
+class RunConfig:
+    """How long to measure: warm-up steps, iteration bounds, minimum measured time (s)."""
+    device: str = "cpu"
+    size: str = "cpu"
+    warmup: int = 3
+    min_iters: int = 5
+    max_iters: int = 100
+    min_time: float = 0.5
+    warm_compile: bool = True
+
+
+def variants(case, backends, budgets):
+    """(backend, budget) pairs: compiled backends once per budget on training cases."""
+    out = []
+    for b in backends:
+        if b == "eager" or not case.train or not budgets:
+            out.append((b, None))
+        else:
+            out.extend((b, x) for x in budgets)
+    return out
+
+
+def _error(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()
+    first = next((m for m in msg if m.strip()), "")
+    return f"{type(e).__name__}: {first[:300]}"
+
+
+def _dynamo_counts():
+    from torch._dynamo.utils import counters
+    return counters["stats"].get("unique_graphs", 0), sum(counters["graph_break"].values())
+
+
+def _cleanup(device):
+    torch._dynamo.reset()
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def measure_backend(case, wl_pristine, ref, backend, budget, cfg: RunConfig) -> dict:
+    """One row: compile times, check, step-time summary and memory for ``backend`` at ``budget``."""
+    row = {"backend": backend, "budget": budget, "status": "ok"}
+    stage, f, wl = "copy", None, None
+    try:
+        wl = wl_pristine.fresh()
+        with B.scope(backend, budget):
+            stage = "compile"
+            torch._dynamo.reset()
+            g0, b0 = _dynamo_counts()
+            f = B.compile_model(backend, wl.model, case.options, budget)
+            got, cold = M.timed(lambda: wl.check(f), cfg.device)
+            if backend != "eager":
+                g1, b1 = _dynamo_counts()
+                row.update(compile_s=cold, graphs=g1 - g0, graph_breaks=b1 - b0)
+            stage = "check"
+            row.update(M.compare(ref, got, wl.tol) if backend != "eager" else {"ok": True, "err": 0.0, "check": "ref"})
+            del got
+            if cfg.warm_compile and backend != "eager":
+                stage = "warm compile"
+                torch._dynamo.reset()
+                f = B.compile_model(backend, wl.model, case.options, budget)
+                _, row["warm_compile_s"] = M.timed(lambda: wl.check(f), cfg.device)
+            stage = "steps"
+            times = M.step_times(lambda: wl.step(f), cfg.device, cfg.warmup, cfg.min_iters, cfg.max_iters,
+                                 cfg.min_time)
+            row.update(M.summarize(times), times_ms=[round(t, 4) for t in times])
+            if case.memory_bound and wl.min_bytes:
+                row.update(min_bytes=wl.min_bytes, gbps=wl.min_bytes / (row["ms"] * 1e-3) / 1e9)
+            stage = "memory"
+            if cfg.device == "cuda":
+                row.update(M.cuda_peak(lambda: wl.step(f)))
+            if wl.train:
+                row.update(M.saved_bytes(lambda: wl.forward_for_memory(f), wl.backward_for_memory, wl.state()))
+            row["mem_bytes"] = row.get("peak_bytes") if cfg.device == "cuda" else row.get("saved_bytes")
+    except Exception as e:  # a backend failure is a row, not a crash
+        row.update(status="error", stage=stage, error=_error(e), traceback=traceback.format_exc(limit=8))
+    finally:
+        del f, wl
+        _cleanup(cfg.device)
+    return row
+
+
+def run_case(case, dtype: str, backend_names, budgets, cfg: RunConfig, on_start=None):
+    """Yield a row per (backend, budget) of ``case`` in ``dtype``; build errors yield error rows."""
+    base = {"suite": case.suite, "case": case.name, "device": cfg.device, "dtype": dtype,
+            "train": case.train, "options": dict(case.options)}
+    pairs = variants(case, backend_names, budgets)
+    try:
+        torch.manual_seed(0)
+        pristine = case.build(cfg.device, dtype, cfg.size)
+        eager = pristine.fresh()
+        ref = eager.check(eager.model)
+        del eager
+        base["dtype"] = pristine.dtype
+        if pristine.min_bytes and case.memory_bound:
+            base["min_bytes"] = pristine.min_bytes
+    except Exception as e:
+        for backend, budget in pairs:
+            yield {**base, "backend": backend, "budget": budget, "status": "error", "stage": "build",
+                   "error": _error(e), "traceback": traceback.format_exc(limit=8)}
+        _cleanup(cfg.device)
+        return
+    for backend, budget in pairs:
+        if on_start:
+            on_start(backend, budget)
+        yield {**base, **measure_backend(case, pristine, ref, backend, budget, cfg)}
+    del pristine, ref
+    _cleanup(cfg.device)

@@ -1,0 +1,133 @@
+"""The models suite: the built-in GPT and CNN, and (when installed) GPT-2 small, BERT-base and
+torchvision ResNet-18/50, all built from configs with random weights (never downloaded).
+
+Precision follows the anchors: on the GPU training runs under bf16 autocast and inference in fp16;
+on the CPU everything is fp32. Dropout is off in GPT-2 so the correctness check is deterministic.
+The HuggingFace and ResNet-50 cases run on the GPU only (a 2-core CPU would take minutes per step).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from kiln.bench import models
+from kiln.bench.case import Case, ModelWorkload
+
+
+def _precision(device, train):
+    """(dtype label, autocast dtype, cast model to) for this device and mode."""
+    if device == "cpu":
+        return "fp32", None, None
+    return ("amp_bf16", torch.bfloat16, None) if train else ("fp16", None, torch.float16)
+
+
+def _size(device, size):
+    return size if size == "tiny" else ("gpu" if device == "cuda" else "cpu")
+
+
+def _adamw(device):
+    fused = device == "cuda"
+    return functools.partial(torch.optim.AdamW, lr=1e-4, fused=fused) if fused else \
+        functools.partial(torch.optim.AdamW, lr=1e-4)
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+
+
+def _xent(out, batch):
+    return F.cross_entropy(out.float(), batch[1])
+
+
+def _finish(model, batch, device, train, loss, optimizer, call=None):
+    label, autocast, cast = _precision(device, train)
+    if cast is not None:
+        model = model.to(cast)
+        batch = tuple(b.to(cast) if b.is_floating_point() else b for b in batch)
+    return ModelWorkload(model, batch, label, loss=loss, optimizer=optimizer, autocast=autocast,
+                         train=train, call=call)
+
+
+# --- built-in ----------------------------------------------------------------------------------------
+def _gpt(device, dtype, size):
+    model, batch = models.build_gpt(_size(device, size), device)
+    return _finish(model, batch, device, True, lambda out, b: out, _adamw(device))
+
+
+def _cnn(device, dtype, size, train=True):
+    model, batch = models.build_cnn(_size(device, size), device)
+    if not train:
+        batch = batch[:1]
+    return _finish(model, batch, device, train, _xent if train else None, _sgd if train else None)
+
+
+# --- HuggingFace transformers ------------------------------------------------------------------------
+def _gpt2(device, dtype, size):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    big = _size(device, size) == "gpu"
+    cfg = GPT2Config(n_layer=12 if big else 2, n_embd=768 if big else 64, n_head=12 if big else 2,
+                     n_positions=1024, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+    bs, seq = (8, 1024) if big else (2, 64)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(cfg).to(device)
+    ids = torch.randint(0, cfg.vocab_size, (bs, seq), device=device)
+    return _finish(model, (ids,), device, True, lambda out, b: out.loss, _adamw(device),
+                   call=lambda f, b: f(input_ids=b[0], labels=b[0]))
+
+
+def _bert(device, dtype, size):
+    from transformers import BertConfig, BertModel
+    big = _size(device, size) == "gpu"
+    cfg = BertConfig() if big else BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                              intermediate_size=128)
+    bs, seq = (16, 512) if big else (2, 64)
+    torch.manual_seed(0)
+    model = BertModel(cfg).to(device)
+    ids = torch.randint(0, cfg.vocab_size, (bs, seq), device=device)
+    return _finish(model, (ids,), device, False, None, None, call=lambda f, b: f(input_ids=b[0]))
+
+
+# --- torchvision -------------------------------------------------------------------------------------
+def _resnet(arch, train, device, dtype, size):
+    import torchvision
+    torch.manual_seed(0)
+    model = getattr(torchvision.models, arch)().to(device)
+    big = _size(device, size) == "gpu"
+    bs, hw = (64, 224) if big else ((8, 224) if size != "tiny" else (2, 64))
+    x = torch.randn(bs, 3, hw, hw, device=device)
+    y = torch.randint(0, 1000, (bs,), device=device)
+    batch = (x, y) if train else (x,)
+    return _finish(model, batch, device, train, _xent if train else None, _sgd if train else None)
+
+
+def _resnet_cases(arch, devices_infer):
+    tv = ("torchvision",)
+    train = functools.partial(_resnet, arch, True)
+    infer = functools.partial(_resnet, arch, False)
+    return [
+        Case(f"{arch}_train", "models", train, ("auto",), ("cuda",), True, needs=tv,
+             about=f"torchvision {arch} train step, bf16 autocast, SGD, bs 64"),
+        Case(f"{arch}_infer", "models", infer, ("auto",), devices_infer, False, needs=tv,
+             about=f"torchvision {arch} inference, fp16 (gpu) / fp32 bs 8 (cpu)"),
+        Case(f"{arch}_infer_freezing", "models", infer, ("auto",), devices_infer, False,
+             options={"freezing": True}, needs=tv, about=f"{arch} inference with options={{'freezing': True}}"),
+    ]
+
+
+CASES = [
+    Case("gpt", "models", _gpt, ("auto",), train=True,
+         about="built-in GPT train step (AdamW); cpu: 2 layers d128 seq128 fp32, gpu: 6 layers d768 seq1024 bf16"),
+    Case("cnn", "models", _cnn, ("auto",), train=True, about="built-in ResNet-style CNN train step (SGD)"),
+    Case("cnn_infer", "models", functools.partial(_cnn, train=False), ("auto",), train=False,
+         about="built-in CNN inference"),
+    Case("cnn_infer_freezing", "models", functools.partial(_cnn, train=False), ("auto",), train=False,
+         options={"freezing": True}, about="built-in CNN inference with freezing"),
+    Case("gpt2", "models", _gpt2, ("auto",), ("cuda",), True, needs=("transformers",),
+         about="HF GPT-2 small train step, bs 8 seq 1024, bf16 autocast, fused AdamW, dropout 0"),
+    Case("bert", "models", _bert, ("auto",), ("cuda",), False, needs=("transformers",),
+         about="HF BERT-base inference, bs 16 seq 512, fp16"),
+    *_resnet_cases("resnet18", ("cpu", "cuda")),
+    *_resnet_cases("resnet50", ("cuda",)),
+]

@@ -1,0 +1,1 @@
+"""Capture: Dynamo's graph in (``dynamo.py``), AOTAutograd's joint graph out (``aot.py``)."""

@@ -1,0 +1,53 @@
+"""The decomposition table AOTAutograd uses, chosen by the code generation target.
+
+The ATen target runs each op through PyTorch's own kernels, so it keeps composite ops whole (fewer,
+faster library calls). The Triton target decomposes to the core ATen set plus the forward norms,
+softmax and activations, so the fusion scheduler sees pointwise ops and simple reductions.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch._decomp import core_aten_decompositions, get_decompositions
+
+aten = torch.ops.aten
+
+# Small composite ops that AOTAutograd would otherwise keep and that run faster decomposed even on ATen.
+ATEN_EXTRA = [
+    aten.hardsigmoid_backward, aten.hardswish_backward, aten.silu_backward, aten.mish_backward,
+    aten.softplus_backward, aten.sigmoid_backward, aten.tanh_backward, aten.threshold_backward,
+]
+
+# Ops the fusing target wants in pieces, on top of the core table.
+FUSION_EXTRA = [
+    aten.native_layer_norm, aten.native_layer_norm_backward, aten._softmax, aten._log_softmax,
+    aten._softmax_backward_data, aten._log_softmax_backward_data, aten.gelu, aten.gelu_backward,
+    aten.native_dropout, aten.embedding, aten.embedding_dense_backward, aten.nll_loss_forward,
+    aten.nll_loss_backward, aten.native_batch_norm, aten._native_batch_norm_legit_functional,
+    aten._native_batch_norm_legit_no_training, aten.native_batch_norm_backward,
+    aten.native_group_norm, aten.native_group_norm_backward, aten.mean, aten.var_mean, aten.addcmul,
+]
+
+# Ops that must stay whole everywhere: library calls that no decomposition beats.
+KEEP = [aten.convolution, aten.convolution_backward, aten.mm, aten.addmm, aten.bmm, aten.baddbmm,
+        aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_efficient_attention,
+        aten._scaled_dot_product_cudnn_attention]
+
+
+@functools.lru_cache(maxsize=None)
+def _table(target: str):
+    if target == "triton":
+        table = dict(core_aten_decompositions())
+        table.update(get_decompositions(FUSION_EXTRA))
+    else:
+        table = dict(get_decompositions(ATEN_EXTRA))
+    for packet in KEEP:
+        for name in packet.overloads():
+            table.pop(getattr(packet, name), None)
+    return table
+
+
+def decomposition_table(target: str = "aten") -> dict:
+    """The op -> decomposition dict for ``target`` ('aten' or 'triton'); a fresh copy each call."""
+    return dict(_table(target))

@@ -1,0 +1,184 @@
+"""The Python wrapper emitter: an FX GraphModule becomes the source of a plain Python function.
+
+The generated ``call(args)`` takes AOTAutograd's boxed argument list, clears it so inputs can be freed
+early, calls each node's target (ATen ops, kernels made by the fusing emitters, Python operators on
+SymInts), deletes every buffer right after its last use, and returns the outputs. Targets and
+non-literal constants are bound once as module globals, so a call does no graph walking at all.
+
+Each line carries the node's shape, dtype and strides as a comment, so the wrapper reads like the graph.
+"""
+from __future__ import annotations
+
+import builtins
+import keyword
+import math
+import operator
+import re
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+_PY_OPS = {
+    operator.getitem: "{0}[{1}]", operator.add: "{0} + {1}", operator.sub: "{0} - {1}",
+    operator.mul: "{0} * {1}", operator.floordiv: "{0} // {1}", operator.truediv: "{0} / {1}",
+    operator.mod: "{0} % {1}", operator.pow: "{0} ** {1}", operator.neg: "-{0}",
+    operator.eq: "{0} == {1}", operator.ne: "{0} != {1}", operator.lt: "{0} < {1}",
+    operator.le: "{0} <= {1}", operator.gt: "{0} > {1}", operator.ge: "{0} >= {1}",
+}
+
+
+@dataclass
+class Wrapper:
+    """Generated wrapper source plus the globals it needs."""
+    name: str
+    source: str
+    globals: dict = field(default_factory=dict)
+    kernels: list = field(default_factory=list)  # objects with .name and .source
+
+
+def describe_val(val) -> str:
+    """'f32[4, 8] (8, 1) cpu' for a tensor, 'sym s0' for a SymInt, '' otherwise."""
+    if isinstance(val, torch.Tensor):
+        dt = str(val.dtype).replace("torch.", "")
+        short = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64",
+                 "int64": "i64", "int32": "i32", "bool": "b8", "uint8": "u8", "int8": "i8"}.get(dt, dt)
+        try:
+            stride = tuple(val.stride())
+        except RuntimeError:
+            stride = "?"
+        return f"{short}{list(val.shape)} {stride} {val.device.type}"
+    if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return f"sym {val}"
+    if isinstance(val, (tuple, list)):
+        return "(" + ", ".join(describe_val(v) for v in val) + ")"
+    return ""
+
+
+class _Emitter:
+    def __init__(self, gm: fx.GraphModule, name: str):
+        self.gm = gm
+        self.w = Wrapper(name=name, source="")
+        self.names: dict[fx.Node, str] = {}
+        self.global_ids: dict[int, str] = {}
+
+    # -- naming ---------------------------------------------------------------------------------
+    def bind(self, obj, hint: str) -> str:
+        """Bind ``obj`` as a module global and return its name (one name per object)."""
+        key = id(obj)
+        if key in self.global_ids:
+            return self.global_ids[key]
+        base = re.sub(r"\W+", "_", hint).strip("_") or "g"
+        if base[0].isdigit() or keyword.iskeyword(base) or hasattr(builtins, base):
+            base = "k_" + base
+        name, i = base, 0
+        while name in self.w.globals:
+            i += 1
+            name = f"{base}_{i}"
+        self.w.globals[name] = obj
+        self.global_ids[key] = name
+        if hasattr(obj, "source") and isinstance(getattr(obj, "source"), str):
+            self.w.kernels.append(obj)
+        return name
+
+    def target_name(self, target) -> str:
+        if isinstance(target, torch._ops.OpOverload):
+            return self.bind(target, f"{target.namespace}_{target._opname}_{target._overloadname}")
+        return self.bind(target, getattr(target, "name", None) or getattr(target, "__name__", "fn"))
+
+    # -- literals -------------------------------------------------------------------------------
+    def lit(self, a) -> str:
+        if isinstance(a, fx.Node):
+            return self.names[a]
+        if isinstance(a, (list, tuple)):
+            inner = ", ".join(self.lit(x) for x in a)
+            return f"[{inner}]" if isinstance(a, list) else (f"({inner},)" if len(a) == 1 else f"({inner})")
+        if isinstance(a, dict):
+            return "{" + ", ".join(f"{k!r}: {self.lit(v)}" for k, v in a.items()) + "}"
+        if a is None or isinstance(a, (bool, str)):
+            return repr(a)
+        if isinstance(a, int):
+            return repr(a)
+        if isinstance(a, float) and math.isfinite(a):
+            return repr(a)
+        if isinstance(a, slice):
+            return f"slice({self.lit(a.start)}, {self.lit(a.stop)}, {self.lit(a.step)})"
+        if isinstance(a, torch.dtype):
+            return self.bind(a, str(a).replace("torch.", ""))
+        if isinstance(a, torch.device):
+            return self.bind(a, f"dev_{a.type}{a.index if a.index is not None else ''}")
+        return self.bind(a, type(a).__name__.lower())
+
+    # -- emission -------------------------------------------------------------------------------
+    def emit(self) -> Wrapper:
+        g = self.gm.graph
+        nodes = list(g.nodes)
+        last_use: dict[fx.Node, fx.Node] = {}
+        for n in nodes:
+            for inp in n.all_input_nodes:
+                last_use[inp] = n
+        frees: dict[fx.Node, list[fx.Node]] = {}
+        out_node = next(n for n in reversed(nodes) if n.op == "output")
+        for value, user in last_use.items():
+            if user is not out_node:
+                frees.setdefault(user, []).append(value)
+
+        body: list[str] = []
+        placeholders = [n for n in nodes if n.op == "placeholder"]
+        for i, n in enumerate(placeholders):
+            self.names[n] = self._fresh(n.name)
+        if placeholders:
+            lhs = ", ".join(self.names[n] for n in placeholders)
+            body.append(f"{lhs}, = args" if len(placeholders) == 1 else f"{lhs} = args")
+        body.append("args.clear()")
+        for n in nodes:
+            if n.op == "placeholder":
+                continue
+            if n.op == "output":
+                body.append(f"return {self.lit(n.args[0])}")
+                continue
+            line = self._node_line(n)
+            body.append(line)
+            dead = [self.names[v] for v in frees.get(n, []) if v.op != "get_attr"]
+            if not n.users and n.op == "call_function":
+                dead.append(self.names[n])
+            if dead:
+                body.append("del " + ", ".join(dead))
+        header = (f"# kiln wrapper: {self.w.name} ({len(nodes)} nodes)\n"
+                  f"# globals: targets, constants and kernels bound at load time\n")
+        src = header + f"def call(args):\n" + "\n".join("    " + b for b in body) + "\n"
+        self.w.source = src
+        return self.w
+
+    def _fresh(self, base: str) -> str:
+        base = re.sub(r"\W+", "_", base)
+        if keyword.iskeyword(base) or hasattr(builtins, base) or base in ("args", "call"):
+            base = base + "_"
+        return base
+
+    def _node_line(self, n: fx.Node) -> str:
+        name = self.names[n] = self._fresh(n.name)
+        comment = describe_val(n.meta.get("val"))
+        comment = f"  # {comment}" if comment else ""
+        if n.op == "get_attr":
+            obj = self.gm
+            for part in n.target.split("."):
+                obj = getattr(obj, part)
+            return f"{name} = {self.bind(obj, n.target)}{comment}"
+        if n.op == "call_method":
+            args = [self.lit(a) for a in n.args[1:]] + [f"{k}={self.lit(v)}" for k, v in n.kwargs.items()]
+            return f"{name} = {self.lit(n.args[0])}.{n.target}({', '.join(args)}){comment}"
+        if n.op == "call_module":
+            mod = self.gm.get_submodule(n.target)
+            args = [self.lit(a) for a in n.args] + [f"{k}={self.lit(v)}" for k, v in n.kwargs.items()]
+            return f"{name} = {self.bind(mod, n.target)}({', '.join(args)}){comment}"
+        fmt = _PY_OPS.get(n.target)
+        if fmt is not None and not n.kwargs:
+            return f"{name} = {fmt.format(*[self.lit(a) for a in n.args])}{comment}"
+        args = [self.lit(a) for a in n.args] + [f"{k}={self.lit(v)}" for k, v in n.kwargs.items()]
+        return f"{name} = {self.target_name(n.target)}({', '.join(args)}){comment}"
+
+
+def emit_wrapper(gm: fx.GraphModule, name: str) -> Wrapper:
+    """Emit the Python wrapper source for ``gm`` (boxed calling convention: ``call(args_list)``)."""
+    return _Emitter(gm, name).emit()

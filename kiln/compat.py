@@ -1,0 +1,35 @@
+"""Every difference between the torch versions kiln supports (2.11 to 2.14) is guarded here."""
+from __future__ import annotations
+
+import torch
+
+TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+
+
+def size_hint(s) -> int:
+    """A concrete value for an int or SymInt without adding a guard."""
+    if isinstance(s, int):
+        return s
+    try:  # torch >= 2.12
+        from torch.fx.experimental.symbolic_shapes import optimization_hint
+        return int(optimization_hint(s))
+    except ImportError:
+        pass
+    node = getattr(s, "node", None)
+    hint = getattr(node, "hint", None)
+    if hint is not None:
+        return int(hint)
+    return int(node.shape_env.size_hint(node.expr))
+
+
+def boxed(fn):
+    """Mark ``fn(args_list)`` as taking a boxed argument list (AOTAutograd's calling convention)."""
+    fn._boxed_call = True
+    return fn
+
+
+def aot_autograd_kwargs(**kw) -> dict:
+    """Keep only the aot_autograd keywords every supported version accepts."""
+    allowed = {"fw_compiler", "bw_compiler", "inference_compiler", "partition_fn", "decompositions",
+               "keep_inference_input_mutations"}
+    return {k: v for k, v in kw.items() if k in allowed}

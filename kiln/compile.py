@@ -1,0 +1,93 @@
+"""kiln's pipeline, top to bottom.
+
+Dynamo graph -> pre-grad passes -> [freezing] -> AOTAutograd (kiln's decompositions) -> joint passes ->
+partition -> post-grad passes on forward and backward -> fusion (Triton target) -> Python wrapper -> runtime.
+
+Each step runs through ``Trace.stage``, which times it, prints it (KILN_DEBUG), verifies it and dumps
+it (KILN_DUMP). Inference under ``torch.no_grad()`` takes AOTAutograd's inference path: the joint passes
+run on the inference graph and there is no backward.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from kiln import compat, passes
+from kiln.capture.decomp import decomposition_table
+from kiln.codegen.wrapper import emit_wrapper
+from kiln.debug import Trace, log
+from kiln.options import Options
+from kiln.runtime import load
+
+
+def compile_graph(gm: fx.GraphModule, example_inputs: list, opts: Options):
+    """Compile one Dynamo graph; returns a callable taking the same inputs."""
+    trace = Trace(opts)
+    trace.show("capture", gm)
+    if opts.dump_dir:
+        from kiln.repro import write_repro
+        write_repro(trace, gm, example_inputs, opts)
+    trace.stage("pre_grad", passes.pre_grad, gm, opts)
+    if opts.freezing and not torch.is_grad_enabled():
+        from kiln.passes.freeze import compile_frozen
+        return compile_frozen(gm, example_inputs, opts, trace, _aot)
+    return _aot(gm, example_inputs, opts, trace)
+
+
+def _aot(gm: fx.GraphModule, example_inputs: list, opts: Options, trace: Trace):
+    """Hand the graph to AOTAutograd with kiln's compilers, partitioner and decompositions."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    target = resolve_target(opts, example_inputs)
+
+    def fw_compiler(g, inputs):
+        return lower(g, inputs, opts, trace, "forward", target)
+
+    def bw_compiler(g, inputs):
+        return lower(g, inputs, opts, trace, "backward", target)
+
+    def inference_compiler(g, inputs):
+        trace.stage("joint", passes.joint, g, opts)
+        return lower(g, inputs, opts, trace, "inference", target)
+
+    def partition_fn(joint, joint_inputs, *, num_fwd_outputs, **kw):
+        from kiln import partition
+        trace.stage("joint", passes.joint, joint, opts)
+        return trace.stage("partition", partition.partition_joint, joint, joint_inputs,
+                           num_fwd_outputs=num_fwd_outputs, opts=opts, **kw)
+
+    aot = aot_autograd(**compat.aot_autograd_kwargs(
+        fw_compiler=fw_compiler, bw_compiler=bw_compiler, inference_compiler=inference_compiler,
+        partition_fn=partition_fn, decompositions=decomposition_table(target)))
+    return aot(gm, example_inputs)
+
+
+def lower(gm: fx.GraphModule, inputs: list, opts: Options, trace: Trace, kind: str, target: str):
+    """Post-grad passes, fusion and wrapper generation for one forward/backward/inference graph."""
+    trace.stage(f"post_grad_{kind}", passes.post_grad, gm, opts)
+    if target == "triton":
+        from kiln.codegen.fuse import fuse_graph
+        trace.stage(f"fuse_{kind}", fuse_graph, gm, inputs, opts)
+    wrapper = emit_wrapper(gm, f"{kind}_{trace.id}")
+    log(4, f"{kind} wrapper:\n{wrapper.source}")
+    for k in wrapper.kernels:
+        log(4, f"kernel {k.name}:\n{k.source}")
+        trace.dump(f"kernel_{k.name}.py", k.source)
+    trace.dump(f"wrapper_{kind}.py", wrapper.source)
+    return load(wrapper)
+
+
+def resolve_target(opts: Options, example_inputs) -> str:
+    """'aten' or 'triton': 'auto' picks Triton when inputs live on CUDA and Triton is usable."""
+    if opts.codegen != "auto":
+        return opts.codegen
+    on_cuda = any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in example_inputs)
+    if not on_cuda:
+        return "aten"
+    try:
+        import triton  # noqa: F401
+        from kiln.codegen import fuse  # noqa: F401
+    except ImportError as e:
+        log(1, f"codegen: Triton target unavailable ({e}); running ATen kernels")
+        return "aten"
+    return "triton"

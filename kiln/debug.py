@@ -1,0 +1,106 @@
+"""Inspectability: the KILN_DEBUG ladder, counters, and KILN_DUMP.
+
+Levels: 1 stage names and times, 2 the graph after each stage, 3 remat decisions,
+4 generated kernels and wrappers, 5 every rule that fired.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import sys
+
+counters: "collections.defaultdict[str, collections.Counter]" = collections.defaultdict(collections.Counter)
+
+
+def level() -> int:
+    """The debug level in force (options scope first, then KILN_DEBUG)."""
+    from kiln import options
+    try:
+        return options.current().debug
+    except Exception:  # bad env must not break logging
+        return int(os.environ.get("KILN_DEBUG", "0") or 0)
+
+
+def log(lvl: int, msg: str) -> None:
+    """Print ``msg`` to stderr when the debug level is at least ``lvl``."""
+    if level() >= lvl:
+        print(f"[kiln] {msg}", file=sys.stderr)
+
+
+# -- stages ------------------------------------------------------------------------------------
+_EXPLAIN_SINKS: list = []  # lists of (stage, graph text) while kiln.explain runs
+
+
+class Trace:
+    """Per compiled region: numbers stages, prints them, dumps them under KILN_DUMP, feeds explain."""
+    _count = 0
+
+    def __init__(self, opts, kind: str = "graph"):
+        Trace._count += 1
+        self.id = Trace._count
+        self.opts = opts
+        self.kind = kind
+        self.step = 0
+        self.dir = None
+        if opts.dump_dir:
+            self.dir = os.path.join(opts.dump_dir, f"{kind}_{self.id:03d}")
+            os.makedirs(self.dir, exist_ok=True)
+
+    def stage(self, name: str, fn, *args, **kwargs):
+        """Run one pipeline stage, time it, and show / verify / dump its result."""
+        import time
+        t0 = time.perf_counter()
+        result = fn(*args, **kwargs)
+        ms = (time.perf_counter() - t0) * 1e3
+        log(1, f"{self.kind}_{self.id} stage {name}: {ms:.1f} ms")
+        if isinstance(result, int) and args:  # an in-place pass returns its change count
+            self.show(name, args[0], note=f"{result} changed")
+        else:
+            self.show(name, result)
+        return result
+
+    def show(self, name: str, result, note: str = "") -> None:
+        import torch.fx as fx
+        gms = [r for r in (result if isinstance(result, (tuple, list)) else (result,))
+               if isinstance(r, fx.GraphModule)]
+        for i, gm in enumerate(gms):
+            label = name if len(gms) == 1 else f"{name}_{'fw' if i == 0 else 'bw'}"
+            if self.opts.verify or level() >= 1:
+                verify(gm, label)
+            text = graph_text(gm, label, note)
+            log(2, text)
+            for sink in list(_EXPLAIN_SINKS):
+                sink.append((label, text))
+            self.dump(f"{label}.py", text)
+
+    def dump(self, filename: str, text: str) -> None:
+        if self.dir is None:
+            return
+        path = os.path.join(self.dir, f"{self.step:02d}_{filename}")
+        self.step += 1
+        with open(path, "w") as f:
+            f.write(text)
+
+
+def graph_text(gm, stage: str, note: str = "") -> str:
+    """Runnable Python for ``gm`` with shapes as comments, under a ``# after: stage`` header."""
+    n = len(gm.graph.nodes)
+    header = f"# after: {stage} ({n} nodes{', ' + note if note else ''})\n"
+    try:
+        body = gm.print_readable(print_output=False, include_stride=True, include_device=True)
+    except TypeError:  # older signatures
+        body = gm.print_readable(print_output=False)
+    return header + body
+
+
+class VerifyError(RuntimeError):
+    """A stage produced an ill-formed graph (use before definition, dangling node). The message names
+    the stage; rerun with KILN_DEBUG=2 to see the graph it produced."""
+
+
+def verify(gm, stage: str) -> None:
+    """Lint ``gm``'s graph; raise VerifyError naming the stage if it is malformed."""
+    try:
+        gm.graph.lint()
+    except Exception as e:  # fx raises RuntimeError or AssertionError
+        raise VerifyError(f"{stage}: graph failed lint: {e}") from e

@@ -1,0 +1,141 @@
+"""``activation_memory_budget``: trade recomputation for saved bytes (PyTorch's semantics).
+
+- 1: the runtime-optimal cut (``mincut.RUNTIME_OPTIMAL``); its activation bytes are ``max``.
+- 0: save only inputs (and what can never be recomputed: random and mutating ops).
+- b in between: accept the first of the "more aggressive" and "aggressive" cuts whose activation bytes
+  are at most ``b * max`` (activation bytes = saved tensors that are not graph inputs, so ``min`` = 0).
+  Otherwise solve a 0/1 knapsack over the compute-heavy ops the aggressive cut saves: keep the set with
+  the largest estimated runtime whose bytes fit in ``b * max``, let the others be recomputed, and cut
+  again. The knapsack is solved exactly (scipy.optimize.milp / HiGHS on integer weights, checked).
+"""
+from __future__ import annotations
+
+import math
+from functools import reduce
+from typing import Dict, List, Sequence
+
+import numpy as np
+import torch.fx as fx
+
+from kiln.debug import log
+from kiln.partition import ops
+from kiln.partition.estimate import runtime_estimator
+from kiln.partition.mincut import (AGGRESSIVE, MORE_AGGRESSIVE, RECOMPUTE_ALL, RUNTIME_OPTIMAL, JointInfo,
+                                   _no_worse_than_default, activation_bytes, log_decisions, min_cut)
+
+_TOL = 1e-9
+
+
+class BudgetError(ValueError):
+    """The knapsack solver failed (scipy missing or HiGHS reported an error); install scipy>=1.9 or use
+    activation_memory_budget=1.0."""
+
+
+def budget_saved(info: JointInfo, budget: float, opts) -> List[fx.Node]:
+    """Saved values meeting ``budget`` (and ``opts.activation_memory_limit`` when set)."""
+    if opts.activation_memory_limit is not None:
+        from kiln.partition.peak import limit_saved
+        return limit_saved(info, budget, opts)
+    return saved_for_budget(info, budget, opts)
+
+
+def saved_for_budget(info: JointInfo, budget: float, opts, optimal=None) -> List[fx.Node]:
+    optimal = optimal if optimal is not None else _no_worse_than_default(info, min_cut(info, RUNTIME_OPTIMAL))
+    max_b = activation_bytes(info, optimal)
+    if budget >= 1.0 or max_b == 0:
+        log_decisions(info, optimal, RUNTIME_OPTIMAL, "budget=1")
+        return optimal
+    cap = budget * max_b * (1 + _TOL)
+    if budget <= 0.0:
+        saved = min_cut(info, RECOMPUTE_ALL)
+        log_decisions(info, saved, RECOMPUTE_ALL, "budget=0")
+        return saved
+    cut = optimal
+    for name, policy in (("more aggressive", MORE_AGGRESSIVE), ("aggressive", AGGRESSIVE)):
+        cut = min_cut(info, policy)
+        got = activation_bytes(info, cut)
+        log(3, f"remat: budget {budget}: {name} cut saves {got} of {max_b} B")
+        if got <= cap:
+            log_decisions(info, cut, policy, f"budget={budget}")
+            return cut
+    groups = heavy_groups(info, cut)
+    fixed = activation_bytes(info, cut) - sum(b for _, b in groups.values())
+    estimate = runtime_estimator(opts.activation_memory_budget_runtime_estimator)
+    owners = list(groups)
+    sizes = [groups[o][1] for o in owners]
+    values = [estimate(o) for o in owners]
+    keep = knapsack(sizes, values, max(0.0, cap - fixed))
+    dont_ban = frozenset(o for i, o in enumerate(owners) if i not in keep)
+    for i, o in enumerate(owners):
+        log(3, f"remat: knapsack {'keeps' if i in keep else 'recomputes'} {o.name} "
+               f"({sizes[i]} B, runtime {values[i]:.3g})")
+    policy = AGGRESSIVE.replace(dont_ban=dont_ban)
+    saved = min_cut(info, policy)
+    log_decisions(info, saved, policy, f"budget={budget}")
+    return saved
+
+
+def heavy_groups(info: JointInfo, saved: Sequence[fx.Node]) -> Dict[fx.Node, tuple]:
+    """Compute-heavy ops whose outputs ``saved`` holds: op -> (saved outputs, their bytes)."""
+    groups: Dict[fx.Node, list] = {}
+    for n in saved:
+        owner = n.args[0] if ops.is_getitem(n) else n
+        if isinstance(owner, fx.Node) and ops.is_heavy(owner) and n.op != "placeholder":
+            groups.setdefault(owner, []).append(n)
+    return {o: (ns, sum(info.size.get(n, 0) for n in ns)) for o, ns in groups.items()}
+
+
+def knapsack(sizes: Sequence[int], values: Sequence[float], capacity: float) -> set:
+    """Indices of the items to keep: maximum total value with total size <= capacity, solved exactly.
+
+    Ties in value prefer keeping more bytes (less recomputation). Sizes are divided by their gcd so the
+    solver works on small integers; the answer is checked in exact integer arithmetic."""
+    n = len(sizes)
+    if n == 0:
+        return set()
+    sizes = [int(s) for s in sizes]
+    g = reduce(math.gcd, [s for s in sizes if s > 0], 0) or 1
+    w = np.array([s // g for s in sizes], dtype=np.float64)
+    limit = int(math.floor(capacity / g + 1e-6))
+    if limit < 0:
+        return set()
+    v = np.array(values, dtype=np.float64)
+    v = v / (v.max() if v.max() > 0 else 1.0) + 1e-7 * w / max(w.max(), 1.0)
+    free = {i for i in range(n) if sizes[i] == 0}
+    for _ in range(4):
+        keep = _milp(w, v, limit)
+        used = sum(sizes[i] for i in keep)
+        if used <= limit * g:
+            return keep | free
+        limit -= max(1, (used - limit * g) // g)  # the solver's tolerance let it overshoot: tighten
+    return _dp(w.astype(np.int64), v, max(limit, 0)) | free
+
+
+def _milp(w, v, limit) -> set:
+    try:
+        from scipy.optimize import Bounds, LinearConstraint, milp
+    except ImportError as e:  # pragma: no cover
+        raise BudgetError("partition: activation_memory_budget needs scipy.optimize.milp") from e
+    res = milp(-v, constraints=LinearConstraint(w[None, :], -np.inf, limit), integrality=np.ones_like(w),
+               bounds=Bounds(0, 1), options={"mip_rel_gap": 0.0, "presolve": True})
+    if res.x is None:
+        raise BudgetError(f"partition: knapsack solver failed: {res.message}")
+    return {i for i, x in enumerate(res.x) if x > 0.5}
+
+
+def _dp(w, v, limit) -> set:
+    """Exact 0/1 knapsack by dynamic programming over integer sizes (fallback, O(n * limit))."""
+    best = np.zeros(limit + 1)
+    take = np.zeros((len(w), limit + 1), dtype=bool)
+    for i in range(len(w)):
+        if w[i] > limit:
+            continue
+        cand = np.concatenate([np.full(w[i], -np.inf), best[: limit + 1 - w[i]] + v[i]])
+        take[i] = cand > best
+        best = np.maximum(best, cand)
+    keep, c = set(), int(np.argmax(best))
+    for i in reversed(range(len(w))):
+        if take[i, c]:
+            keep.add(i)
+            c -= w[i]
+    return keep

@@ -1,0 +1,157 @@
+"""Sizes and runtime estimates of joint-graph nodes.
+
+``size_bytes(node)`` is the bytes of a node's tensor value (symbolic sizes use their hints). The runtime
+estimators follow ``activation_memory_budget_runtime_estimator``:
+
+- ``'flops'``: the FLOP formula of the op (``torch.utils.flop_counter.flop_registry``, the same formulas
+  FlopCounterMode uses) evaluated on the nodes' fake values; ops without a formula cost 0;
+- ``'profile'``: run the op on the real device with random tensors of the node's shapes and time it;
+- a ``callable(node) -> float``.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+import torch.fx as fx
+from torch.utils.flop_counter import flop_registry
+
+from kiln import compat
+
+UNBACKED_HINT = 4096  # hint for sizes with no hint (unbacked SymInts)
+
+
+class EstimatorError(ValueError):
+    """``activation_memory_budget_runtime_estimator`` is not 'flops', 'profile' or a callable(node) ->
+    float, or the callable returned something that is not a non-negative number."""
+
+
+def hint(x) -> int:
+    """A concrete int for an int/SymInt/sympy expression, without guards."""
+    if isinstance(x, int):
+        return x
+    try:
+        return compat.size_hint(x)
+    except Exception:  # unbacked or otherwise unhintable
+        return UNBACKED_HINT
+
+
+def tensor_bytes(val) -> int:
+    """Bytes of a (fake) tensor's elements; tuples and lists are summed; non-tensors weigh 0."""
+    if isinstance(val, torch.Tensor):
+        n = 1
+        for s in val.shape:
+            n *= hint(s)
+        return n * val.element_size()
+    if isinstance(val, (tuple, list)):
+        return sum(tensor_bytes(v) for v in val)
+    return 0
+
+
+def size_bytes(node: fx.Node) -> int:
+    """Bytes of the value ``node`` produces (0 for SymInts and other non-tensors)."""
+    return tensor_bytes(node.meta.get("val"))
+
+
+# ----------------------------------------------------------------------------- runtime estimators
+def _vals(x):
+    return torch.fx.node.map_arg(x, lambda n: n.meta.get("val"))
+
+
+def _cpu_sdpa_flops(q, k, v, *args, out_shape=None, **kwargs):
+    from torch.utils.flop_counter import sdpa_flop_count
+    return sdpa_flop_count(q, k, v)
+
+
+def _cpu_sdpa_backward_flops(grad_out, q, k, v, *args, out_shape=None, **kwargs):
+    from torch.utils.flop_counter import sdpa_backward_flop_count
+    return sdpa_backward_flop_count(grad_out, q, k, v)
+
+
+# FLOP formulas (taking shapes) for ops PyTorch's registry lacks; pass as FlopCounterMode(custom_mapping=...).
+EXTRA_FLOPS = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flops,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_sdpa_backward_flops,
+}
+
+
+def _shapes(x):
+    return torch.utils._pytree.tree_map(lambda v: v.shape if isinstance(v, torch.Tensor) else v, x)
+
+
+def node_flops(node: fx.Node) -> float:
+    """FLOPs of ``node`` from PyTorch's FLOP formulas (0 for ops without one, such as pointwise)."""
+    if node.op != "call_function":
+        return 0.0
+    packet = getattr(node.target, "overloadpacket", node.target)
+    args, kwargs, val = _vals(node.args), _vals(node.kwargs), node.meta.get("val")
+    try:
+        if packet in flop_registry:
+            out = flop_registry[packet](*args, out_val=val, **kwargs)
+        elif packet in EXTRA_FLOPS:
+            out = EXTRA_FLOPS[packet](*_shapes(args), out_shape=_shapes(val), **_shapes(kwargs))
+        else:
+            return 0.0
+    except Exception:
+        return 0.0
+    return float(hint(out))
+
+
+def _real(val, device=None):
+    if isinstance(val, torch.Tensor):
+        shape = [hint(s) for s in val.shape]
+        dev = device or val.device
+        if val.dtype.is_floating_point or val.dtype.is_complex:
+            return torch.randn(shape, dtype=val.dtype, device=dev)
+        if val.dtype == torch.bool:
+            return torch.rand(shape, device=dev) > 0.5
+        return torch.randint(0, 2, shape, dtype=val.dtype, device=dev)
+    if isinstance(val, (torch.SymInt, torch.SymFloat)):
+        return hint(val)
+    if isinstance(val, (tuple, list)):
+        return type(val)(_real(v, device) for v in val)
+    return val
+
+
+def node_profile(node: fx.Node, reps: int = 3) -> float:
+    """Measured runtime (seconds, best of ``reps``) of ``node`` on its device with random inputs."""
+    if node.op != "call_function" or not callable(node.target):
+        return 0.0
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    with unset_fake_temporarily():
+        args = torch.fx.node.map_arg(node.args, lambda n: _real(n.meta.get("val")))
+        kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: _real(n.meta.get("val")))
+        cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in torch.utils._pytree.tree_leaves(args))
+        best = float("inf")
+        try:
+            with torch.no_grad():
+                for _ in range(reps + 1):
+                    if cuda:
+                        torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    node.target(*args, **kwargs)
+                    if cuda:
+                        torch.cuda.synchronize()
+                    best = min(best, time.perf_counter() - t0)
+        except Exception:
+            return 0.0
+    return best
+
+
+def runtime_estimator(spec) -> Callable[[fx.Node], float]:
+    """The estimator named by ``activation_memory_budget_runtime_estimator``."""
+    if spec == "flops":
+        return node_flops
+    if spec == "profile":
+        return node_profile
+    if callable(spec):
+        def checked(node):
+            v = spec(node)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+                raise EstimatorError(f"partition: runtime estimator {spec!r} returned {v!r} for {node.name}; "
+                                     f"it must return a non-negative float")
+            return float(v)
+        return checked
+    raise EstimatorError(f"activation_memory_budget_runtime_estimator={spec!r}; use 'flops', 'profile' "
+                         f"or a callable(node) -> float")

@@ -1,0 +1,237 @@
+"""Cut a joint graph into forward and backward GraphModules, given the values to save.
+
+The joint graph (from AOTAutograd) has placeholders ``primals_*`` (plus ``fwd_seed``/``fwd_base_offset``)
+then ``tangents_*`` (plus ``bwd_seed``/``bwd_base_offset``), and returns one flat list: the
+``num_fwd_outputs`` forward values, then one gradient (or None) per primal.
+
+The result follows AOTAutograd's partition_fn contract:
+- forward: placeholders = the forward inputs in order; outputs = forward outputs, saved tensors, then
+  saved SymInts last (AOT counts the trailing symbolic outputs through ``meta['val']``);
+- backward: placeholders = saved SymInts, saved tensors, tangents (then backward seeds), each with
+  ``meta['val']``; outputs = the gradients. Every free symbol in the shapes of the backward inputs is
+  bound by a SymInt placeholder.
+
+Everything the backward needs that is not saved is recomputed in the backward from the saved values.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Iterable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import free_symbols
+
+FWD_EXTRA = ("fwd_seed", "fwd_base_offset")
+BWD_EXTRA = ("bwd_seed", "bwd_base_offset")
+
+
+class PartitionError(RuntimeError):
+    """The joint graph cannot be cut as asked: a value the forward or backward needs is neither
+    computable from that graph's inputs nor saved. This is a partitioner bug or a joint graph that
+    breaks AOTAutograd's layout; run with KILN_DEBUG=2 to print the joint graph and report it."""
+
+
+# ----------------------------------------------------------------------------- joint graph layout
+def is_tangent(node: fx.Node) -> bool:
+    """A backward-only input: ``tangents_*`` or a backward RNG seed/offset."""
+    if node.op != "placeholder":
+        return False
+    desc = node.meta.get("desc")
+    if desc is not None and "Tangent" in type(desc).__name__:
+        return True
+    return node.name.startswith("tangents") or node.name in BWD_EXTRA
+
+
+def split_inputs(graph: fx.Graph) -> Tuple[List[fx.Node], List[fx.Node]]:
+    """(forward inputs, backward-only inputs) in placeholder order."""
+    ph = [n for n in graph.nodes if n.op == "placeholder"]
+    return [n for n in ph if not is_tangent(n)], [n for n in ph if is_tangent(n)]
+
+
+def split_outputs(graph: fx.Graph, num_fwd_outputs: int) -> Tuple[list, list]:
+    """(forward outputs, gradient outputs) of the joint graph; entries may be None."""
+    outs = graph.output_node().args[0]
+    outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+    return outs[:num_fwd_outputs], outs[num_fwd_outputs:]
+
+
+def is_sym(node: fx.Node) -> bool:
+    """The node holds a SymInt/SymFloat/SymBool (or plain number), not a tensor."""
+    val = node.meta.get("val")
+    return isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool))
+
+
+def tangent_closure(graph: fx.Graph) -> set:
+    """Every node that depends (transitively) on a tangent: these can only run in the backward."""
+    out = set()
+    for n in graph.nodes:
+        if is_tangent(n) or any(a in out for a in n.all_input_nodes):
+            out.add(n)
+    return out
+
+
+def is_impure(node: fx.Node) -> bool:
+    """Mutating or side-effecting (never removed as dead); random ops are not impure here."""
+    if node.op in ("placeholder", "output"):
+        return True
+    try:
+        return node.is_impure(impure_random=False)
+    except TypeError:  # torch without the impure_random flag
+        return node.is_impure()
+
+
+def dce(graph: fx.Graph) -> int:
+    """Remove nodes nobody uses (in place, keeping placeholders and impure nodes); returns the count."""
+    removed = 0
+    for n in reversed(list(graph.nodes)):
+        if not n.users and not is_impure(n):
+            graph.erase_node(n)
+            removed += 1
+    return removed
+
+
+# ----------------------------------------------------------------------------- building subgraphs
+def _ancestors(outputs: Iterable, stop: set) -> set:
+    seen, stack = set(), [o for o in outputs if isinstance(o, fx.Node)]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n not in stop:
+            stack.extend(n.all_input_nodes)
+    return seen
+
+
+def _subgraph(joint: fx.Graph, inputs: Sequence[fx.Node], outputs: Sequence, keep, what: str) -> fx.Graph:
+    """Copy of the part of ``joint`` that computes ``outputs`` from ``inputs`` (plus impure nodes that
+    ``keep`` accepts and whose inputs are available)."""
+    g = fx.Graph()
+    env = {}
+    for n in inputs:
+        p = g.placeholder(n.name)
+        p.meta = dict(n.meta)
+        env[n] = p
+    need = _ancestors(outputs, set(inputs))
+    for n in joint.nodes:
+        if n in env or n.op == "output":
+            continue
+        if n.op == "placeholder":
+            if n in need:
+                raise PartitionError(f"partition: the {what} graph needs input {n.name}, which it does not get")
+            continue
+        wanted = n in need or (is_impure(n) and keep(n))
+        if not wanted:
+            continue
+        if all(a in env for a in n.all_input_nodes):
+            env[n] = g.node_copy(n, env.__getitem__)
+        elif n in need:
+            missing = [a.name for a in n.all_input_nodes if a not in env]
+            raise PartitionError(f"partition: {what} node {n.name} needs {missing}, which are neither "
+                                 f"inputs nor computable there")
+    g.output(tuple(env[o] if isinstance(o, fx.Node) else o for o in outputs))
+    dce(g)
+    g.lint()
+    return g
+
+
+# ----------------------------------------------------------------------------- saved values
+def normalize_saved(saved: Iterable[fx.Node]) -> List[fx.Node]:
+    """Saved values in graph order, tuple-valued nodes replaced by their getitem users."""
+    out = []
+    for n in saved:
+        if isinstance(n.meta.get("val"), (tuple, list)):
+            out.extend(u for u in n.users if u.target is operator.getitem)
+        else:
+            out.append(n)
+    order = {n: i for i, n in enumerate(next(iter(out)).graph.nodes)} if out else {}
+    return sorted(set(out), key=order.__getitem__)
+
+
+def _sym_expr(node: fx.Node):
+    val = node.meta.get("val")
+    return val.node.expr if isinstance(val, torch.SymInt) else None
+
+
+def _bind_symbols(joint: fx.Graph, bw_inputs: Sequence[fx.Node], syms: List[fx.Node], fwd_inputs) -> List[fx.Node]:
+    """SymInt nodes (existing or new ``sym_size`` nodes on a forward input) that bind every free symbol
+    of the backward inputs' shapes; returns the extra sym nodes to save."""
+    bound = {_sym_expr(s) for s in syms}
+    wanted = set()
+    for n in bw_inputs:
+        wanted |= free_symbols(n.meta.get("val"))
+    wanted = {s for s in wanted if s not in bound}
+    if not wanted:
+        return []
+    tang = tangent_closure(joint)
+    extra = []
+    for n in joint.nodes:  # existing bindings: SymInt placeholders or sym_size nodes
+        e = _sym_expr(n)
+        if e in wanted and n not in tang:
+            extra.append(n)
+            wanted.discard(e)
+    for p in fwd_inputs:  # otherwise read the size off a forward input
+        val = p.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue
+        for dim, size in enumerate(val.shape):
+            if isinstance(size, torch.SymInt) and size.node.expr in wanted:
+                with joint.inserting_after(p):
+                    s = joint.call_function(torch.ops.aten.sym_size.int, (p, dim))
+                s.meta["val"] = size
+                extra.append(s)
+                wanted.discard(size.node.expr)
+    if wanted:
+        raise PartitionError(f"partition: no forward value binds symbols {sorted(map(str, wanted))} used by "
+                             f"backward inputs; mark those sizes static or report the graph")
+    return extra
+
+
+def extract(joint_gm: fx.GraphModule, saved: Iterable[fx.Node], *, num_fwd_outputs: int
+            ) -> Tuple[fx.GraphModule, fx.GraphModule]:
+    """Build (forward, backward) GraphModules from ``joint_gm`` saving exactly ``saved`` (minus values the
+    backward turns out not to use, plus SymInts that bind shapes). The joint graph may gain sym_size
+    nodes; it is otherwise unchanged."""
+    joint = joint_gm.graph
+    fwd_in, bwd_in = split_inputs(joint)
+    fwd_out, bwd_out = split_outputs(joint, num_fwd_outputs)
+    saved = normalize_saved(saved)
+    tang = tangent_closure(joint)
+    bad = [n.name for n in saved if n in tang]
+    if bad:
+        raise PartitionError(f"partition: cannot save {bad}: they depend on tangents")
+    in_bw = lambda n: n in tang  # noqa: E731  impure nodes that belong to the backward
+    in_fw = lambda n: n not in tang and n.meta.get("partitioner_tag") != "is_backward"  # noqa: E731
+
+    def order(sv):
+        return [n for n in sv if not is_sym(n)] + [n for n in sv if is_sym(n)]
+
+    # First cut: drop saved values the backward does not use.
+    saved = order(saved)
+    g = _subgraph(joint, saved + bwd_in, bwd_out, in_bw, "backward")
+    used = {p.name for p in g.nodes if p.op == "placeholder" and p.users}
+    saved = [n for n in saved if n.name in used]
+    syms = [n for n in saved if is_sym(n)]
+    saved = order(saved + _bind_symbols(joint, saved + bwd_in, syms, fwd_in))
+    tensors, syms = [n for n in saved if not is_sym(n)], [n for n in saved if is_sym(n)]
+
+    bw = _subgraph(joint, syms + tensors + bwd_in, bwd_out, in_bw, "backward")
+    fw = _subgraph(joint, fwd_in, list(fwd_out) + tensors + syms, in_fw, "forward")
+    for p in bw.nodes:
+        if p.op == "placeholder" and "val" not in p.meta:
+            raise PartitionError(f"partition: backward input {p.name} has no meta['val']; run FakeTensorProp "
+                                 f"on the joint graph before partitioning")
+    return fx.GraphModule(joint_gm, fw), fx.GraphModule(joint_gm, bw)
+
+
+def saved_values(fw_gm: fx.GraphModule, num_fwd_outputs: int) -> List[fx.Node]:
+    """The forward graph's saved outputs (tensors then SymInts), for reports and tests."""
+    outs = fw_gm.graph.output_node().args[0]
+    return [o for o in outs[num_fwd_outputs:] if isinstance(o, fx.Node)]
+
+
+def saved_bytes(nodes: Iterable[fx.Node], hint: Optional[int] = None) -> int:
+    """Bytes of the tensors among ``nodes`` (symbolic sizes use their hints)."""
+    from kiln.partition.estimate import size_bytes
+    return sum(size_bytes(n) for n in nodes)

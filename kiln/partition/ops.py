@@ -1,0 +1,115 @@
+"""Op classes the min-cut partitioner needs: what is cheap to recompute, what fuses, what never recomputes.
+
+- ``HEAVY``: compute-intensive library calls (matmul, convolution, attention): never recomputed by
+  default; the budget's knapsack decides which of them may be.
+- random ops (``Tag.nondeterministic_seeded``): never recomputed (the backward would see other numbers).
+- recomputable: pointwise-tagged ops, cheap reductions, casts, constructors, indexing, views, size math.
+- fusible: what a fusing backend merges into one kernel with its producer (pointwise, views, cheap
+  reductions, casts, cat); saving a value whose users all fuse costs an extra write.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+
+
+def _packets(*names):
+    return {getattr(aten, n) for n in names if hasattr(aten, n)}
+
+
+HEAVY = _packets(
+    "mm", "bmm", "addmm", "baddbmm", "_scaled_mm", "convolution", "_convolution", "convolution_backward",
+    "cudnn_convolution", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_flash_attention_forward", "_efficient_attention_forward", "upsample_bilinear2d", "_int_mm")
+
+CHEAP_REDUCTIONS = _packets("sum", "mean", "amax", "amin", "max", "min", "var", "var_mean", "std", "prod",
+                            "argmax", "argmin", "any", "all", "logsumexp")
+
+CASTS_AND_COPIES = _packets("_to_copy", "clone", "detach", "alias", "lift_fresh_copy", "_unsafe_view",
+                            "convert_element_type", "contiguous")
+
+CONSTRUCTORS = _packets("full", "zeros", "ones", "empty", "empty_like", "full_like", "zeros_like",
+                        "ones_like", "arange", "scalar_tensor", "new_zeros", "new_ones", "new_full",
+                        "new_empty", "empty_strided", "iota")
+
+INDEXING = _packets("index", "gather", "index_select", "slice", "select", "slice_scatter", "select_scatter",
+                    "index_put", "narrow", "embedding", "cat", "stack", "where", "masked_fill",
+                    "constant_pad_nd", "split", "split_with_sizes", "unbind", "squeeze", "unsqueeze")
+
+SYM_OPS = {operator.add, operator.sub, operator.mul, operator.floordiv, operator.truediv, operator.mod,
+           operator.neg, operator.pow, operator.eq, operator.ne, operator.lt, operator.le, operator.gt,
+           operator.ge, operator.and_, operator.or_, torch.sym_float, torch.sym_int, torch.sym_max,
+           torch.sym_min, torch.sym_not, torch.sym_sqrt}
+SYM_OPS |= {getattr(torch.ops.aten.sym_size, "int", None), getattr(torch.ops.aten.sym_stride, "int", None),
+            getattr(torch.ops.aten.sym_numel, "default", None), getattr(torch.ops.aten.sym_storage_offset,
+                                                                        "default", None)}
+
+
+def packet(node: fx.Node):
+    return getattr(node.target, "overloadpacket", None)
+
+
+def _tags(node: fx.Node):
+    return getattr(node.target, "tags", ()) or ()
+
+
+def is_view(node: fx.Node) -> bool:
+    """The op returns an alias of its input (view, t, expand, permute, ...)."""
+    return node.op == "call_function" and bool(getattr(node.target, "is_view", False))
+
+
+def is_random(node: fx.Node) -> bool:
+    return node.op == "call_function" and torch.Tag.nondeterministic_seeded in _tags(node)
+
+
+def is_heavy(node: fx.Node) -> bool:
+    return node.op == "call_function" and packet(node) in HEAVY
+
+
+def is_pointwise(node: fx.Node) -> bool:
+    return torch.Tag.pointwise in _tags(node)
+
+
+def is_getitem(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is operator.getitem
+
+
+def is_recomputable(node: fx.Node) -> bool:
+    """On the default allowlist of ops that are cheap to run again in the backward."""
+    if node.op != "call_function" or is_random(node):
+        return False
+    if node.target in SYM_OPS or is_view(node) or is_pointwise(node):
+        return True
+    if is_getitem(node):
+        return is_recomputable(node.args[0])
+    p = packet(node)
+    return p in CHEAP_REDUCTIONS or p in CASTS_AND_COPIES or p in CONSTRUCTORS or p in INDEXING
+
+
+def is_fusible_op(node: fx.Node) -> bool:
+    """A fusing backend can merge the op with its neighbours (no library call)."""
+    if node.op != "call_function" or is_heavy(node):
+        return False
+    if is_getitem(node):
+        return is_fusible_op(node.args[0])
+    return is_recomputable(node)
+
+
+def is_fusible(producer: fx.Node, consumer: fx.Node) -> bool:
+    """``consumer`` can read ``producer`` inside one fused kernel (``cat`` always can)."""
+    if consumer.op == "call_function" and packet(consumer) is aten.cat:
+        return True
+    return is_fusible_op(producer) and is_fusible_op(consumer)
+
+
+def is_big_reduction(node: fx.Node, size_of) -> bool:
+    """A reduction whose output is more than 4x smaller than its input: cheap to save, costly to redo."""
+    if node.op != "call_function" or torch.Tag.reduction not in _tags(node):
+        return False
+    ins = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+    return bool(ins) and size_of(node) * 4 < size_of(ins[0])

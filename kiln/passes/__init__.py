@@ -1,0 +1,84 @@
+"""Graph passes by stage. Each runner edits the GraphModule in place and returns how many nodes changed.
+
+Order (the hook contract PyTorch's users know):
+  pre_grad : pre_grad_custom_pass (and registered 'pre_grad' passes) on Dynamo's torch-level graph
+  joint    : joint_custom_pre_pass, CSE, built-in patterns, joint_custom_post_pass (before partitioning)
+  post_grad: DCE, post_grad_custom_pre_pass, built-in patterns, post_grad_custom_post_pass
+Hooks receive a ``torch.fx.Graph`` and may edit it in place. ``pattern_matcher=False`` turns off
+kiln's built-in patterns, never user hooks.
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from kiln.debug import log
+
+
+def _run(stage: str, gm: fx.GraphModule, hook) -> None:
+    try:
+        from kiln.passes.registry import run_stage
+    except ImportError:
+        run_stage = None
+    if run_stage is not None:
+        run_stage(stage, gm, hook)
+        return
+    if hook is not None:
+        hook(gm.graph)
+        gm.recompile()
+
+
+def _delta(gm: fx.GraphModule, before: int) -> int:
+    return before - len(gm.graph.nodes)
+
+
+def pre_grad(gm: fx.GraphModule, opts) -> int:
+    """Run user passes on Dynamo's torch-level graph (nodes carry meta['example_value'])."""
+    before = len(gm.graph.nodes)
+    _run("pre_grad", gm, opts.pre_grad_custom_pass)
+    return _delta(gm, before)
+
+
+def joint(gm: fx.GraphModule, opts) -> int:
+    """Passes on the joint (or inference) ATen graph, before partitioning."""
+    before = len(gm.graph.nodes)
+    _run("joint_pre", gm, opts.joint_custom_pre_pass)
+    if opts.cse:
+        _cse(gm)
+    if opts.pattern_matcher:
+        _builtin("joint", gm)
+    _run("joint_post", gm, opts.joint_custom_post_pass)
+    return _delta(gm, before)
+
+
+def post_grad(gm: fx.GraphModule, opts) -> int:
+    """Passes on each forward / backward / inference graph after partitioning."""
+    before = len(gm.graph.nodes)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    _run("post_grad_pre", gm, opts.post_grad_custom_pre_pass)
+    if opts.pattern_matcher:
+        _builtin("post_grad", gm)
+    _run("post_grad_post", gm, opts.post_grad_custom_post_pass)
+    return _delta(gm, before)
+
+
+def _cse(gm: fx.GraphModule) -> None:
+    try:
+        from kiln.passes.cse import cse
+    except ImportError:
+        return
+    removed = cse(gm)
+    log(2, f"cse: {removed} nodes removed")
+
+
+def _builtin(stage: str, gm: fx.GraphModule) -> None:
+    """kiln's own pattern lists for ``stage`` (kiln/passes/patterns/)."""
+    try:
+        from kiln.passes.patterns import BUILTIN
+    except ImportError:
+        return
+    for p in BUILTIN.get(stage, ()):
+        n = p.apply(gm.graph)
+        if n:
+            gm.recompile()
+            log(2, f"patterns[{stage}]: {n} matches")

@@ -1,0 +1,271 @@
+"""Which storages each FX node may live in, and which storages it writes.
+
+Shared by CSE (``cse.py``) and the pattern matcher (``match_pass.py``) so that mutations
+block only the rewrites they can affect. Works on three kinds of graph:
+
+* ATen graphs (``make_fx``, AOTAutograd): the op schema's alias annotations decide
+  (``view(Tensor(a) self) -> Tensor(a)`` aliases, ``add_(Tensor(a!) self)`` writes ``self``).
+  ``meta['val']`` is not trusted there: ``make_fx`` in real mode snapshots values and loses views.
+* Dynamo's torch-level graphs: the fake tensors in ``meta['example_value']`` share storages
+  exactly when the values alias; writes are read from names (``add_``, ``inplace=True``, ``out=``,
+  ``operator.setitem``, ``operator.iadd``).
+* ``symbolic_trace`` graphs (no meta): torch functions are resolved to the ATen op of the same
+  name; anything unknown is assumed to alias all of its tensor inputs (safe, never wrong).
+
+A storage is an opaque hashable token: a ``StorageWeakRef`` or a fresh integer.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import operator
+from typing import Dict, FrozenSet, Iterable, List, Tuple
+
+import torch
+import torch.fx as fx
+
+try:
+    from torch.multiprocessing.reductions import StorageWeakRef
+except ImportError:  # pragma: no cover - very old torch
+    StorageWeakRef = None
+
+aten = torch.ops.aten
+EMPTY: FrozenSet = frozenset()
+
+INPLACE_OPERATORS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                     operator.ifloordiv, operator.imod, operator.ipow, operator.iand, operator.ior,
+                     operator.ixor, operator.ilshift, operator.irshift, operator.imatmul, operator.delitem}
+# torch-level ops known to return a view of (or the same object as) their first argument
+PASSTHROUGH = {operator.getitem}
+
+
+def target_name(node: fx.Node) -> str:
+    """The op's short name: ``aten.add_.Tensor`` -> ``add_``, ``torch.rand`` -> ``rand``."""
+    t = node.target
+    if isinstance(t, str):
+        if node.op == "call_module" and node.graph.owning_module is not None:
+            try:
+                return type(node.graph.owning_module.get_submodule(t)).__name__.lower()
+            except AttributeError:
+                return t
+        return t
+    if isinstance(t, torch._ops.OpOverload):
+        return t.overloadpacket.__name__
+    if isinstance(t, torch._ops.OpOverloadPacket):
+        return t.__name__
+    return getattr(t, "__name__", "") or ""
+
+
+def _aten_packet(name: str):
+    """The ATen overload packet called ``name``, or None."""
+    if not name or name.startswith("__"):
+        return None
+    try:
+        pkt = getattr(aten, name)
+    except (AttributeError, RuntimeError):
+        return None
+    return pkt if isinstance(pkt, torch._ops.OpOverloadPacket) else None
+
+
+def _overloads(node: fx.Node) -> List[torch._ops.OpOverload]:
+    """ATen overloads that describe ``node``'s target (empty when unknown)."""
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload):
+        return [t]
+    if isinstance(t, torch._ops.OpOverloadPacket):
+        pkt = t
+    elif node.op == "call_method" or (node.op == "call_function" and _is_torch_callable(t)):
+        pkt = _aten_packet(target_name(node))
+    else:
+        pkt = None
+    if pkt is None:
+        return []
+    out = []
+    for name in pkt.overloads():
+        try:
+            out.append(getattr(pkt, name))
+        except (AttributeError, RuntimeError):
+            pass
+    return out
+
+
+def _is_torch_callable(t) -> bool:
+    """torch.*, torch.nn.functional.*, Tensor methods and the operator module."""
+    if isinstance(t, type(torch.Tensor.add)):  # method_descriptor of TensorBase
+        return True
+    mod = getattr(t, "__module__", None) or ""
+    return mod == "_operator" or mod == "torch" or mod.startswith("torch.nn.functional") or mod in (
+        "torch._C._nn", "torch._C._linalg", "torch._C._special", "torch._C._fft", "torch.functional")
+
+
+def _arg_by_schema(node: fx.Node, index: int, name: str):
+    if index < len(node.args):
+        return node.args[index]
+    return node.kwargs.get(name)
+
+
+def _nodes_in(value) -> List[fx.Node]:
+    """FX nodes inside an argument (nested lists, tuples, dicts, slices)."""
+    if type(value) is fx.Node:
+        return [value]
+    out: List[fx.Node] = []
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if type(v) is fx.Node:
+            out.append(v)
+        elif isinstance(v, (list, tuple)):
+            stack.extend(reversed(v))
+        elif isinstance(v, dict):
+            stack.extend(reversed(list(v.values())))
+        elif isinstance(v, slice):
+            stack.extend((v.step, v.stop, v.start))
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def schema_aliasing(op: torch._ops.OpOverload) -> Tuple[tuple, tuple, bool]:
+    """``(written, aliased, returns_alias)`` for an ATen overload: ``(index, name)`` of the
+    arguments it writes, of the arguments with any alias annotation, and whether a return aliases."""
+    args = op._schema.arguments
+    written = tuple((i, a.name) for i, a in enumerate(args) if a.alias_info is not None and a.alias_info.is_write)
+    aliased = tuple((i, a.name) for i, a in enumerate(args) if a.alias_info is not None)
+    return written, aliased, any(r.alias_info is not None for r in op._schema.returns)
+
+
+def written_args(node: fx.Node) -> List[fx.Node]:
+    """The FX nodes whose storage ``node`` writes (empty for functional nodes)."""
+    if node.op not in ("call_function", "call_method", "call_module"):
+        return []
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload):
+        schema_ops = [t]
+    elif isinstance(t, torch._ops.OpOverloadPacket):
+        schema_ops = _overloads(node)
+    else:
+        schema_ops = []
+    out: List[fx.Node] = []
+    for op in schema_ops:
+        for i, name in schema_aliasing(op)[0]:
+            out += _nodes_in(_arg_by_schema(node, i, name))
+    if schema_ops:
+        return out
+    name = target_name(node)
+    first = node.args[0] if node.args else node.kwargs.get("input", node.kwargs.get("self"))
+    if (t in INPLACE_OPERATORS or (name.endswith("_") and not name.endswith("__"))
+            or node.kwargs.get("inplace") is True):
+        out += _nodes_in(first)
+    if node.op == "call_module" and node.graph.owning_module is not None:
+        try:
+            mod = node.graph.owning_module.get_submodule(t)
+        except AttributeError:
+            mod = None
+        if getattr(mod, "inplace", False):
+            out += _nodes_in(first)
+    if "out" in node.kwargs:
+        out += _nodes_in(node.kwargs["out"])
+    return out
+
+
+def _val(node: fx.Node):
+    m = node.meta
+    return m["val"] if "val" in m else m.get("example_value")
+
+
+def _val_storages(val) -> FrozenSet:
+    if isinstance(val, torch.Tensor):
+        if StorageWeakRef is None or val.is_sparse or getattr(val, "is_nested", False):
+            return frozenset([("t", id(val))])
+        try:
+            return frozenset([StorageWeakRef(val.untyped_storage())])
+        except Exception:  # tensors without storage (functional wrappers, subclasses)
+            return frozenset([("t", id(val))])
+    if isinstance(val, (list, tuple)):
+        return frozenset().union(*(_val_storages(v) for v in val)) if val else EMPTY
+    return EMPTY
+
+
+class AliasAnalysis:
+    """Storages per node (``storages[n]``) and storages written per node (``writes[n]``).
+
+    Build it with ``AliasAnalysis(graph)``; ``mutated`` is the set of every storage written
+    somewhere in the graph. ``reads(n)`` is the union of the storages of ``n``'s inputs.
+    """
+
+    def __init__(self, graph: fx.Graph):
+        self._fresh = itertools.count()
+        self.storages: Dict[fx.Node, FrozenSet] = {}
+        self.writes: Dict[fx.Node, FrozenSet] = {}
+        for node in graph.nodes:
+            self.add(node)
+        self.mutated: FrozenSet = frozenset().union(*self.writes.values()) if self.writes else EMPTY
+
+    def of(self, value) -> FrozenSet:
+        """Storages of an FX argument (a node, or a list/tuple/dict holding nodes)."""
+        if isinstance(value, fx.Node):
+            s = self.storages.get(value)
+            if s is None:  # a node created after the analysis: be conservative
+                self.add(value)
+                s = self.storages[value]
+            return s
+        nodes = _nodes_in(value)
+        return frozenset().union(*(self.of(n) for n in nodes)) if nodes else EMPTY
+
+    def reads(self, node: fx.Node) -> FrozenSet:
+        return self.of((node.args, node.kwargs))
+
+    def add(self, node: fx.Node) -> None:
+        self.storages[node] = self._compute(node)
+        t = node.target
+        if isinstance(t, torch._ops.OpOverload) and not schema_aliasing(t)[0]:
+            return
+        w = written_args(node)
+        if w:
+            self.writes[node] = frozenset().union(*(self.of(n) for n in w))
+
+    def _new(self) -> FrozenSet:
+        return frozenset([next(self._fresh)])
+
+    def _compute(self, node: fx.Node) -> FrozenSet:
+        if node.op == "output":
+            return EMPTY
+        t = node.target
+        if isinstance(t, torch._ops.OpOverload):
+            return self._from_schema(node, t)
+        if t in PASSTHROUGH and node.args and isinstance(node.args[0], fx.Node):
+            src = node.args[0]
+            if isinstance(src.target, torch._ops.OpOverload) or _val(src) is None or _val(node) is None:
+                return self.of(src)
+        val = _val(node)
+        if val is not None or (node.op in ("placeholder", "get_attr") and "tensor_meta" in node.meta):
+            return _val_storages(val) if val is not None else self._new()
+        if node.op in ("placeholder", "get_attr"):
+            return self._new()
+        ops = [op for op in _overloads(node) if not op._schema.is_mutable]
+        if ops and not any(r.alias_info for op in ops for r in op._schema.returns):
+            return self._new()
+        if written_args(node):  # in-place ops return (an alias of) their first argument
+            return self.of(node.args[0] if node.args else (node.args, node.kwargs))
+        # unknown callable: it may return any of its inputs
+        return self._new() | self.of((node.args, node.kwargs))
+
+    def _from_schema(self, node: fx.Node, op: torch._ops.OpOverload) -> FrozenSet:
+        _, aliased, returns_alias = schema_aliasing(op)
+        out = self._new()
+        if returns_alias:
+            for i, name in aliased:
+                out = out | self.of(_arg_by_schema(node, i, name))
+        return out
+
+
+def storages_of_outputs(graph: fx.Graph, analysis: AliasAnalysis) -> FrozenSet:
+    """Storages returned by the graph's output node."""
+    out = EMPTY
+    for node in graph.find_nodes(op="output"):
+        out = out | analysis.of(node.args)
+    return out
+
+
+def any_mutation(nodes: Iterable[fx.Node]) -> bool:
+    """Whether some node writes a storage (cheap pre-check before a full analysis)."""
+    return any(written_args(n) for n in nodes)

@@ -1,0 +1,117 @@
+"""Standalone repros under KILN_DUMP, and ``kiln.resume`` to feed a dump back in.
+
+For each compiled region kiln writes ``graph.pt`` (Dynamo's GraphModule), ``inputs.pt`` (the real
+example inputs, SymInts as ints) and ``repro.py``, which reruns the region in eager mode and through kiln
+and compares values and gradients. ``python repro.py`` exits non-zero on a mismatch.
+"""
+from __future__ import annotations
+
+import builtins
+import os
+
+import torch
+import torch.fx as fx
+
+from kiln.debug import log
+
+REPRO = '''\
+"""kiln repro for {name}: runs the captured graph eagerly and through kiln, then compares."""
+import os, sys
+import torch
+import kiln
+
+here = os.path.dirname(os.path.abspath(__file__))
+options = {options!r}
+
+
+def main():
+    gm, inputs = kiln.resume(here, compile=False)
+    grad = any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)
+    ref_in = [t.detach().clone().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
+              for t in inputs]
+    ctx = torch.enable_grad() if grad else torch.no_grad()
+    with ctx:
+        torch.manual_seed(0)
+        ref = gm(*ref_in)
+        torch.manual_seed(0)
+        out = kiln.compile(gm, **options)(*inputs)
+    ok = True
+    for r, o in zip(ref, out):
+        if isinstance(r, torch.Tensor) and not torch.allclose(r, o, rtol=1e-4, atol=1e-5, equal_nan=True):
+            ok = False
+            print("output mismatch: max abs diff", (r - o).abs().max().item())
+    if grad:
+        tensors = [(r, o) for r, o in zip(ref, out) if isinstance(r, torch.Tensor) and r.requires_grad]
+        if tensors:
+            sum(r.float().sum() for r, _ in tensors).backward()
+            sum(o.float().sum() for _, o in tensors).backward()
+            for a, b in zip(ref_in, inputs):
+                if isinstance(a, torch.Tensor) and a.grad is not None:
+                    if not torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-5):
+                        ok = False
+                        print("gradient mismatch: max abs diff", (a.grad - b.grad).abs().max().item())
+    print("repro", "OK" if ok else "MISMATCH")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+'''
+
+
+def _concrete(x):
+    if isinstance(x, torch.Tensor):
+        y = x.detach().clone()
+        return y.requires_grad_(x.requires_grad) if y.is_floating_point() or y.is_complex() else y
+    if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        from kiln.compat import size_hint
+        return size_hint(x)
+    return x
+
+
+def write_repro(trace, gm: fx.GraphModule, example_inputs, opts) -> None:
+    """Write graph.pt, inputs.pt and repro.py into the trace's dump folder (best effort, logged)."""
+    if trace.dir is None:
+        return
+    try:
+        torch.save(gm, os.path.join(trace.dir, "graph.pt"))
+        torch.save([_concrete(x) for x in example_inputs], os.path.join(trace.dir, "inputs.pt"))
+    except Exception as e:  # a graph holding unpicklable objects still gets its stage dumps
+        log(1, f"repro: could not save graph {trace.id}: {type(e).__name__}: {e}")
+        return
+    keep = {k: v for k, v in _plain_options(opts).items()}
+    with open(os.path.join(trace.dir, "repro.py"), "w") as f:
+        f.write(REPRO.format(name=f"{trace.kind}_{trace.id}", options=keep))
+
+
+def _plain_options(opts) -> dict:
+    import dataclasses
+    from kiln.options import Options
+    out = {}
+    for f in dataclasses.fields(Options):
+        v = getattr(opts, f.name)
+        if f.name in ("dump_dir", "debug") or v == f.default or callable(v):
+            continue
+        out[f.name] = v
+    return out
+
+
+def resume(path: str, compile: bool = True, **options):
+    """Load a dump back in.
+
+    ``path`` is a dump folder (with graph.pt and inputs.pt) or one stage file (``NN_stage.py``).
+    For a folder it returns ``(module, inputs)``, the module kiln-compiled unless ``compile=False``.
+    For a stage file it returns the GraphModule class instance defined in it (runnable Python).
+    """
+    if os.path.isdir(path):
+        gm = torch.load(os.path.join(path, "graph.pt"), weights_only=False)
+        inputs = torch.load(os.path.join(path, "inputs.pt"), weights_only=False)
+        if compile:
+            import kiln
+            gm = kiln.compile(gm, **options)
+        return gm, inputs
+    namespace = {"torch": torch, "device": torch.device, "inf": float("inf"), "nan": float("nan")}
+    with open(path) as f:
+        src = f.read()
+    exec(builtins.compile(src, path, "exec"), namespace)
+    return namespace["GraphModule"]()

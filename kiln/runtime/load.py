@@ -1,0 +1,63 @@
+"""Turn a generated wrapper into a callable; record sources for ``kiln.run_and_get_code``."""
+from __future__ import annotations
+
+import hashlib
+import linecache
+
+from kiln.codegen.wrapper import Wrapper
+
+# Lists that collect generated sources while a run_and_get_code scope is active. A plain list, not a
+# context variable: the backward is compiled lazily, on autograd's device threads on GPU.
+_SOURCE_SINKS: list = []
+
+
+class Compiled:
+    """A loaded wrapper: ``compiled(args_list)`` runs it (boxed, so AOTAutograd can free inputs)."""
+
+    def __init__(self, wrapper: Wrapper, fn):
+        # An instance attribute: Dynamo's disable() wrapper copies __dict__, not class attributes.
+        self._boxed_call = True
+        self.wrapper = wrapper
+        self.fn = fn
+        self.source = wrapper.source
+        self.name = wrapper.name
+
+    def __call__(self, args):
+        return self.fn(args)
+
+    def __repr__(self):
+        return f"<kiln.Compiled {self.name}>"
+
+
+def load(wrapper: Wrapper) -> Compiled:
+    """Compile the wrapper source into a function; tracebacks show the generated lines."""
+    digest = hashlib.sha256(wrapper.source.encode()).hexdigest()[:12]
+    filename = f"<kiln {wrapper.name} {digest}>"
+    linecache.cache[filename] = (len(wrapper.source), None, wrapper.source.splitlines(True), filename)
+    namespace = dict(wrapper.globals)
+    exec(compile(wrapper.source, filename, "exec"), namespace)
+    record(wrapper)
+    return Compiled(wrapper, namespace["call"])
+
+
+def record(wrapper: Wrapper) -> None:
+    """Hand the wrapper and its kernels' sources to every active collector."""
+    for sink in list(_SOURCE_SINKS):
+        for k in wrapper.kernels:
+            sink.append(k.source)
+        sink.append(wrapper.source)
+
+
+class collect_sources:
+    """Context manager: gathers the source of every wrapper and kernel generated inside it."""
+
+    def __init__(self):
+        self.sources: list[str] = []
+
+    def __enter__(self):
+        _SOURCE_SINKS.append(self.sources)
+        return self.sources
+
+    def __exit__(self, *exc):
+        _SOURCE_SINKS.remove(self.sources)
+        return False

@@ -1,0 +1,77 @@
+"""Options: validation, scoping, entry point, and torch.compile(options=...)."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kiln
+from kiln.options import OptionError, current
+
+
+def test_unknown_option_names_valid_ones():
+    with pytest.raises(OptionError, match="unknown kiln option 'freezng'.*freezing"):
+        kiln.compile(lambda x: x, freezng=True)
+
+
+def test_bad_value_lists_choices():
+    with pytest.raises(OptionError, match="codegen='cuda'.*'aten'"):
+        current(codegen="cuda")
+    with pytest.raises(OptionError, match=r"outside the valid range \[0, 1\]"):
+        kiln.config.patch(activation_memory_budget=1.5)
+    with pytest.raises(OptionError, match="must be True or False"):
+        current(freezing="yes")
+
+
+def test_patch_is_scoped_and_a_decorator():
+    assert current().activation_memory_budget == 1.0
+    with kiln.config.patch(activation_memory_budget=0.5):
+        assert current().activation_memory_budget == 0.5
+        with kiln.config.patch(freezing=True):
+            assert current().freezing and current().activation_memory_budget == 0.5
+        assert not current().freezing
+    assert current().activation_memory_budget == 1.0
+
+    @kiln.config.patch(pattern_matcher=False)
+    def inner():
+        return current().pattern_matcher
+
+    assert inner() is False and current().pattern_matcher is True
+
+
+def test_env_var(monkeypatch):
+    monkeypatch.setenv("KILN_ACTIVATION_MEMORY_BUDGET", "0.25")
+    assert current().activation_memory_budget == 0.25
+
+
+def test_cache_key_changes_with_output_affecting_options():
+    a = current().cache_key()
+    assert current(debug=3).cache_key() == a
+    assert current(activation_memory_budget=0.5).cache_key() != a
+
+
+def test_torch_compile_options_reach_kiln():
+    seen = []
+
+    def hook(graph):
+        seen.append(len(graph.nodes))
+
+    f = torch.compile(lambda x: x.cos() + 1, backend="kiln", options={"joint_custom_pre_pass": hook})
+    with torch.no_grad():
+        f(torch.randn(3))
+    assert seen
+
+
+def test_entry_point_without_importing_kiln():
+    code = ("import sys, torch\n"
+            "f = torch.compile(lambda x: x.sin() * 2, backend='kiln')\n"
+            "x = torch.randn(4)\n"
+            "assert torch.allclose(f(x), x.sin() * 2)\n"
+            "assert 'kiln' in sys.modules\n"
+            "print('ok')\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       cwd="/", timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "ok" in r.stdout

@@ -1,0 +1,77 @@
+"""Values and gradients against eager for the models users write first."""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tests.e2e.helpers import check_train
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(16, 32), nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.l2(F.gelu(self.l1(x))).log_softmax(-1)
+
+
+class CNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8, 10)
+
+    def forward(self, x):
+        x = F.relu(self.bn1(self.conv1(x)))
+        x = F.max_pool2d(x, 2)
+        x = F.relu(self.bn2(self.conv2(x))) + x
+        return self.fc(x.mean((2, 3)))
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block with scaled_dot_product_attention."""
+
+    def __init__(self, d=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+def test_mlp_train():
+    check_train(MLP(), [torch.randn(8, 16, requires_grad=True)])
+
+
+def test_cnn_batchnorm_train_mode():
+    check_train(CNN().train(), [torch.randn(2, 3, 8, 8, requires_grad=True)], rtol=1e-4, atol=1e-4)
+
+
+def test_cnn_batchnorm_eval_mode():
+    check_train(CNN().eval(), [torch.randn(2, 3, 8, 8, requires_grad=True)], rtol=1e-4, atol=1e-4)
+
+
+def test_transformer_block_sdpa():
+    check_train(Block(), [torch.randn(2, 8, 32, requires_grad=True)], rtol=1e-4, atol=1e-4)
+
+
+def test_inference_no_grad():
+    import kiln
+    m = CNN().eval()
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        ref = m(x)
+        out = kiln.compile(m)(x)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    assert not out.requires_grad
