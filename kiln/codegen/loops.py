@@ -36,7 +36,7 @@ UNARY = {"neg", "abs", "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", 
          "sin", "cos", "tan", "asin", "acos", "atan", "sinh", "cosh", "tanh", "asinh", "acosh",
          "atanh", "sigmoid", "erf", "erfc", "floor", "ceil", "round", "trunc", "sign", "reciprocal",
          "logical_not", "bitwise_not", "isnan", "isinf", "signbit", "lgamma", "relu"}
-BINARY = {"add", "sub", "mul", "truediv", "floordiv", "remainder", "fmod", "pow", "maximum",
+BINARY = {"add", "sub", "mul", "truediv", "floordiv", "truncdiv", "remainder", "fmod", "pow", "maximum",
           "minimum", "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_xor",
           "bitwise_and", "bitwise_or", "bitwise_xor", "atan2", "copysign", "hypot",
           "lshift", "rshift"}
@@ -70,7 +70,7 @@ class Expr:
 
     def children(self):
         return [a for a in self.args if isinstance(a, Expr)] + \
-            ([e for _, e in self.args[2]] if self.op == "load" else [])
+            ([e for _, e in self.args[2]] if self.op in ("load", "index") else [])
 
     def __repr__(self):
         if self.op == "load":
@@ -116,7 +116,8 @@ class ops:
 
     @staticmethod
     def index(expr, dtype=torch.int64):
-        return Expr("index", (sympy.sympify(expr),), dtype)
+        expr = sympy.sympify(expr)
+        return Expr("index", (expr, None, binds_of(expr)), dtype)
 
     @staticmethod
     def cast(x, dtype):
@@ -127,8 +128,9 @@ class ops:
         return Expr("cast", (x,), dtype)
 
     @staticmethod
-    def load(buf: "Buffer", index, binds=()):
-        return Expr("load", (buf.name, sympy.sympify(index), tuple(binds)), buf.dtype)
+    def load(buf: "Buffer", index):
+        index = sympy.sympify(index)
+        return Expr("load", (buf.name, index, binds_of(index)), buf.dtype)
 
     @staticmethod
     def where(c, a, b):
@@ -145,6 +147,30 @@ class ops:
     @staticmethod
     def binary(op, a, b):
         return Expr(op, (a, b), torch.bool if op in COMPARE else a.dtype)
+
+
+_INDIRECT: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()   # symbol name -> Expr
+_SYMBOL_OF: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()     # Expr -> symbol
+_ind_names = itertools.count()
+
+
+def indirect_symbol(value: Expr) -> sympy.Symbol:
+    """An index symbol standing for the (int64, non-negative) runtime value ``value``."""
+    sym = _SYMBOL_OF.get(value)
+    if sym is None:
+        sym = sympy.Symbol(f"ind{next(_ind_names)}", integer=True, nonnegative=True)
+        _SYMBOL_OF[value] = sym
+        _INDIRECT[sym.name] = value
+    return sym
+
+
+def binds_of(index) -> tuple:
+    """((symbol, Expr), ...) for the indirect symbols in an index expression."""
+    out = []
+    for s in sorted(getattr(index, "free_symbols", ()), key=str):
+        if s.name.startswith("ind"):
+            out.append((s, _INDIRECT[s.name]))
+    return tuple(out)
 
 
 class Unsupported(Exception):
@@ -270,4 +296,5 @@ def contiguous_buffer(shape, dtype, device, kind, compute=None, node=None) -> Bu
 
 
 __all__ = ["Expr", "ops", "Pointwise", "Reduction", "Scatter", "Buffer", "Unsupported", "upcast",
-           "UNARY", "BINARY", "COMPARE", "meta_layout", "contiguous_buffer", "new_name", "ZERO", "field"]
+           "UNARY", "BINARY", "COMPARE", "meta_layout", "contiguous_buffer", "new_name", "ZERO", "field",
+           "indirect_symbol", "binds_of"]

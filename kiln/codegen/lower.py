@@ -194,8 +194,15 @@ class Lowering:
         meta = self.meta if is_tensor(self.node.meta.get("val")) else None
         shape = meta.shape if shape is None else shape
         dtype = meta.dtype if dtype is None else dtype
-        device = (meta.device if meta is not None else torch.device("cpu")) if device is None else device
-        return Pointwise(shape, dtype, device, fn)
+        return Pointwise(shape, dtype, device or self.device, fn)
+
+    @property
+    def device(self):
+        val = self.node.meta.get("val")
+        for v in (val if isinstance(val, (tuple, list)) else (val,)):
+            if is_tensor(v):
+                return v.device
+        return torch.device("cpu")
 
     def reduction(self, red: Reduction, device) -> Pointwise:
         """A reduction always owns a buffer; returns the value reading it."""

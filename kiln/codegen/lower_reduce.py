@@ -226,7 +226,6 @@ def _layer_norm(ctx, x, normalized_shape, weight, bias, eps):
     acc = upcast(out_meta.dtype)
     var, mean = variance(ctx, x, dims, 0, True, acc)
     rstd = Pointwise(var.shape, acc, x.device, lambda idx: un("rsqrt", add(var(idx), float(eps))))
-    inner = [size_expr(s) for s in x.shape[n - len(dims):]]
     shape = x.shape
 
     def out(idx):
@@ -237,7 +236,6 @@ def _layer_norm(ctx, x, normalized_shape, weight, bias, eps):
         if bias is not None:
             y = add(y, value_at(bias, idx, shape, acc))
         return y
-    del inner
     mean_out = _reshaped(mean, ctx.meta[1])
     rstd_out = _reshaped(rstd, ctx.meta[2])
     return (Pointwise(shape, out_meta.dtype, x.device, out), mean_out, rstd_out)
@@ -264,7 +262,7 @@ def _layer_norm_backward(ctx, grad, x, normalized_shape, mean, rstd, weight, bia
     mu = lambda idx: value_at(mean, keep_index(idx, dims), shape, acc)  # noqa: E731
     rs = lambda idx: value_at(rstd, keep_index(idx, dims), shape, acc)  # noqa: E731
     xhat = lambda idx: mul(sub(ops.cast(x(idx), acc), mu(idx)), rs(idx))  # noqa: E731
-    w = (lambda idx: value_at(weight, idx, shape, acc)) if weight is not None else (lambda idx: E.c(1, acc_c(acc)))
+    w = (lambda idx: value_at(weight, idx, shape, acc)) if weight is not None else (lambda idx: ops.const(1, acc))
     gw = lambda idx: mul(g(idx), w(idx))  # noqa: E731
     outs = [None, None, None]
     if mask[0]:
@@ -283,10 +281,6 @@ def _layer_norm_backward(ctx, grad, x, normalized_shape, mean, rstd, weight, bia
         s = reduce(ctx, "sum", x, outer, False, ctx.meta[2].dtype, acc, g)
         outs[2] = _reshaped(s, ctx.meta[2])
     return tuple(outs)
-
-
-def acc_c(acc):
-    return ops.const(1, acc)
 
 
 def _nll_parts(ctx, x, target, weight, ignore_index):

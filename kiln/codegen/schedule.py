@@ -1,0 +1,279 @@
+"""Fusion scheduler: group the computed buffers of a lowered graph into kernels.
+
+A kernel iterates a *domain*: a tuple of ``(size, is_reduced)`` dims (size-1 dims dropped), split
+into a flat kept part ``xindex`` and a flat reduced part ``rindex``. A pointwise buffer is placed
+on the domain when its shape (without 1s) equals all dims (it varies along ``rindex``) or only
+the kept dims; a reduction when its iteration space equals the domain.
+
+Buffers are visited in topological order; each joins the first group (a producer's, then a
+sibling's that shares an input) where
+
+* the domains agree (a pointwise group takes on a reduction's domain if all members still fit),
+* every read of a group member happens at the element this kernel computes ("current point"),
+  so the value is in registers; this is what lets a layer norm's reductions and epilogue share
+  one kernel, while a read of another row's result forces a new kernel,
+* no path leaves the group and comes back through another kernel or an ATen call (cycle).
+
+A buffer is stored when something outside its kernel reads it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import sympy
+import torch.fx
+
+from kiln.codegen.indexing import RINDEX, XINDEX, ZERO, Ranges, equal, prod, unflatten
+from kiln.codegen.loops import Pointwise, Reduction, Scatter
+
+MAX_GROUP = 64   # buffers per kernel
+
+
+@dataclass(eq=False)
+class Group:
+    """One kernel: ``nodes`` (computed buffers, topological order) over the domain ``dims``."""
+    dims: tuple
+    nodes: list = field(default_factory=list)
+    kind: str = "pointwise"   # 'pointwise' | 'reduction' | 'scatter'
+    stored: list = field(default_factory=list)   # buffers written to memory (set by schedule())
+
+    @property
+    def xs(self):
+        return [s for s, r in self.dims if not r]
+
+    @property
+    def rs(self):
+        return [s for s, r in self.dims if r]
+
+    @property
+    def ranges(self):
+        return domain_ranges(self.dims)
+
+
+def domain_ranges(dims):
+    return Ranges({XINDEX: prod([s for s, r in dims if not r]), RINDEX: prod([s for s, r in dims if r])})
+
+
+def squeeze(shape):
+    return [s for s in shape if s != 1]
+
+
+def node_dims(buf):
+    """The domain a buffer would have as a kernel of its own."""
+    c = buf.compute
+    if isinstance(c, Reduction):
+        return tuple((s, d in c.reduced) for d, s in enumerate(c.ranges) if s != 1)
+    if isinstance(c, Pointwise):
+        return tuple((s, False) for s in squeeze(buf.shape))
+    return None
+
+
+def domain_vars(dims):
+    xs = unflatten(XINDEX, [s for s, r in dims if not r])
+    rs = unflatten(RINDEX, [s for s, r in dims if r])
+    xi, ri = iter(xs), iter(rs)
+    return [next(ri) if r else next(xi) for _, r in dims]
+
+
+def place(shape, dims):
+    """Index (one expr per dim of ``shape``) of the element computed at (xindex, rindex), or None."""
+    sq = squeeze(shape)
+    full = [s for s, _ in dims]
+    xs = [s for s, r in dims if not r]
+    if _same(sq, full):
+        vs = iter(domain_vars(dims))
+    elif len(xs) < len(full) and _same(sq, xs):
+        vs = iter(unflatten(XINDEX, xs))
+    else:
+        return None
+    return [ZERO if s == 1 else next(vs) for s in shape]
+
+
+def _same(a, b):
+    return len(a) == len(b) and all(x == y or sympy.expand(x - y) == 0 for x, y in zip(a, b))
+
+
+def body(buf, dims):
+    """The Expr a buffer's kernel evaluates under ``dims`` (None if it does not fit)."""
+    c = buf.compute
+    if isinstance(c, Reduction):
+        if tuple(_key(d) for d in node_dims(buf)) != tuple(_key(d) for d in dims):
+            return None
+        vs = iter(domain_vars(dims))
+        return c.fn([ZERO if s == 1 else next(vs) for s in c.ranges])
+    idx = place(buf.shape, dims)
+    return None if idx is None else c(idx)
+
+
+def _key(d):
+    return (sympy.expand(d[0]), d[1])
+
+
+def current(buf, dims):
+    """Flat index of the element of ``buf`` computed at (xindex, rindex)."""
+    return buf.index(place(buf.shape, dims))
+
+
+def loads(expr):
+    return [(e.args[0], e.args[1]) for e in expr.walk() if e.op == "load"]
+
+
+def scatter_exprs(buf):
+    """Every Expr a scatter kernel evaluates (for dependency tracking)."""
+    s = buf.compute
+    vs = [sympy.Symbol(f"s{i}", integer=True, nonnegative=True) for i in range(len(s.shape))]
+    base_idx = [sympy.Symbol(f"b{i}", integer=True, nonnegative=True) for i in range(len(buf.shape))]
+    from kiln.codegen.loops import ops
+    target = s.target(vs)
+    return [s.value(vs), s.base(base_idx), ops.index(target)]
+
+
+class Scheduler:
+    """Greedy fusion over one lowering; ``run()`` returns the groups in topological order."""
+
+    def __init__(self, lowering):
+        self.lw = lowering
+        self.buffers = lowering.buffers
+        self.groups, self.group_of, self.reads = [], {}, {}
+        self.readers = {}   # buffer name -> groups that read it (for sibling fusion)
+        self._succ = None
+
+    # -- dependency graph over units (computed buffers and kept FX nodes) ---------------------
+    def _unit_of_node(self, node):
+        if node in self.lw.kept:
+            return node
+        v = self.lw.values.get(node)
+        return v.buffer if isinstance(v, Pointwise) and v.buffer is not None else None
+
+    def _unit(self, name):
+        buf = self.buffers[name]
+        return buf if buf.compute is not None else buf.node
+
+    def _build_graph(self):
+        succ = {}
+        for buf in self.lw.computed:
+            succ.setdefault(buf, set())
+            for name in self.reads[buf]:
+                u = self._unit(name)
+                if u is not None:
+                    succ.setdefault(u, set()).add(buf)
+        for node in self.lw.kept:
+            succ.setdefault(node, set())
+            for a in node.all_input_nodes:
+                u = self._unit_of_node(a)
+                if u is not None:
+                    succ.setdefault(u, set()).add(node)
+        self._succ = succ
+
+    def _cycle(self, members):
+        """Whether merging ``members`` into one kernel would create a dependency cycle."""
+        stack = [s for m in members for s in self._succ.get(m, ()) if s not in members]
+        seen = set()
+        while stack:
+            u = stack.pop()
+            if u in members:
+                return True
+            if id(u) in seen:
+                continue
+            seen.add(id(u))
+            g = self.group_of.get(u)
+            for m in (g.nodes if g is not None else [u]):
+                seen.add(id(m))
+                stack.extend(s for s in self._succ.get(m, ()) if s in members or id(s) not in seen)
+        return False
+
+    # -- grouping ----------------------------------------------------------------------------
+    def run(self):
+        for buf in self.lw.computed:
+            if isinstance(buf.compute, Scatter):
+                self.reads[buf] = {n for e in scatter_exprs(buf) for n, _ in loads(e)}
+            else:
+                self.reads[buf] = {n for n, _ in loads(body(buf, node_dims(buf)))}
+        self._build_graph()
+        for buf in self.lw.computed:
+            self._add(buf)
+        for g in self.groups:
+            g.stored = [b for b in g.nodes if self._needed_outside(b, g)]
+        return [g for g in self.groups if g.stored]
+
+    def _add(self, buf):
+        if isinstance(buf.compute, Scatter):
+            return self._new_group(buf, (), "scatter")
+        candidates = []
+        for name in sorted(self.reads[buf]):
+            g = self.group_of.get(self.buffers[name])
+            if g is not None and g.kind != "scatter" and g not in candidates:
+                candidates.append(g)
+        for name in sorted(self.reads[buf]):
+            for g in self.readers.get(name, ()):
+                if g not in candidates and g.kind != "scatter":
+                    candidates.append(g)
+        for g in candidates:
+            if self._try_join(g, buf):
+                return
+        kind = "reduction" if isinstance(buf.compute, Reduction) else "pointwise"
+        self._new_group(buf, node_dims(buf), kind)
+
+    def _new_group(self, buf, dims, kind):
+        g = Group(dims, [], kind)
+        self.groups.append(g)
+        self._join(g, buf)
+
+    def _join(self, g, buf):
+        g.nodes.append(buf)
+        self.group_of[buf] = g
+        for name in self.reads[buf]:
+            self.readers.setdefault(name, []).append(g)
+
+    def _try_join(self, g, buf):
+        if len(g.nodes) >= MAX_GROUP:
+            return False
+        is_red = isinstance(buf.compute, Reduction)
+        dims = g.dims
+        if is_red and g.kind == "reduction" and _keys(node_dims(buf)) != _keys(g.dims):
+            return False
+        if is_red and g.kind == "pointwise":
+            dims = node_dims(buf)
+        members = g.nodes + [buf]
+        names = {b.name for b in members}
+        check = members if dims is not g.dims else [buf]
+        for b in check:
+            e = body(b, dims)
+            if e is None or not self._reads_current(e, names, dims):
+                return False
+        if self._cycle(set(members)):
+            return False
+        g.dims = dims
+        if is_red:
+            g.kind = "reduction"
+        self._join(g, buf)
+        return True
+
+    def _reads_current(self, expr, names, dims):
+        ranges = domain_ranges(dims)
+        for name, index in loads(expr):
+            if name in names and not equal(index, current(self.buffers[name], dims), ranges):
+                return False
+        return True
+
+    def _needed_outside(self, buf, g):
+        if buf.node is not None:
+            for u in buf.node.users:
+                if u.op == "output" or u in self.lw.kept:
+                    return True
+        for other in self.lw.computed:
+            if self.group_of.get(other) is not g and buf.name in self.reads[other]:
+                return True
+        return False
+
+
+def _keys(dims):
+    return tuple(_key(d) for d in dims)
+
+
+def schedule(lowering):
+    """Group ``lowering.computed`` into kernels (see the module docstring)."""
+    return Scheduler(lowering).run()
+
+
+__all__ = ["Group", "schedule", "place", "body", "current", "loads", "domain_vars", "torch"]
