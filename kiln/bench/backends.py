@@ -94,25 +94,52 @@ def prime(backends, device: str) -> dict:
     return errors
 
 
+def _template_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "kiln-bench", f"inductor-primed-{torch.__version__}")
+
+
+def save_template(root) -> None:
+    """Keep the primed Inductor cache (toolchain checks and the trivial prime function only) so the
+    next fresh run starts from it instead of re-running Inductor's C++ ISA checks."""
+    if root is None:
+        return
+    src, dst = os.path.join(root, "inductor"), _template_dir()
+    if os.path.isdir(src) and not os.path.isdir(dst):
+        tmp = dst + f".tmp{os.getpid()}"
+        try:
+            shutil.copytree(src, tmp, symlinks=True)
+            os.rename(tmp, dst)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def fresh_caches(enabled: bool = True):
-    """Point TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR and KILN_CACHE_DIR at a new temp dir."""
+    """Point TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR and KILN_CACHE_DIR at a new temp dir.
+
+    The Inductor dir starts as a copy of the primed template when one exists (see ``save_template``),
+    else empty with the user's precompiled C++ headers linked in; no graph of any case is cached.
+    """
     if not enabled:
         yield None
         return
     names = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "KILN_CACHE_DIR")
     saved = {n: os.environ.get(n) for n in names}
     root = tempfile.mkdtemp(prefix="kiln-bench-")
+    ind = os.path.join(root, "inductor")
     try:
-        from torch._inductor.runtime.cache_dir_utils import cache_dir
-        user = cache_dir()
-        pch = os.path.join(user, "precompiled_headers")
-        os.makedirs(pch, exist_ok=True)
-        os.makedirs(os.path.join(root, "inductor"))
-        os.symlink(pch, os.path.join(root, "inductor", "precompiled_headers"))
+        if os.path.isdir(_template_dir()):
+            shutil.copytree(_template_dir(), ind, symlinks=True)
+        else:
+            from torch._inductor.runtime.cache_dir_utils import cache_dir
+            pch = os.path.join(cache_dir(), "precompiled_headers")
+            os.makedirs(pch, exist_ok=True)
+            os.makedirs(ind)
+            os.symlink(pch, os.path.join(ind, "precompiled_headers"))
     except Exception:
-        pass
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, "inductor")
+        os.makedirs(ind, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = ind
     os.environ["TRITON_CACHE_DIR"] = os.path.join(root, "triton")
     os.environ["KILN_CACHE_DIR"] = os.path.join(root, "kiln")
     try:

@@ -170,8 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     meta = _meta(args, argv, device, size, cases, skipped)
     for name, why in skipped:
         console.print(f"skip {name}: {why}", markup=False, highlight=False)
-    with B.fresh_caches(args.caches == "fresh"):
+    with B.fresh_caches(args.caches == "fresh") as cache_root:
         meta["prime_errors"] = {b: e for b, e in B.prime(args.backends, device).items() if e}
+        if "inductor" in args.backends and "inductor" not in meta["prime_errors"]:
+            B.save_template(cache_root)
         for b, e in meta["prime_errors"].items():
             console.print(f"warning: backend {b} failed a trivial compile: {e}", markup=False, highlight=False)
         rows = _run(args, cfg, cases, console)

@@ -149,8 +149,8 @@ class ops:
         return Expr(op, (a, b), torch.bool if op in COMPARE else a.dtype)
 
 
-_INDIRECT: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()   # symbol name -> Expr
-_SYMBOL_OF: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()     # Expr -> symbol
+_INDIRECT: dict = {}     # symbol name -> Expr (kept alive: loads refer to the symbol by name)
+_SYMBOL_OF: dict = {}    # Expr -> symbol
 _ind_names = itertools.count()
 
 
@@ -241,6 +241,14 @@ class Pointwise:
             else:
                 e = self.fn(list(key))
             self._memo[key] = e
+        return e
+
+    def compute(self, idx):
+        """The defining expression at ``idx`` (even once materialized)."""
+        key = ("compute",) + tuple(sympy.sympify(i) for i in idx)
+        e = self._memo.get(key)
+        if e is None:
+            e = self._memo[key] = self.fn(list(key[1:]))
         return e
 
     def __repr__(self):

@@ -39,7 +39,8 @@ def register(*targets, view=False):
 
 
 def _load_lowerings():
-    from kiln.codegen import lower_index, lower_misc, lower_pointwise, lower_reduce, lower_view  # noqa: F401
+    from kiln.codegen import (lower_index, lower_misc, lower_pointwise, lower_prims,  # noqa: F401
+                              lower_reduce, lower_view)
 
 
 def is_tensor(v):
@@ -163,7 +164,7 @@ class Lowering:
         self.buffers[buf.name] = buf
         self.computed.append(buf)
         value.buffer = buf
-        value._memo.clear()
+        value._memo = {k: v for k, v in value._memo.items() if k and k[0] == "compute"}
         return buf
 
     def _finish(self, node, value):

@@ -21,7 +21,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import sympy
-import torch.fx
 
 from kiln.codegen.indexing import RINDEX, XINDEX, ZERO, Ranges, equal, prod, unflatten
 from kiln.codegen.loops import Pointwise, Reduction, Scatter
@@ -102,7 +101,7 @@ def body(buf, dims):
         vs = iter(domain_vars(dims))
         return c.fn([ZERO if s == 1 else next(vs) for s in c.ranges])
     idx = place(buf.shape, dims)
-    return None if idx is None else c(idx)
+    return None if idx is None else c.compute(idx)
 
 
 def _key(d):
@@ -190,6 +189,7 @@ class Scheduler:
             else:
                 self.reads[buf] = {n for n, _ in loads(body(buf, node_dims(buf)))}
         self._build_graph()
+        self.order = {b: i for i, b in enumerate(self.lw.computed)}
         for buf in self.lw.computed:
             self._add(buf)
         for g in self.groups:
@@ -210,6 +210,9 @@ class Scheduler:
                     candidates.append(g)
         for g in candidates:
             if self._try_join(g, buf):
+                for other in candidates:
+                    if other is not g and other in self.groups and self.group_of.get(buf) is g:
+                        self._try_merge(g, other)
                 return
         kind = "reduction" if isinstance(buf.compute, Reduction) else "pointwise"
         self._new_group(buf, node_dims(buf), kind)
@@ -249,6 +252,38 @@ class Scheduler:
         self._join(g, buf)
         return True
 
+    def _try_merge(self, g, h):
+        """Merge group ``h`` into ``g`` (same rules as joining, for every member)."""
+        if h.kind == "scatter" or len(g.nodes) + len(h.nodes) > MAX_GROUP:
+            return False
+        if g.kind == "reduction" and h.kind == "reduction":
+            if _keys(g.dims) != _keys(h.dims):
+                return False
+            dims = g.dims
+        else:
+            dims = g.dims if g.kind == "reduction" else h.dims
+            if g.kind == h.kind == "pointwise" and _keys(g.dims) != _keys(h.dims):
+                return False
+        members = sorted(g.nodes + h.nodes, key=self.order.get)
+        names = {b.name for b in members}
+        for b in members:
+            e = body(b, dims)
+            if e is None or not self._reads_current(e, names, dims):
+                return False
+        if self._cycle(set(members)):
+            return False
+        g.nodes, g.dims = members, dims
+        if h.kind == "reduction":
+            g.kind = "reduction"
+        for b in h.nodes:
+            self.group_of[b] = g
+        for lst in self.readers.values():
+            for i, x in enumerate(lst):
+                if x is h:
+                    lst[i] = g
+        self.groups.remove(h)
+        return True
+
     def _reads_current(self, expr, names, dims):
         ranges = domain_ranges(dims)
         for name, index in loads(expr):
@@ -276,4 +311,4 @@ def schedule(lowering):
     return Scheduler(lowering).run()
 
 
-__all__ = ["Group", "schedule", "place", "body", "current", "loads", "domain_vars", "torch"]
+__all__ = ["Group", "schedule", "place", "body", "current", "loads", "domain_vars"]

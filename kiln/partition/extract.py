@@ -66,6 +66,8 @@ def tangent_closure(graph: fx.Graph) -> set:
     """Every node that depends (transitively) on a tangent: these can only run in the backward."""
     out = set()
     for n in graph.nodes:
+        if n.op == "output":
+            continue
         if is_tangent(n) or any(a in out for a in n.all_input_nodes):
             out.add(n)
     return out

@@ -64,7 +64,16 @@ def is_view(node: fx.Node) -> bool:
 
 
 def is_random(node: fx.Node) -> bool:
-    return node.op == "call_function" and torch.Tag.nondeterministic_seeded in _tags(node)
+    """Draws random numbers (attention kernels only when their dropout_p is not 0)."""
+    if node.op != "call_function" or torch.Tag.nondeterministic_seeded not in _tags(node):
+        return False
+    schema = getattr(node.target, "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else []
+    if "dropout_p" in names:
+        i = names.index("dropout_p")
+        p = node.args[i] if i < len(node.args) else node.kwargs.get("dropout_p", 0.0)
+        return not (isinstance(p, (int, float)) and p == 0)
+    return True
 
 
 def is_heavy(node: fx.Node) -> bool:

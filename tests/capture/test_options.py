@@ -64,6 +64,9 @@ def test_torch_compile_options_reach_kiln():
 
 
 def test_entry_point_without_importing_kiln():
+    from importlib.metadata import entry_points
+    if "kiln" not in entry_points(group="torch_dynamo_backends").names:
+        pytest.skip("kiln is not pip-installed here (make install registers the entry point)")
     code = ("import sys, torch\n"
             "f = torch.compile(lambda x: x.sin() * 2, backend='kiln')\n"
             "x = torch.randn(4)\n"

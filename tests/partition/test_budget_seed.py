@@ -101,7 +101,10 @@ def _chain(x, ws):
     return x.sum()
 
 
-@pytest.mark.parametrize("budget", range(11))
+SLOW = pytest.mark.slow  # the full sweep runs with -m slow (each case compiles ~2 s on two cores)
+
+
+@pytest.mark.parametrize("budget", [b if b in (0, 3, 5, 7, 10) else pytest.param(b, marks=SLOW) for b in range(11)])
 def test_matmul_even_chain(env, budget):
     x = env.randn(env.unit, env.unit)
     ws = [env.randn(env.unit, env.unit) for _ in range(5)]
@@ -129,7 +132,8 @@ def _uneven_configs():
     return configs
 
 
-@pytest.mark.parametrize("config", range(3), ids=["fixed1", "fixed2", "random"])
+@pytest.mark.parametrize("config", [0, pytest.param(1, marks=SLOW), pytest.param(2, marks=SLOW)],
+                         ids=["fixed1", "fixed2", "random"])
 def test_matmul_uneven_chain(env, config):
     def f(x, ws):
         xs = [torch.mm(x, w).cos() for w in ws]
@@ -173,8 +177,8 @@ def test_prioritize_cheaper_matmul2(env):
     assert (mem, flops - eager_flops) == (12, 2 * 2 * 6 + 4 * 4 * 4)
 
 
-@pytest.mark.parametrize("S,D,expected", [(1, 1, "mm"), (1, 3, "attn"), (2, 2, "mm"), (2, 1, "mm"),
-                                          (2, 5, "attn"), (4, 7, "mm"), (4, 9, "attn")])
+@pytest.mark.parametrize("S,D,expected", [(1, 1, "mm"), (1, 3, "attn")] + [
+    pytest.param(*c, marks=SLOW) for c in [(2, 2, "mm"), (2, 1, "mm"), (2, 5, "attn"), (4, 7, "mm"), (4, 9, "attn")]])
 def test_attention_vs_linear(env, S, D, expected):
     def f(x, w):
         shape = x.shape

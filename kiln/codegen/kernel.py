@@ -1,0 +1,106 @@
+"""Compiled kernels: the callable FX targets that ``fuse_graph`` puts into graphs.
+
+A ``Kernel`` has a ``name`` (unique per source text), its ``source`` (a Python module holding the
+``@triton.jit`` kernel and a ``call`` launcher) and ``__call__(*tensors, *sizes)``. Kernels are
+cached by source: twelve identical layers share one object and compile once.
+
+Triton decides between compiling and interpreting when ``@triton.jit`` runs, i.e. when a module
+is executed: ``triton.jit`` reads ``triton.knobs.runtime.interpret`` (the ``TRITON_INTERPRET``
+environment variable unless set in code) at decoration time. kiln therefore executes a kernel
+module for CPU tensors with ``TRITON_INTERPRET=1`` set just for that import, and a CUDA module
+with it unset, whatever the process environment says; other Triton users are unaffected.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import os
+import sys
+import tempfile
+import threading
+
+PLACEHOLDER = "__KILN_KERNEL__"
+_CACHE: dict = {}
+_LOCK = threading.Lock()
+
+
+class KernelLoadError(RuntimeError):
+    """A generated kernel module failed to import; the message names the file to inspect."""
+
+
+def cache_dir() -> str:
+    d = os.environ.get("KILN_KERNEL_DIR") or os.path.join(tempfile.gettempdir(), f"kiln_kernels_{os.getuid()}")
+    os.makedirs(d, exist_ok=True)
+    return d
+
+
+@contextlib.contextmanager
+def interpret_mode(flag: bool):
+    """Make ``@triton.jit`` build interpreter (True) or compiled (False) kernels in this scope."""
+    import triton
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    saved_env = os.environ.get("TRITON_INTERPRET")
+    saved_attr = runtime.__dict__.pop("interpret", None) if runtime is not None else None
+    os.environ["TRITON_INTERPRET"] = "1" if flag else "0"
+    try:
+        yield
+    finally:
+        if saved_env is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = saved_env
+        if saved_attr is not None:
+            runtime.__dict__["interpret"] = saved_attr
+
+
+class Kernel:
+    """One generated kernel module, loaded on first call."""
+
+    def __init__(self, name: str, source: str, interpret: bool, n_outputs: int):
+        self.name, self.source, self.interpret, self.n_outputs = name, source, interpret, n_outputs
+        self.__name__ = name
+        self._call = None
+
+    def load(self):
+        if self._call is None:
+            with _LOCK:
+                if self._call is None:
+                    self._call = _load_module(self.name, self.source, self.interpret).call
+        return self._call
+
+    def __call__(self, *args):
+        return (self._call or self.load())(*args)
+
+    def __repr__(self):
+        return f"<kiln kernel {self.name}>"
+
+
+def _load_module(name, source, interpret):
+    path = os.path.join(cache_dir(), f"{name}.py")
+    if not os.path.exists(path):
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            f.write(source)
+        os.replace(tmp, path)
+    spec = importlib.util.spec_from_file_location(f"kiln_kernels.{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    try:
+        with interpret_mode(interpret):
+            spec.loader.exec_module(mod)
+    except Exception as e:
+        raise KernelLoadError(f"codegen: kernel {name} failed to load ({e}); see {path}") from e
+    sys.modules[spec.name] = mod
+    return mod
+
+
+def kernel_for(text: str, kind: str, interpret: bool, n_outputs: int) -> Kernel:
+    """The cached Kernel for module ``text`` (whose kernel is named ``PLACEHOLDER``)."""
+    digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+    name = f"kiln_{'red' if kind == 'reduction' else ('scatter' if kind == 'scatter' else 'pw')}_{digest}"
+    with _LOCK:
+        k = _CACHE.get(name)
+        if k is None:
+            k = Kernel(name, text.replace(PLACEHOLDER, name), interpret, n_outputs)
+            _CACHE[name] = k
+    return k

@@ -1,0 +1,314 @@
+"""Kernel modules: the launcher text around a Triton kernel, launch configurations, autotuning.
+
+A generated module holds the ``@triton.jit`` kernel and ``call(*inputs, *scalars)``, which binds
+dynamic sizes from its inputs, allocates outputs with the graph's strides and calls ``run``.
+Everything a launch depends on is in the text, so equal text means an equal kernel.
+"""
+from __future__ import annotations
+
+import sympy
+import torch
+
+from kiln.codegen.indexing import RINDEX, XINDEX
+
+HEADER = "# kiln generated kernel\n"
+
+
+def next_pow2(n: int) -> int:
+    n = max(int(n), 1)
+    return 1 << (n - 1).bit_length()
+
+
+def config(kind, xnumel, rnumel, persistent, inner, interpret):
+    """(XBLOCK, RBLOCK, num_warps) from a small heuristic."""
+    if kind == "pointwise":
+        if interpret:
+            return min(next_pow2(xnumel), 1 << 14), 1, 1
+        xb = min(1024, max(next_pow2(xnumel), 16))
+        return xb, 1, 8 if xb >= 1024 else (4 if xb >= 256 else 2)
+    if persistent:
+        rb = next_pow2(rnumel)
+        budget = (1 << 14) if interpret else (4096 if inner else 2048)
+        xb = max(1, min(next_pow2(xnumel), budget // rb, 1024 if interpret else 64))
+        warps = 1 if interpret else max(1, min(8, (xb * rb) // 256))
+        return xb, rb, warps
+    if interpret:
+        rb = min(next_pow2(rnumel), 1024)
+        return max(1, min(next_pow2(xnumel), 4096 // rb)), rb, 1
+    if inner:
+        return 1, min(next_pow2(rnumel), 2048), 8
+    return 64, min(next_pow2(rnumel), 32), 8
+
+
+def candidates(kind, xnumel, rnumel, persistent, inner):
+    """Configurations tried under ``max_autotune``."""
+    base = config(kind, xnumel, rnumel, persistent, inner, False)
+    out = {base}
+    xb, rb, w = base
+    for f in (2, 4):
+        if kind == "pointwise":
+            out.add((max(16, xb // f), 1, max(1, w // 2)))
+            out.add((min(4096, xb * f), 1, min(16, w * 2)))
+        else:
+            if xb // f >= 1:
+                out.add((xb // f, rb, w))
+            out.add((min(xb * f, 256), rb, w))
+            if not persistent and rb // f >= 16:
+                out.add((xb, rb // f, w))
+    for wf in (4, 8, 16):
+        out.add((xb, rb, wf))
+    return sorted(out)
+
+
+_TUNED: dict = {}
+
+
+def run(kernel, args, xnumel, rnumel, cfg, meta):
+    """Launch ``kernel`` over ``xnumel`` rows (skipped when empty)."""
+    xnumel = int(xnumel)
+    if xnumel <= 0:
+        return
+    kind = meta["kind"]
+    if meta.get("autotune") and not meta.get("interpret"):
+        cfg = _autotune(kernel, args, xnumel, rnumel, meta)
+    elif cfg is None:
+        cfg = config(kind, xnumel, rnumel, meta["persistent"], meta["inner"], meta.get("interpret"))
+    xb, rb, warps = cfg
+    grid = ((xnumel + xb - 1) // xb,)
+    if kind == "pointwise":
+        kernel[grid](*args, XBLOCK=xb, num_warps=warps)
+    else:
+        kernel[grid](*args, XBLOCK=xb, RBLOCK=rb, num_warps=warps)
+
+
+def _autotune(kernel, args, xnumel, rnumel, meta):
+    key = (id(kernel), xnumel, int(rnumel))
+    best = _TUNED.get(key)
+    if best is not None:
+        return best
+    from triton.testing import do_bench
+    kind = meta["kind"]
+    timings = []
+    for cfg in candidates(kind, xnumel, rnumel, meta["persistent"], meta["inner"]):
+        if meta["persistent"] and cfg[1] != next_pow2(rnumel):
+            continue
+        try:
+            ms = do_bench(lambda: run(kernel, args, xnumel, rnumel, cfg, {**meta, "autotune": False}),
+                          warmup=5, rep=20)
+        except Exception:  # a config that does not compile (too many registers) is skipped
+            continue
+        timings.append((ms, cfg))
+    best = min(timings)[1] if timings else config(kind, xnumel, rnumel, meta["persistent"], meta["inner"], False)
+    from kiln.debug import log
+    log(4, f"autotune {getattr(kernel, '__name__', kernel)} xnumel={xnumel} rnumel={rnumel}: {best}")
+    _TUNED[key] = best
+    return best
+
+
+def restride(t: torch.Tensor, shape, stride):
+    """``t`` with the strides a kernel was compiled for (a copy only when they differ)."""
+    if all(a == b for s, a, b in zip(shape, t.stride(), stride) if s != 1):
+        return t
+    out = torch.empty_strided(shape, stride, dtype=t.dtype, device=t.device)
+    out.copy_(t)
+    return out
+
+
+def seed() -> int:
+    """A fresh philox seed from torch's default generator (repeatable under manual_seed)."""
+    return int(torch.randint(0, 2 ** 31 - 1, (), dtype=torch.int64).item())
+
+
+# -- module text --------------------------------------------------------------------------
+def pyexpr(e, names):
+    """A sympy size expression as Python over local names."""
+    e = sympy.sympify(e)
+    if e.is_Integer:
+        return str(int(e))
+    if e.is_Symbol:
+        return names[e]
+    from kiln.codegen.indexing import FloorDiv, ModIdx
+    if isinstance(e, FloorDiv):
+        return f"({pyexpr(e.args[0], names)} // {pyexpr(e.args[1], names)})"
+    if isinstance(e, ModIdx):
+        a, d, m = (pyexpr(x, names) for x in e.args)
+        return f"(({a} // {d}) % {m})"
+    if e.is_Add:
+        return "(" + " + ".join(pyexpr(t, names) for t in e.args) + ")"
+    if e.is_Mul:
+        return "(" + "*".join(pyexpr(t, names) for t in e.args) + ")"
+    if e.is_Pow and e.exp.is_Integer and e.exp > 0:
+        return "(" + "*".join([pyexpr(e.base, names)] * int(e.exp)) + ")"
+    raise ValueError(f"cannot print size {e}")
+
+
+def _render(lines, indent, out):
+    for line in lines:
+        if isinstance(line, tuple):
+            out.append(f"{indent}for roffset in range(0, rnumel, RBLOCK):")
+            out.append(f"{indent}    rindex = roffset + rbase")
+            out.append(f"{indent}    rmask = rindex < rnumel")
+            _render(line[1].lines, indent + "    ", out)
+        else:
+            out.append(indent + line)
+
+
+def _all_size_symbols(k):
+    syms = set(k.sizes)
+    for e in [k.xnumel, k.rnumel]:
+        syms |= sympy.sympify(e).free_symbols
+    for b in k.g.stored:
+        for e in b.shape + b.stride:
+            syms |= sympy.sympify(e).free_symbols
+    return {s for s in syms if s not in (XINDEX, RINDEX)}
+
+
+def bind_sizes(kernels, inputs, buffers):
+    """Python names for every size symbol of ``kernels``: read from an input's shape when one
+    has it as a dimension, else passed to ``call`` as an extra argument (``scalars``)."""
+    names, lines, scalars = {}, [], []
+    syms = set().union(*[_all_size_symbols(k) for k in kernels])
+    for s in sorted(syms, key=str):
+        name = f"ks_{s.name}"
+        names[s] = name
+        found = None
+        for i, bname in enumerate(inputs):
+            for d, size in enumerate(buffers[bname].shape):
+                if size == s:
+                    found = f"in{i}.shape[{d}]"
+                    break
+            if found:
+                break
+        if found:
+            lines.append(f"{name} = {found}")
+        else:
+            scalars.append(s)
+    for k in kernels:
+        for sym in syms:
+            k.sizes.setdefault(sym, names[sym])
+        for sym in k.sizes:
+            k.sizes[sym] = names[sym]
+    return names, lines, scalars
+
+
+def kernel_def(k, name):
+    """The ``@triton.jit`` function text of emitted kernel ``k``."""
+    static_x, static_r = _static(k)
+    params = [k.inputs[b] for b in k.inputs] + [k.out_args[b.name] for b in k.g.stored]
+    params += [k.sizes[s] for s in sorted(k.sizes, key=str)] + list(k.seeds.values())
+    # Triton's interpreter cannot loop to a runtime int: numels are constexpr there
+    ann = ": tl.constexpr" if k.interpret else ""
+    if not static_x:
+        params.append("xnumel" + ann)
+    if k.red and not static_r:
+        params.append("rnumel" + ann)
+    params.append("XBLOCK: tl.constexpr")
+    if k.red:
+        params.append("RBLOCK: tl.constexpr")
+    body = []
+    if static_x:
+        body.append(f"xnumel = {int(k.xnumel)}")
+    if k.red and static_r:
+        body.append(f"rnumel = {int(k.rnumel)}")
+    pid = "tl.program_id(0).to(tl.int64)" if k.i64 else "tl.program_id(0)"
+    body.append(f"xoffset = {pid} * XBLOCK")
+    if k.red:
+        cast = ".to(tl.int64)" if k.i64 else ""
+        body.append("xindex = xoffset + tl.arange(0, XBLOCK)[:, None]")
+        body.append("xmask = xindex < xnumel")
+        body.append(f"rbase = tl.arange(0, RBLOCK)[None, :]{cast}")
+        if k.persistent:
+            body += ["rindex = rbase", "rmask = rindex < rnumel"]
+    else:
+        body.append("xindex = xoffset + tl.arange(0, XBLOCK)")
+        body.append("xmask = xindex < xnumel")
+    _render(k.top.lines, "", body)
+    return "\n".join(["@triton.jit", f"def {name}({', '.join(params)}):"] + ["    " + b for b in body])
+
+
+def kernel_args(k, ins, outs):
+    """Launcher-side argument names for kernel ``k`` (``ins``/``outs``: buffer name -> local)."""
+    args = [ins[b] for b in k.inputs] + [outs[b.name] for b in k.g.stored]
+    args += [k.sizes[s] for s in sorted(k.sizes, key=str)] + list(k.seeds.values())
+    static_x, static_r = _static(k)
+    if not static_x:
+        args.append("xnumel")
+    if k.red and not static_r:
+        args.append("rnumel")
+    return args
+
+
+def _static(k):
+    """Whether xnumel/rnumel are written into the kernel (never under the interpreter)."""
+    return k.xnumel.is_Integer and not k.interpret, k.rnumel.is_Integer and not k.interpret
+
+
+def launch_line(k, name, args, names):
+    kind = "reduction" if k.red else "pointwise"
+    inner = bool(k.dims) and k.dims[-1][1]
+    cfg = None
+    if k.xnumel.is_Integer and k.rnumel.is_Integer and not k.autotune:
+        cfg = config(kind, int(k.xnumel), int(k.rnumel), k.persistent, inner, k.interpret)
+    meta = dict(kind=kind, persistent=k.persistent, inner=inner, interpret=k.interpret, autotune=k.autotune)
+    return [f"xnumel, rnumel = {pyexpr(k.xnumel, names)}, {pyexpr(k.rnumel, names)}",
+            f"launch.run({name}, ({', '.join(args)},), xnumel, rnumel, {cfg}, {meta!r})"]
+
+
+def module(kernels, defs, inputs, buffers, body_fn):
+    """Module text: imports, helpers, kernel ``defs`` and ``call`` (body from ``body_fn(names)``)."""
+    names, bind_lines, scalars = bind_sizes(kernels, inputs, buffers)
+    lines = [HEADER, "import torch", "import triton", "import triton.language as tl"]
+    if any(k.libdevice for k in kernels):
+        lines.append("from triton.language.extra import libdevice")
+    lines += ["from kiln.codegen import launch", ""]
+    from kiln.codegen.triton_ops import HELPERS
+    for h in sorted(set().union(*[k.helpers for k in kernels])):
+        lines += ["", HELPERS[h]]
+    for d in defs:
+        lines += ["", d() if callable(d) else d]
+    args = [f"in{i}" for i in range(len(inputs))] + [names[s] for s in scalars]
+    lines += ["", "", f"def call({', '.join(args)}):"]
+    lines += ["    " + b for b in bind_lines]
+    for i, b in enumerate(inputs):
+        buf = buffers[b]
+        if all(sympy.sympify(x).is_Integer for x in buf.shape + buf.stride) and buf.shape:
+            lines.append(f"    in{i} = launch.restride(in{i}, {_tuple(buf.shape)}, {_tuple(buf.stride)})")
+    lines += ["    " + b for b in body_fn(names)]
+    return "\n".join(lines) + "\n", scalars
+
+
+def alloc_line(local, buf, names, device):
+    shape = "(" + "".join(pyexpr(x, names) + ", " for x in buf.shape) + ")"
+    stride = "(" + "".join(pyexpr(x, names) + ", " for x in buf.stride) + ")"
+    return f"{local} = torch.empty_strided({shape}, {stride}, dtype={buf.dtype}, device={device})"
+
+
+def assemble(k, name):
+    """The module text for emitted kernel ``k`` (a ``triton.TritonKernel`` after planning)."""
+    from kiln.codegen.triton import Source
+    inputs = list(k.inputs)
+    ins = {b: f"in{i}" for i, b in enumerate(inputs)}
+    outs = {b.name: f"out{i}" for i, b in enumerate(k.g.stored)}
+    device = _device_expr(k, inputs)
+
+    def body(names):
+        out = [alloc_line(outs[b.name], b, names, device) for b in k.g.stored]
+        out += [f"{seed} = launch.seed()" for seed in k.seeds.values()]
+        out += launch_line(k, name, kernel_args(k, ins, outs), names)
+        locs = [outs[b.name] for b in k.g.stored]
+        out.append(f"return {locs[0]}" if len(locs) == 1 else f"return ({', '.join(locs)},)")
+        return out
+    text, scalars = module([k], [lambda: kernel_def(k, name)], inputs, k.buffers, body)
+    kind = "reduction" if k.red else "pointwise"
+    return Source(text, inputs, [b.name for b in k.g.stored], scalars, kind)
+
+
+def _tuple(xs):
+    return "(" + "".join(f"{int(x)}, " for x in xs) + ")"
+
+
+def _device_expr(k, inputs):
+    if inputs:
+        return "in0.device"
+    dev = k.g.nodes[0].device
+    return f"torch.device({str(dev)!r})"

@@ -1,0 +1,411 @@
+"""Triton emitter: one ``@triton.jit`` kernel (plus a Python launcher) per fused group.
+
+Pointwise groups use 1-D tiles over ``xindex``. Reduction groups use 2-D ``[XBLOCK, RBLOCK]``
+tiles: *persistent* (the whole row in registers, straight-line code) when the row is static and
+short, else *looped* over ``rindex`` with one loop per dependency stage (a layer norm needs the
+mean before the variance before the output). Values that do not depend on ``rindex`` are hoisted
+out of the loops; identical expressions are computed once per scope (the IR is hash-consed).
+"""
+from __future__ import annotations
+
+import sympy
+import torch
+
+from kiln.codegen import launch
+from kiln.codegen.indexing import RINDEX, XINDEX, FloorDiv, ModIdx, prod, simplify
+from kiln.codegen.loops import Expr, Reduction, Unsupported, ops, upcast
+from kiln.codegen.schedule import body, current
+from kiln.codegen.triton_ops import HELPERS, TL_DTYPE, neutral, reduce_code, template
+
+PERSISTENT_MAX = 2048   # static rows up to this many elements stay in registers
+LEVELS = {"c": 0, "x": 1, "xr": 2}
+
+
+class Source:
+    """A generated kernel module: ``text``, the buffer names it reads (``inputs``, call order) and
+    writes (``outputs``, return order), and ``scalars``: size symbols passed as extra call args."""
+
+    def __init__(self, text, inputs, outputs, scalars, kind):
+        self.text, self.inputs, self.outputs, self.scalars, self.kind = text, inputs, outputs, scalars, kind
+
+
+class Scope:
+    def __init__(self, parent=None):
+        self.parent, self.lines, self.cache = parent, [], {}
+
+    def find(self, key):
+        s = self
+        while s is not None:
+            if key in s.cache:
+                return s.cache[key]
+            s = s.parent
+        return None
+
+
+class TritonKernel:
+    """Emit one group. ``interpret``: write for Triton's CPU interpreter (no libdevice)."""
+
+    def __init__(self, group, buffers, interpret: bool, autotune: bool = False):
+        self.g, self.buffers, self.interpret, self.autotune = group, buffers, interpret, autotune
+        self.red = group.kind == "reduction"
+        self.dims = group.dims
+        self.xnumel, self.rnumel = prod(group.xs), prod(group.rs)
+        self.ranges = group.ranges
+        self.names = {b.name for b in group.nodes}
+        self.inputs, self.sizes, self.seeds, self.helpers = {}, {}, {}, set()
+        self.libdevice = False
+        self.count = 0
+        self._level, self._resolved, self.red_vars = {}, {}, {}
+        self.persistent = self.red and self.rnumel.is_Integer and int(self.rnumel) <= PERSISTENT_MAX
+        static = self.xnumel.is_Integer and self.rnumel.is_Integer and all(
+            b.numel.is_Integer for b in buffers.values())
+        self.i64 = not static or max([int(self.xnumel) * int(self.rnumel)] +
+                                     [int(b.numel) for b in buffers.values()]) >= 2 ** 31
+
+    # -- resolution: loads of in-kernel buffers become register values -----------------------
+    def resolve(self, e: Expr) -> Expr:
+        r = self._resolved.get(e)
+        if r is not None:
+            return r
+        if e.op == "load" and e.args[0] in self.names:
+            buf = self.buffers[e.args[0]]
+            if isinstance(buf.compute, Reduction):
+                r = red_ref(buf)
+            else:
+                r = self.resolve(body(buf, self.dims))
+            r = ops.cast(r, upcast(buf.dtype))
+        elif e.op in ("load", "index") and e.args[2]:
+            binds = [(s, self.resolve(v)) for s, v in e.args[2]]
+            if all(v is old for (_, v), (_, old) in zip(binds, e.args[2])):
+                r = e
+            else:
+                from kiln.codegen.loops import indirect_symbol
+                sub = {s: indirect_symbol(v) for s, v in binds}
+                idx = e.args[1].xreplace(sub)
+                r = ops.load(self.buffers[e.args[0]], idx) if e.op == "load" else ops.index(idx, e.dtype)
+        elif e.children():
+            args = tuple(self.resolve(a) if isinstance(a, Expr) else a for a in e.args)
+            r = Expr(e.op, args, e.dtype)
+        else:
+            r = e
+        self._resolved[e] = r
+        return r
+
+    def level(self, e: Expr) -> str:
+        lv = self._level.get(e)
+        if lv is not None:
+            return lv
+        if e.op in ("load", "index", "rand"):
+            index = e.args[1]
+            syms = index.free_symbols if isinstance(index, sympy.Basic) else set()
+            lv = "xr" if RINDEX in syms else ("x" if XINDEX in syms else "c")
+            if e.op != "rand":
+                for _, v in e.args[2]:
+                    lv = max(lv, self.level(v), key=LEVELS.get)
+        elif e.op == "red":
+            lv = "x"
+        else:
+            lv = "c"
+            for c in e.children():
+                lv = max(lv, self.level(c), key=LEVELS.get)
+        if not self.red and lv == "xr":
+            lv = "x"
+        self._level[e] = lv
+        return lv
+
+    def reds(self, e: Expr):
+        return {x.args[0] for x in e.walk() if x.op == "red"}
+
+    # -- expression emission ------------------------------------------------------------
+    def tmp(self, prefix="tmp"):
+        self.count += 1
+        return f"{prefix}{self.count}"
+
+    def emit(self, e: Expr, scope: Scope, mask=None) -> str:
+        """Source for ``e`` (a variable or literal); code goes into ``scope`` or, for values
+        that do not vary along rindex, into the outermost scope."""
+        lv = self.level(e)
+        if mask is not None:
+            lv = max(lv, mask[1], key=LEVELS.get)
+        target = scope if lv == "xr" else self.top
+        key = (e, mask and mask[0])
+        hit = target.find(key)
+        if hit is not None:
+            return hit
+        code = self._code(e, target, mask, lv)
+        if e.op == "const" or (e.op == "red"):
+            return code
+        var = self.tmp()
+        target.lines.append(f"{var} = {code}")
+        target.cache[key] = var
+        return var
+
+    def _literal(self, e):
+        v, dt = e.args[0], e.dtype
+        if isinstance(v, float):
+            lit = repr(v) if v == v and v not in (float("inf"), float("-inf")) else f"float('{v}')"
+        else:
+            lit = repr(bool(v)) if dt == torch.bool else repr(int(v))
+        if dt in (torch.float32, torch.int32, torch.bool) or (dt == torch.int64 and abs(int(v)) < 2 ** 31):
+            return lit
+        return f"tl.full([1], {lit}, {TL_DTYPE[dt]})"
+
+    def _tensor(self, code, e):
+        """Make a literal usable where a tensor is required."""
+        if e.op == "const" and not code.startswith("tl."):
+            return f"tl.full([1], {code}, {TL_DTYPE[e.dtype]})"
+        return code
+
+    def _mask(self, lv, mask):
+        base = "xmask" if lv != "xr" else "xmask & rmask"
+        if lv == "c":
+            base = None
+        if mask is not None:
+            return mask[0] if base is None else f"{base} & {mask[0]}"
+        return base
+
+    def _code(self, e, scope, mask, lv):
+        op, a = e.op, e.args
+        if op == "const":
+            return self._literal(e)
+        if op == "red":
+            return self.red_vars[a[0]]
+        if op == "load":
+            ptr = self.arg_for(a[0])
+            idx = self.index(a[1], a[2], scope, mask)
+            m = self._mask(lv, mask)
+            return f"tl.load({ptr} + ({idx}), {m}, other=0)" if m else f"tl.load({ptr} + ({idx}))"
+        if op == "index":
+            idx = self.index(a[0], a[2], scope, mask)
+            return f"({idx}) + tl.full([1], 0, {TL_DTYPE[e.dtype]})" if e.dtype != torch.bool else f"(({idx}) != 0)"
+        if op == "rand":
+            kind, offset, slot = a
+            seed = self.seeds.setdefault(slot, f"seed{len(self.seeds)}")
+            if self.interpret:
+                fn = "_kiln_randn" if kind == "randn" else "_kiln_rand"
+                self.helpers.update([fn, "_kiln_philox", "_kiln_uniform"])
+            else:
+                fn = "tl.randn" if kind == "randn" else "tl.rand"
+            off = self.index(offset, (), scope, mask)
+            if self.level(e) == "c":
+                off = f"{off} + tl.full([1], 0, tl.int32)"
+            return f"{fn}({seed}, ({off}).to(tl.uint32))"
+        if op == "cast":
+            x = self._tensor(self.emit(a[0], scope, mask), a[0])
+            if e.dtype == torch.bool:
+                return f"({x} != 0)"
+            return f"{x}.to({TL_DTYPE[e.dtype]})"
+        if op == "where":
+            c, x, y = (self.emit(v, scope, mask) for v in a)
+            return f"tl.where({c}, {x}, {y})"
+        if op == "masked":
+            cond = self.emit(a[0], scope, mask)
+            clv = self.level(a[0])
+            inner = (cond if mask is None else f"({mask[0]}) & ({cond})",
+                     max(clv, mask[1] if mask else "c", key=LEVELS.get))
+            val = self.emit(a[1], scope, inner)
+            other = self.emit(a[2], scope, mask)
+            return f"tl.where({cond}, {val}, {other})"
+        args = [self.emit(v, scope, mask) for v in a]
+        t = template(op, a[0].dtype, self.interpret, len(a))
+        if t is None:
+            raise Unsupported(f"triton: no template for {op} on {a[0].dtype}")
+        if "libdevice." in t:
+            self.libdevice = True
+        self.helpers.update(h for h in HELPERS if h in t)
+        if t.startswith(("tl.", "libdevice.", "_kiln")):
+            args = [self._tensor(x, v) for x, v in zip(args, a)]
+        elif all(v.op == "const" for v in a):
+            args[0] = self._tensor(args[0], a[0])
+        return t.format(*args, d=TL_DTYPE.get(e.dtype, ""))
+
+    # -- indices --------------------------------------------------------------------------
+    def arg_for(self, name):
+        if name not in self.inputs:
+            self.inputs[name] = f"in_ptr{len(self.inputs)}"
+        return self.inputs[name]
+
+    def index(self, expr, binds, scope, mask):
+        sub = {s: self.emit(v, scope, mask) for s, v in binds}
+        return self.pexpr(simplify(expr, self.ranges), sub)
+
+    def size_arg(self, sym):
+        if sym not in self.sizes:
+            self.sizes[sym] = f"ks_{sym.name}"
+        return self.sizes[sym]
+
+    def pexpr(self, e, sub=None):
+        """Print an index expression as Triton source."""
+        sub = sub or {}
+        p = lambda x: self.pexpr(x, sub)  # noqa: E731
+        if e.is_Integer:
+            return str(int(e))
+        if e.is_Symbol:
+            if e in (XINDEX, RINDEX):
+                return e.name
+            if e in sub:
+                return sub[e]
+            return self.size_arg(e)
+        if isinstance(e, FloorDiv):
+            return f"({p(e.args[0])} // {p(e.args[1])})"
+        if isinstance(e, ModIdx):
+            a, d, m = e.args
+            return f"({p(a)} % {p(m)})" if d == 1 else f"(({p(a)} // {p(d)}) % {p(m)})"
+        if e.is_Add:
+            return "(" + " + ".join(p(t) for t in e.args) + ")"
+        if e.is_Mul:
+            return "*".join(p(t) for t in e.args)
+        if e.is_Pow and e.exp.is_Integer and e.exp > 0:
+            return "(" + "*".join([p(e.base)] * int(e.exp)) + ")"
+        raise Unsupported(f"cannot print index {e}")
+
+    # -- kernel body ----------------------------------------------------------------------
+    def generate(self, name):
+        self.top = Scope()
+        plan = self._plan()
+        if self.red and not self.persistent:
+            self._looped(plan)
+        else:
+            self._straight(plan)
+        return self._assemble(name)
+
+    def _plan(self):
+        """(reductions, stores): resolved bodies and values in topological order."""
+        reductions, stores = [], []
+        for buf in self.g.nodes:
+            e = self.resolve(body(buf, self.dims))
+            if isinstance(buf.compute, Reduction):
+                reductions.append((buf, e))
+                value = red_ref(buf)
+            else:
+                value = e
+            if buf in self.g.stored:
+                stores.append((buf, value))
+        self.out_args = {b.name: f"out_ptr{i}" for i, b in enumerate(self.g.stored)}
+        return reductions, stores
+
+    def _reduce_final(self, buf, acc, scope, index=None):
+        """Reduce the [XBLOCK, RBLOCK] tile ``acc`` to the row result (``index``: the rindex of
+        each lane's value, for argmax/argmin)."""
+        kind = buf.compute.kind
+        var = self.tmp("red")
+        if kind in ("argmax", "argmin"):
+            best = self.tmp()
+            scope.lines.append(f"{best} = {reduce_code(kind[3:], acc, self.interpret)}")
+            big = "9223372036854775807"
+            scope.lines.append(f"{var} = {reduce_code('min', f'tl.where({acc} == {best}, {index}, {big})', self.interpret)}")
+        else:
+            if kind == "prod":
+                self.helpers.add("_kiln_prod")
+            scope.lines.append(f"{var} = {reduce_code(kind, acc, self.interpret)}")
+        self.red_vars[buf.name] = var
+
+    def _reduce_value(self, buf, e, scope):
+        v = self._tensor(self.emit(e, scope), e)
+        dt = buf.compute.acc_dtype
+        if e.dtype != dt:
+            v = f"{v}.to({TL_DTYPE[dt]})"
+        return v
+
+    def _straight(self, plan):
+        """Pointwise kernels and persistent reductions: one scope, no loops."""
+        reductions, stores = plan
+        scope = self.top
+        red_of = {b.name: (b, e) for b, e in reductions}
+        order = [(b, red_of.get(b.name)) for b in self.g.nodes]
+        store_of = dict((b.name, v) for b, v in stores)
+        for buf, red in order:
+            if red is not None:
+                kind, dt = buf.compute.kind, buf.compute.acc_dtype
+                v = self._reduce_value(buf, red[1], scope)
+                n = neutral(kind, dt)
+                masked = self.tmp()
+                scope.lines.append(f"{masked} = tl.where(xmask & rmask, {v}, {n})")
+                self._reduce_final(buf, masked, scope, "rindex.to(tl.int64)")
+            if buf.name in store_of:
+                self._store(buf, store_of[buf.name], scope)
+
+    def _looped(self, plan):
+        reductions, stores = plan
+        stage = {}
+        for buf, e in reductions:
+            stage[buf.name] = 1 + max([stage[r] for r in self.reds(e)], default=-1)
+        nstages = 1 + max(stage.values())
+        xr_stores, x_stores = {}, []
+        for buf, v in stores:
+            if self.level(v) == "xr":
+                s = 1 + max([stage[r] for r in self.reds(v)], default=-1)
+                xr_stores.setdefault(s, []).append((buf, v))
+            else:
+                x_stores.append((buf, v))
+        for s in range(max([nstages] + [k + 1 for k in xr_stores])):
+            loop = Scope(self.top)
+            accs = []
+            for buf, e in reductions:
+                if stage[buf.name] != s:
+                    continue
+                kind, dt = buf.compute.kind, buf.compute.acc_dtype
+                acc = f"_acc{len(self.red_vars)}_{buf.name}"
+                n = neutral(kind, dt)
+                self.top.lines.append(f"{acc} = tl.full([XBLOCK, RBLOCK], {n}, {TL_DTYPE[dt]})")
+                v = self._reduce_value(buf, e, loop)
+                m = "xmask & rmask"
+                if kind in ("argmax", "argmin"):
+                    # per lane: the best value so far and the first rindex reaching it
+                    self.top.lines.append(f"{acc}_i = tl.full([XBLOCK, RBLOCK], 0, tl.int64)")
+                    better = self.tmp()
+                    cmp = ">" if kind == "argmax" else "<"
+                    loop.lines.append(f"{better} = ({m}) & ({v} {cmp} {acc})")
+                    loop.lines.append(f"{acc}_i = tl.where({better}, rindex.to(tl.int64), {acc}_i)")
+                    loop.lines.append(f"{acc} = tl.where({better}, {v}, {acc})")
+                    accs.append((buf, (acc, f"{acc}_i")))
+                    continue
+                comb = {"sum": f"{acc} + {v}", "prod": f"{acc} * {v}",
+                        "max": f"tl.maximum({acc}, {v})", "min": f"tl.minimum({acc}, {v})"}[kind]
+                loop.lines.append(f"{acc} = tl.where({m}, {comb}, {acc})")
+                accs.append((buf, acc))
+            for buf, v in xr_stores.get(s, []):
+                self._store(buf, v, loop)
+            self.top.lines.append(("loop", loop))
+            for buf, acc in accs:
+                if isinstance(acc, tuple):
+                    self._reduce_final(buf, acc[0], self.top, acc[1])
+                else:
+                    self._reduce_final(buf, acc, self.top)
+        for buf, v in x_stores:
+            self._store(buf, v, self.top)
+
+    def _store(self, buf, value, scope):
+        value = ops.cast(value, buf.dtype)
+        lv = self.level(value)
+        v = self.emit(value, scope)
+        idx = simplify(current(buf, self.dims), self.ranges)
+        syms = idx.free_symbols
+        ilv = "xr" if RINDEX in syms and self.red else ("x" if syms & {XINDEX, RINDEX} else "c")
+        slv = max(ilv, "x", key=LEVELS.get)
+        shape = "[XBLOCK]" if not self.red else ("[XBLOCK, 1]" if slv == "x" else "[XBLOCK, RBLOCK]")
+        icode = self.pexpr(idx)
+        if ilv == "c":
+            icode = f"{icode} + tl.full({shape}, 0, tl.int32)"
+        if LEVELS[lv] < LEVELS[slv]:
+            v = f"tl.broadcast_to({self._tensor(v, value)}, {shape})"
+        target = scope if slv == "xr" else self.top
+        target.lines.append(f"tl.store({self.out_args[buf.name]} + ({icode}), {v}, {self._mask(slv, None)})")
+
+    def _assemble(self, name):
+        return launch.assemble(self, name)
+
+
+def red_ref(buf):
+    """The in-register result of reduction buffer ``buf``."""
+    kind = buf.compute.kind
+    return Expr("red", (buf.name,), torch.int64 if kind in ("argmax", "argmin") else buf.compute.acc_dtype)
+
+
+def emit(group, buffers, device, name="kernel", autotune=False) -> Source:
+    """Generate the Triton module for one group (see ``launch.assemble`` for the launcher)."""
+    interpret = device.type != "cuda"
+    if group.kind == "scatter":
+        from kiln.codegen.triton_scatter import emit_scatter
+        return emit_scatter(group, buffers, interpret, name)
+    return TritonKernel(group, buffers, interpret, autotune and not interpret).generate(name)

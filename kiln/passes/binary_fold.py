@@ -1,0 +1,154 @@
+"""Fold ``add``/``sub``/``mul``/``div`` by a constant into the convolution or linear before it.
+
+Algebra, with ``c`` constant per output channel (``conv``: dim 1; ``linear``: the last dim):
+    conv(x, W, b) + c  ->  conv(x, W, b + c)
+    conv(x, W, b) - c  ->  conv(x, W, b - c)
+    conv(x, W, b) * c  ->  conv(x, W * c[:, None, ...], b * c)
+    conv(x, W, b) / c  ->  conv(x, W / c[:, None, ...], b / c)
+and the same for ``addmm(b, x, Wt)`` / ``mm(x, Wt)`` (``Wt`` scaled along its columns), also when a
+``view`` that keeps the last dim sits between the matmul and the binary op (3-D linear inputs).
+
+A fold needs: a constant weight (and bias), the producer's only user being the binary op, ``c`` a
+Python number or a constant tensor that varies along the channel dim only (so the result keeps the
+producer's shape), and no type promotion: the binary op's result dtype must equal the producer's, or
+the fold would change the dtype eager returns (a bf16 conv times a float32 tensor is float32).
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from kiln.debug import log
+from kiln.passes.fold import add_constant, compute_dtype, constant_value, like
+
+aten = torch.ops.aten
+
+# op -> (kind, commutative)
+BINARY = {
+    aten.add.Tensor: ("add", True), aten.add.Scalar: ("add", True),
+    aten.sub.Tensor: ("sub", False), aten.sub.Scalar: ("sub", False),
+    aten.mul.Tensor: ("mul", True), aten.mul.Scalar: ("mul", True),
+    aten.div.Tensor: ("div", False), aten.div.Scalar: ("div", False),
+}
+VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+
+
+def _val(n):
+    return n.meta.get("val") if isinstance(n, fx.Node) else None
+
+
+def _channel_vector(gm, c, out_shape, dim: int, channels: int, dtype):
+    """``c`` as a vector of ``channels`` values when it varies along ``dim`` of ``out_shape`` only."""
+    if isinstance(c, (int, float)) and not isinstance(c, bool):
+        return torch.full([channels], float(c), dtype=dtype)
+    t = constant_value(gm, c)
+    if t is None or t.dim() > len(out_shape) or not (t.is_floating_point() or t.dtype in (torch.int64, torch.int32)):
+        return None
+    shape = [1] * (len(out_shape) - t.dim()) + list(t.shape)
+    dim = dim % len(out_shape)
+    if any(s != 1 for i, s in enumerate(shape) if i != dim) or shape[dim] not in (1, channels):
+        return None
+    return t.reshape(-1).to(dtype).expand(channels).clone()
+
+
+def _producer(n: fx.Node):
+    """(matmul-or-conv node, view between or None, channel dim of the binary op's operand) or None."""
+    kind, commutative = BINARY[n.target]
+    cands = [(0, 1)] + ([(1, 0)] if commutative else [])
+    for pi, ci in cands:
+        p = n.args[pi] if pi < len(n.args) else None
+        if not isinstance(p, fx.Node) or len(p.users) != 1:
+            continue
+        view = None
+        if p.target in VIEWS and isinstance(p.args[0], fx.Node) and len(p.args[0].users) == 1:
+            view, p = p, p.args[0]
+        if p.target is aten.convolution.default and view is None and not p.args[6]:
+            return p, None, n.args[ci], 1
+        if p.target in (aten.addmm.default, aten.mm.default) and not p.kwargs:
+            vv, pv = _val(view), _val(p)
+            if view is not None and (vv is None or pv is None or vv.shape[-1] != pv.shape[-1]):
+                continue
+            return p, view, n.args[ci], -1
+    return None
+
+
+def _weights(gm, p):
+    """(weight, bias-or-None, weight arg index, bias arg index or None) of a conv/addmm/mm node."""
+    if p.target is aten.convolution.default:
+        w, bi = constant_value(gm, p.args[1]), 2
+        b = constant_value(gm, p.args[2]) if p.args[2] is not None else None
+        ok = w is not None and (p.args[2] is None or b is not None)
+        return (w, b, 1, bi) if ok else None
+    if p.target is aten.addmm.default:
+        w, b = constant_value(gm, p.args[2]), constant_value(gm, p.args[0])
+        return (w, b, 2, 0) if w is not None and b is not None else None
+    w = constant_value(gm, p.args[1])
+    return (w, None, 1, None) if w is not None else None
+
+
+def _fold_one(gm, n: fx.Node, fake_mode) -> bool:
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    found = _producer(n)
+    if found is None or n.kwargs:
+        return False
+    p, view, c, dim = found
+    parts = _weights(gm, p)
+    pv, nv = _val(p), _val(n)
+    if parts is None or pv is None or nv is None or nv.dtype != pv.dtype or not parts[0].is_floating_point():
+        return False
+    if list(nv.shape) != list((_val(view) if view is not None else pv).shape):
+        return False
+    w, b, wi, bi = parts
+    kind = BINARY[n.target][0]
+    out_shape = list(nv.shape)
+    channels = w.shape[0] if dim == 1 else w.shape[1]
+    with unset_fake_temporarily(), torch.no_grad():
+        dt = compute_dtype(w.dtype)
+        vec = _channel_vector(gm, c, out_shape, dim, channels, dt)
+        if vec is None:
+            return False
+        vec = vec.to(w.device)
+        new_w, new_b = w, b
+        if kind in ("mul", "div"):
+            op = torch.mul if kind == "mul" else torch.div
+            scale = vec.reshape([-1] + [1] * (w.dim() - 1)) if dim == 1 else vec.reshape(1, -1)
+            new_w = like(op(w.to(dt), scale), w)
+            new_b = None if b is None else op(b.to(dt), vec).to(b.dtype)
+        else:
+            sign = 1.0 if kind == "add" else -1.0
+            new_b = (vec * sign if b is None else b.to(dt) + sign * vec).to(w.dtype)
+    g = gm.graph
+    args = list(p.args)
+    if new_w is not w:
+        args[wi] = add_constant(gm, new_w, fake_mode)
+    target = p.target
+    if new_b is not None and (bi is None):  # mm gains a bias: addmm(b, x, Wt)
+        target, args = aten.addmm.default, [add_constant(gm, new_b, fake_mode), *args]
+    elif new_b is not None and new_b is not b:
+        args[bi] = add_constant(gm, new_b, fake_mode)
+    with g.inserting_before(p):
+        new = g.call_function(target, tuple(args), dict(p.kwargs))
+    new.meta.update(p.meta)
+    result = new
+    if view is not None:
+        with g.inserting_before(view):
+            result = g.call_function(view.target, (new, *view.args[1:]), dict(view.kwargs))
+        result.meta.update(view.meta)
+    n.replace_all_uses_with(result)
+    for dead in (n, view, p):
+        if dead is not None:
+            g.erase_node(dead)
+    log(5, f"binary_fold: {kind} {n.name} folded into {new.name}")
+    return True
+
+
+def fold_binary(gm: fx.GraphModule, fake_mode=None) -> int:
+    """Fold binary ops by constants into the conv/linear before them; edits ``gm``, returns the count."""
+    folded = 0
+    for n in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in BINARY]:
+        if _fold_one(gm, n, fake_mode):
+            folded += 1
+    if folded:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return folded

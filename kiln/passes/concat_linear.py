@@ -1,0 +1,116 @@
+"""Concatenate linears that share an input into one matmul.
+
+    addmm(b1, x, W1t), addmm(b2, x, W2t), mm(x, W3t)
+        ->  y = addmm(cat[b1, b2, 0], x, cat[W1t, W2t, W3t] along columns);  y[:, :N1], y[:, N1:N1+N2], ...
+
+One bigger GEMM replaces several small ones (better for small N, and the input is read once). A linear
+joins a group when its weight is a constant 2-D matrix with the group's K, dtype and device, and its
+bias is a constant that broadcasts as one row (shape [N] or [1, N]); a bias shaped [M, N] keeps its
+linear out. Each result is a column slice of the big output; a slice that a view cannot reinterpret,
+or that is returned to the user, is copied to a contiguous tensor so strides match eager.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from kiln.debug import log
+from kiln.passes.fold import add_constant, constant_value, infer_val
+
+aten = torch.ops.aten
+VIEWS = (aten.view.default, aten._unsafe_view.default)
+MIN_GROUP = 2
+
+
+def _linear(gm, n: fx.Node):
+    """(x, Wt, bias-or-None) when ``n`` is a linear with constant weights, else None."""
+    if n.op != "call_function" or n.kwargs:
+        return None
+    if n.target is aten.addmm.default:
+        b, x, w = n.args
+        bt = constant_value(gm, b)
+        if bt is None:
+            return None
+    elif n.target is aten.mm.default:
+        (x, w), bt = n.args, None
+    else:
+        return None
+    wt = constant_value(gm, w)
+    if wt is None or wt.dim() != 2 or not wt.is_floating_point():
+        return None
+    if bt is not None and (bt.dtype != wt.dtype or bt.dim() > 2 or bt.numel() != wt.shape[1]):
+        return None
+    return x, wt, bt
+
+
+def _groups(gm) -> list:
+    groups: dict = {}
+    for n in gm.graph.nodes:
+        lin = _linear(gm, n)
+        if lin is None:
+            continue
+        x, wt, _ = lin
+        groups.setdefault((x, wt.shape[0], wt.dtype, wt.device), []).append((n, lin))
+    return [g for g in groups.values() if len(g) >= MIN_GROUP]
+
+
+def _needs_copy(user: fx.Node, sliced_val) -> bool:
+    """True when ``user`` cannot take a column slice in place of a contiguous matrix."""
+    if user.op == "output":
+        return True
+    if user.target in VIEWS:
+        shape = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in user.args[1]]
+        try:
+            sliced_val.view(shape)
+        except Exception:
+            return True
+    return False
+
+
+def _concat(gm, group, fake_mode) -> None:
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    g = gm.graph
+    nodes = [n for n, _ in group]
+    x = group[0][1][0]
+    widths = [lin[1].shape[1] for _, lin in group]
+    with unset_fake_temporarily(), torch.no_grad():
+        ws = [lin[1] for _, lin in group]
+        if all(w.stride() == (1, w.shape[0]) for w in ws):  # transposed views of [N, K] weights: keep that
+            w_cat = torch.cat([w.t() for w in ws], 0).t()
+        else:
+            w_cat = torch.cat(ws, 1)
+        b_cat = torch.cat([lin[2].reshape(-1) if lin[2] is not None else
+                           torch.zeros(lin[1].shape[1], dtype=lin[1].dtype, device=lin[1].device)
+                           for _, lin in group])
+    first = next(n for n in g.nodes if n in set(nodes))
+    w_node, b_node = add_constant(gm, w_cat, fake_mode), add_constant(gm, b_cat, fake_mode)
+    with g.inserting_before(first):
+        big = g.call_function(aten.addmm.default, (b_node, x, w_node))
+    infer_val(big, fake_mode)
+    start = 0
+    for n, width in zip(nodes, widths):
+        with g.inserting_before(first):
+            s = g.call_function(aten.slice.Tensor, (big, 1, start, start + width))
+        start += width
+        sv = infer_val(s, fake_mode)
+        for user in list(n.users):
+            src = s
+            if _needs_copy(user, sv):
+                with g.inserting_before(user):
+                    src = g.call_function(aten.clone.default, (s,), {"memory_format": torch.contiguous_format})
+                infer_val(src, fake_mode)
+            user.replace_input_with(n, src)
+        g.erase_node(n)
+
+
+def concat_linears(gm: fx.GraphModule, fake_mode=None) -> int:
+    """Merge linears sharing an input into one addmm; edits ``gm``, returns how many linears merged."""
+    merged = 0
+    for group in _groups(gm):
+        _concat(gm, group, fake_mode)
+        merged += len(group)
+        log(5, f"concat_linear: {len(group)} linears on {group[0][1][0]} merged")
+    if merged:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return merged

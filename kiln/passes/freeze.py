@@ -1,0 +1,298 @@
+"""Inference freezing: module state becomes constants of the compiled graph, then folds.
+
+``compile_frozen`` is compile.py's branch for ``freezing=True`` under ``torch.no_grad()``:
+
+1. ``module_state``: which of Dynamo's placeholders are parameters, buffers or tensor attributes of a
+   module (an ``nn.Parameter`` example, a ``_parameters``/``_buffers`` source, or Dynamo's static mark).
+   With ``inline_inbuilt_nn_modules=False`` AOTAutograd also lifts the graph module's own parameters and
+   buffers as leading inputs; those are module state too.
+2. AOTAutograd traces the inference graph with kiln's decompositions (eval BatchNorm kept whole). In the
+   inference compiler, ``freeze_placeholders`` turns every module-state placeholder that the graph
+   neither mutates nor returns a view of into a ``get_attr`` constant ``_frozen_paramN`` (the real data).
+3. kiln's joint passes (CSE, patterns, user hooks), then ``freezing_passes``: the layout hook, rounds of
+   constant folding, conv-BN folding and binary folding, linear concatenation and the mkldnn rewrite.
+4. ``lower`` as usual; the compiled callable drops the frozen positions from its arguments.
+5. With ``freezing_discard_parameters=True``, ``discard_parameters`` swaps the frozen tensors in every
+   module holding them for an ``ErasedTensor``: the originals can be freed and eager calls fail loudly.
+
+Frozen values are not guarded: change a parameter after compiling and the compiled graph keeps the old
+value. Freezing is for inference only.
+"""
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from kiln.debug import counters, log
+from kiln.passes.fold import add_constant, drop_unused_constants, fold_constants, protect_outputs
+
+aten = torch.ops.aten
+# Names tried, in order, on kiln.passes.patterns.mkldnn for the CPU convolution prepack rewrite.
+MKLDNN_ENTRY_POINTS = ("prepack_convolutions", "rewrite_convolutions", "pack_convolutions", "apply")
+MAX_FOLD_ROUNDS = 4
+
+
+@dataclass
+class FrozenRegion:
+    """One compiled region's freezing state, shared by compile_frozen and its inference compiler."""
+    real: list                                 # the real value of each AOT flat input
+    state: set                                 # positions holding module state (freeze candidates)
+    frozen: list = field(default_factory=list)  # positions turned into constants
+    lifted: int = 0                            # leading inputs AOTAutograd lifted from the graph module
+
+
+# -- which inputs are module state --------------------------------------------------------------------
+def _source_name(n: fx.Node) -> str:
+    src = getattr(n, "_dynamo_source", None)
+    if src is None and n.meta.get("grapharg") is not None:
+        src = getattr(n.meta["grapharg"], "source", None)
+    if src is None:
+        return ""
+    name = src.name
+    return name() if callable(name) else str(name)
+
+
+def module_state(gm: fx.GraphModule, example_inputs) -> set:
+    """Positions of Dynamo's placeholders that are parameters, buffers or module tensor attributes."""
+    out = set()
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for i, (n, ex) in enumerate(zip(placeholders, example_inputs)):
+        if not isinstance(ex, torch.Tensor):
+            continue
+        name = _source_name(n)
+        static = n.meta.get("tensor_dict", {}).get("_dynamo_static_input_type") is not None
+        if isinstance(ex, torch.nn.Parameter) or "._parameters[" in name or "._buffers[" in name or static:
+            out.add(i)
+    return out
+
+
+def _lifted_state(gm: fx.GraphModule) -> list:
+    """The graph module's own parameters and buffers, in the order AOTAutograd lifts them."""
+    params = {**dict(gm.named_parameters(remove_duplicate=False)),
+              **dict(gm.named_buffers(remove_duplicate=False))}
+    return list(params.values())
+
+
+# -- placeholders -> constants ------------------------------------------------------------------------
+def _kept_by_aot_metadata() -> "set | None":
+    """Input positions that must stay inputs: mutated ones and bases of outputs that alias an input."""
+    ctx = torch._guards.TracingContext.try_get()
+    meta = getattr(ctx, "fw_metadata", None) if ctx is not None else None
+    if meta is None:
+        return None
+    keep = set()
+    for i, info in enumerate(meta.input_info):
+        if info.mutates_data or info.mutates_metadata or getattr(info, "mutates_storage_metadata", False):
+            keep.add(i)
+    for o in meta.output_info:
+        if o.output_type.name in ("alias_of_input", "is_input") and o.base_idx is not None:
+            keep.add(o.base_idx)
+    return keep
+
+
+def _freezable(t, val) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+    if not isinstance(t, torch.Tensor) or isinstance(t, (FakeTensor, ErasedTensor)):
+        return False
+    if isinstance(val, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in val.shape):
+        return False
+    return type(t) in (torch.Tensor, torch.nn.Parameter) or isinstance(t, torch.nn.Parameter)
+
+
+def freeze_placeholders(gm: fx.GraphModule, region: FrozenRegion, fake_mode=None) -> int:
+    """Replace each freezable module-state placeholder of the ATen graph ``gm`` with a constant.
+
+    Edits ``gm`` in place, records the positions in ``region.frozen`` and returns how many froze.
+    """
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    keep = _kept_by_aot_metadata()
+    if keep is None or len(placeholders) != len(region.real):
+        log(1, f"freeze: nothing frozen (AOT metadata {'missing' if keep is None else 'present'}, "
+               f"{len(placeholders)} placeholders for {len(region.real)} inputs)")
+        return 0
+    by_id: dict = {}
+    for i in sorted(region.state - keep):
+        t, ph = region.real[i], placeholders[i]
+        if not _freezable(t, ph.meta.get("val")):
+            continue
+        const = by_id.get(id(t))
+        if const is None:
+            const = by_id[id(t)] = add_constant(gm, t, fake_mode)
+        ph.replace_all_uses_with(const)
+        gm.graph.erase_node(ph)
+        region.frozen.append(i)
+    gm.recompile()
+    counters["kiln"]["frozen_params"] += len(region.frozen)
+    return len(region.frozen)
+
+
+# -- the freezing passes ------------------------------------------------------------------------------
+def _mkldnn_rewrite(gm: fx.GraphModule, target: str, inputs) -> int:
+    """Seed 002's CPU inference pattern: convolutions become prepacked mkldnn calls (another module)."""
+    on_cpu = all(not isinstance(t, torch.Tensor) or t.device.type == "cpu" for t in inputs)
+    if target != "aten" or not on_cpu or not torch.backends.mkldnn.is_available():
+        return 0
+    try:
+        from kiln.passes.patterns import mkldnn
+    except ImportError:
+        return 0
+    for name in MKLDNN_ENTRY_POINTS:
+        fn = getattr(mkldnn, name, None)
+        if callable(fn):
+            n = fn(gm) or 0
+            gm.recompile()
+            return int(n)
+    return 0
+
+
+def freezing_passes(gm: fx.GraphModule, opts, target: str, trace, fake_mode=None, inputs=()) -> dict:
+    """Fold the constants of ``gm`` in place; returns the statistics (also in counters['kiln'])."""
+    from kiln.passes import binary_fold, concat_linear, conv_bn, layout
+    stats = {"layout": trace.stage("freeze_layout", layout.convert_conv_weights, gm, opts)}
+    stats.update(constant_folded=0, conv_bn_folded=0, binary_folded=0)
+    for _ in range(MAX_FOLD_ROUNDS):
+        stats["constant_folded"] += trace.stage("constant_fold", fold_constants, gm, fake_mode)
+        cb = trace.stage("conv_bn", conv_bn.fold_conv_bn, gm, fake_mode)
+        bf = trace.stage("binary_fold", binary_fold.fold_binary, gm, fake_mode)
+        stats["conv_bn_folded"] += cb
+        stats["binary_folded"] += bf
+        if not (cb or bf):
+            break
+    stats["concat_linear"] = trace.stage("concat_linear", concat_linear.concat_linears, gm, fake_mode)
+    if target == "triton":
+        stats["bn_affine"] = trace.stage("bn_to_affine", conv_bn.bn_to_affine, gm, fake_mode)
+    stats["constant_folded"] += fold_constants(gm, fake_mode)
+    stats["mkldnn"] = trace.stage("mkldnn", _mkldnn_rewrite, gm, target, inputs)
+    drop_unused_constants(gm)
+    protect_outputs(gm)
+    stats["constants"] = sum(1 for n in gm.graph.nodes if n.op == "get_attr")
+    for k in ("constant_folded", "conv_bn_folded", "binary_folded", "concat_linear"):
+        counters["kiln"][k] += stats[k]
+    return stats
+
+
+# -- the compiled region --------------------------------------------------------------------------
+def _drop_frozen(compiled, keep: list):
+    """A boxed callable taking every AOT input that passes only the kept ones to ``compiled``."""
+    def run(args):
+        kept = [args[i] for i in keep]
+        args.clear()
+        return compiled(kept)
+    run._boxed_call = True
+    run.compiled = compiled
+    return run
+
+
+def compile_frozen(gm: fx.GraphModule, example_inputs: list, opts, trace, aot):
+    """Compile Dynamo's graph ``gm`` for inference with its module state frozen; see the module doc."""
+    from torch._dynamo.backends.common import aot_autograd
+    from kiln import compat, passes
+    from kiln.capture.decomp import decomposition_table
+    from kiln.compile import lower, resolve_target
+
+    if opts.cpp_wrapper:
+        log(1, "cpp_wrapper=True: kiln has no C++ wrapper; running the Python wrapper")
+    lifted = _lifted_state(gm)
+    state = set(range(len(lifted))) | {len(lifted) + i for i in module_state(gm, example_inputs)}
+    if not state:
+        log(1, "freeze: no parameters or buffers in this graph; compiling without freezing")
+        return aot(gm, example_inputs, opts, trace)
+    region = FrozenRegion(real=lifted + list(example_inputs), state=state, lifted=len(lifted))
+    target = resolve_target(opts, example_inputs)
+
+    def inference_compiler(g, inputs):
+        from torch._guards import detect_fake_mode
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        fake_mode = detect_fake_mode(inputs)
+        with unset_fake_temporarily():  # folding computes with the real tensors
+            trace.stage("freeze", freeze_placeholders, g, region, fake_mode)
+            trace.stage("joint", passes.joint, g, opts)
+            stats = freezing_passes(g, opts, target, trace, fake_mode, inputs)
+        log(2, f"freezing: {len(region.frozen)} params frozen, {stats['constant_folded']} nodes folded, "
+               f"{stats['conv_bn_folded']} conv-bn folds, {stats['binary_folded']} binary folds, "
+               f"{stats['concat_linear']} linears concatenated, {stats['constants']} constants")
+        frozen = set(region.frozen)
+        keep = [i for i in range(len(inputs)) if i not in frozen]
+        compiled = lower(g, [inputs[i] for i in keep], opts, trace, "inference", target)
+        return _drop_frozen(compiled, keep)
+
+    def fw_compiler(g, inputs):  # grad is off, so AOTAutograd should only call the inference compiler
+        return lower(g, inputs, opts, trace, "forward", target)
+
+    def bw_compiler(g, inputs):
+        return lower(g, inputs, opts, trace, "backward", target)
+
+    table = decomposition_table(target)
+    for op in (aten._native_batch_norm_legit_no_training.default, aten.native_batch_norm.default):
+        table.pop(op, None)  # keep eval BatchNorm whole so conv-BN folding sees it
+    backend = aot_autograd(**compat.aot_autograd_kwargs(
+        fw_compiler=fw_compiler, bw_compiler=bw_compiler, inference_compiler=inference_compiler,
+        decompositions=table))
+    compiled = backend(gm, example_inputs)
+    if opts.freezing_discard_parameters and region.frozen:
+        _release(region)
+    region.real = []
+    return compiled
+
+
+# -- discarding the originals -----------------------------------------------------------------------
+def _release(region: FrozenRegion) -> None:
+    ctx = torch._guards.TracingContext.try_get()
+    params_flat = getattr(ctx, "params_flat", None) if ctx is not None else None
+    for i in region.frozen:
+        if i < region.lifted and params_flat is not None and i < len(params_flat):
+            params_flat[i] = None  # AOTAutograd's runtime then passes None for it; the region ignores it
+    erased = discard_parameters([region.real[i] for i in region.frozen])
+    log(1, f"freeze: discarded {erased} original parameters and buffers")
+
+
+class ErasedTensor(torch.Tensor):
+    """A parameter or buffer dropped by ``freezing_discard_parameters=True``.
+
+    Freezing copied its value into the compiled graph; the original was released to save memory. It
+    keeps shape and dtype (on the meta device) so the module still prints, and every op on it raises.
+    """
+
+    @staticmethod
+    def __new__(cls, elem: torch.Tensor, name: str, owner):
+        meta = torch.empty_strided(elem.shape, elem.stride(), dtype=elem.dtype, device="meta")
+        t = torch.Tensor._make_subclass(cls, meta, elem.requires_grad)
+        t.erased_name = f"{type(owner).__name__}.{name}"
+        if isinstance(elem, torch.nn.Parameter):
+            t._is_param = True  # still passes isinstance(t, nn.Parameter) for module bookkeeping
+        return t
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        names = [a.erased_name for a in pytree.tree_leaves((args, kwargs or {})) if isinstance(a, ErasedTensor)]
+        raise RuntimeError(
+            f"Trying to run Pytorch Eager Module after Dynamo Freezing. The original parameters have been "
+            f"discarded for memory efficiency (found in {func} on {', '.join(names)}). Call the compiled "
+            f"module instead, or compile with freezing_discard_parameters=False to keep them.")
+
+    def __repr__(self):
+        return f"ErasedTensor({self.erased_name}, shape={list(self.shape)}, dtype={self.dtype})"
+
+
+def discard_parameters(tensors) -> int:
+    """Swap each of ``tensors`` for an ErasedTensor in every nn.Module holding it; returns the swap count."""
+    ids = {id(t) for t in tensors}
+    count = 0
+    for obj in gc.get_objects():
+        try:
+            if not isinstance(obj, torch.nn.Module):
+                continue
+        except Exception:  # objects with odd __class__ properties
+            continue
+        for store in (obj.__dict__.get("_parameters", {}), obj.__dict__.get("_buffers", {}), obj.__dict__):
+            for name, t in list(store.items()):
+                if isinstance(t, torch.Tensor) and not isinstance(t, ErasedTensor) and id(t) in ids:
+                    store[name] = ErasedTensor(t, name, obj)
+                    count += 1
+    return count

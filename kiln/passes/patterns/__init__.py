@@ -1,0 +1,1 @@
+"""Pattern families, one file each (``mkldnn.py``: oneDNN convolution prepack and fusion)."""

@@ -1,0 +1,132 @@
+"""User graph passes by stage, scoped like options.
+
+    handle = kiln.passes.register("joint_post", my_pass)    # until handle.remove()
+    with kiln.passes.register("post_grad_pre", other):      # until the block ends
+        torch.compile(fn, backend="kiln")(x)
+
+A pass is ``fn(graph: torch.fx.Graph)`` editing the graph in place (the PyTorch hook contract).
+Stages, in pipeline order: ``pre_grad`` (Dynamo's torch-level graph), ``joint_pre`` and
+``joint_post`` (the joint forward+backward graph, before partitioning), ``post_grad_pre`` and
+``post_grad_post`` (forward and backward graphs separately). Several passes per stage run in
+registration order. Registrations live in a context variable: they do not leak into other threads
+or ``contextvars`` contexts. ``cache_key()`` changes whenever the registered passes change (a pass
+is identified by its ``uuid()`` when it has one, else by its source).
+"""
+from __future__ import annotations
+
+import contextvars
+import hashlib
+import inspect
+import time
+from typing import Callable, List, Optional, Tuple
+
+import torch.fx as fx
+
+from kiln.debug import log
+
+STAGES = ("pre_grad", "joint_pre", "joint_post", "post_grad_pre", "post_grad_post")
+
+
+class RegistryError(ValueError):
+    """A pass was registered for an unknown stage or is not callable; the message lists the stages."""
+
+
+class PassHandle:
+    """One registration: ``.remove()`` ends it; as a context manager it ends with the block."""
+
+    def __init__(self, stage: str, fn: Callable, name: str):
+        self.stage, self.fn, self.name = stage, fn, name
+
+    def remove(self) -> None:
+        _PASSES.set(tuple(h for h in _PASSES.get() if h is not self))
+
+    @property
+    def active(self) -> bool:
+        return any(h is self for h in _PASSES.get())
+
+    def __enter__(self) -> "PassHandle":
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.remove()
+        return False
+
+    def __repr__(self):
+        return f"PassHandle({self.stage!r}, {self.name!r})"
+
+
+_PASSES: contextvars.ContextVar[Tuple[PassHandle, ...]] = contextvars.ContextVar("kiln_passes", default=())
+
+
+def _check_stage(stage: str) -> None:
+    if stage not in STAGES:
+        raise RegistryError(f"unknown pass stage {stage!r}; choose one of {list(STAGES)}")
+
+
+def register(stage: str, fn: Callable, name: Optional[str] = None) -> PassHandle:
+    """Run ``fn(graph)`` at ``stage`` from now on (in this context); returns a removable handle."""
+    _check_stage(stage)
+    if not callable(fn):
+        raise RegistryError(f"pass for stage {stage!r} must be callable(graph), got {type(fn).__name__}")
+    handle = PassHandle(stage, fn, name or getattr(fn, "__name__", None) or type(fn).__name__)
+    _PASSES.set(_PASSES.get() + (handle,))
+    return handle
+
+
+def passes_for(stage: str) -> List[Tuple[str, Callable]]:
+    """``[(name, fn), ...]`` registered for ``stage``, in registration order."""
+    _check_stage(stage)
+    return [(h.name, h.fn) for h in _PASSES.get() if h.stage == stage]
+
+
+def pass_identity(fn: Callable) -> str:
+    """What a compile cache should hash for ``fn``: its ``uuid()``, else its source, else its name."""
+    uuid = getattr(fn, "uuid", None)
+    if callable(uuid):
+        return f"uuid:{uuid()}"
+    target = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else type(fn)
+    try:
+        return "src:" + hashlib.sha256(inspect.getsource(target).encode()).hexdigest()[:16]
+    except (OSError, TypeError):
+        return f"name:{getattr(target, '__qualname__', repr(target))}"
+
+
+def cache_key() -> str:
+    """A hash of every registered pass (stage, name, identity), in order."""
+    h = hashlib.sha256()
+    for handle in _PASSES.get():
+        h.update(f"{handle.stage}|{handle.name}|{pass_identity(handle.fn)};".encode())
+    return h.hexdigest()[:16]
+
+
+def run_stage(stage: str, graph_module: fx.GraphModule, hook_from_options: Optional[Callable] = None) -> None:
+    """Run the passes of ``stage`` on ``graph_module`` (each as ``fn(gm.graph)``), then recompile.
+
+    The options hook (e.g. ``Options.joint_custom_pre_pass``) runs before the registered passes
+    for ``pre_grad`` and the ``*_pre`` stages, after them for the ``*_post`` stages. At
+    KILN_DEBUG >= 2 each pass prints its name, node-count change and time.
+    """
+    passes = passes_for(stage)
+    if hook_from_options is not None:
+        hook_name = f"options.{_option_name(stage)}"
+        if stage.endswith("_post"):
+            passes = passes + [(hook_name, hook_from_options)]
+        else:
+            passes = [(hook_name, hook_from_options)] + passes
+    if not passes:
+        return
+    graph = graph_module.graph
+    for name, fn in passes:
+        before = len(graph.nodes)
+        start = time.perf_counter()
+        fn(graph)
+        elapsed = time.perf_counter() - start
+        log(2, f"{stage}: pass {name}: {before} -> {len(graph.nodes)} nodes "
+               f"({len(graph.nodes) - before:+d}) in {elapsed * 1000:.1f} ms")
+    graph_module.recompile()
+
+
+def _option_name(stage: str) -> str:
+    return {"pre_grad": "pre_grad_custom_pass", "joint_pre": "joint_custom_pre_pass",
+            "joint_post": "joint_custom_post_pass", "post_grad_pre": "post_grad_custom_pre_pass",
+            "post_grad_post": "post_grad_custom_post_pass"}[stage]

@@ -1,0 +1,52 @@
+"""Measurement helpers: saved-tensor bytes, the eager comparison, quantiles and step counting."""
+import torch
+
+from kiln.bench import measure as M
+
+
+def test_saved_bytes_dedups_storage_and_skips_inputs():
+    x = torch.randn(256, requires_grad=True)
+
+    def forward():
+        y = torch.sigmoid(x)          # saves y (1 KiB)
+        z = y.view(16, 16)            # a view of y: same storage
+        return (z * z).sum() + (x * x).sum()   # saves z twice (same storage) and x (an input)
+
+    res = M.saved_bytes(forward, lambda out: out.backward(), [x])
+    assert res["saved_bytes"] == 256 * 4
+    assert res["saved_tensors"] == 1
+
+
+def test_saved_bytes_counts_distinct_storages():
+    x = torch.randn(128, requires_grad=True)
+
+    def forward():
+        a, b = torch.exp(x), torch.tanh(x)  # two new storages
+        return (a * b).sum()
+
+    res = M.saved_bytes(forward, lambda out: out.backward(), [x])
+    assert res["saved_bytes"] == 2 * 128 * 4
+
+
+def test_compare_flags_mismatch_and_nan():
+    ref = [torch.ones(4), torch.arange(4.0)]
+    assert M.compare(ref, [t.clone() for t in ref], 1e-3)["ok"]
+    bad = M.compare(ref, [torch.ones(4), torch.arange(4.0) + 0.1], 1e-3)
+    assert not bad["ok"] and abs(bad["err"] - 0.1 / 3) < 1e-6 and "tensor 1" in bad["check"]
+    nan = M.compare(ref, [torch.full((4,), float("nan")), ref[1]], 1.0)
+    assert not nan["ok"]
+    assert not M.compare(ref, ref[:1], 1.0)["ok"]
+    assert not M.compare(ref, [torch.ones(5), ref[1]], 1.0)["ok"]
+
+
+def test_summarize_quantiles():
+    s = M.summarize([5.0, 1.0, 3.0, 2.0, 4.0])
+    assert (s["ms"], s["p25"], s["p75"], s["min"], s["max"], s["iters"]) == (3.0, 2.0, 4.0, 1.0, 5.0, 5)
+
+
+def test_step_times_excludes_warmup_and_respects_bounds():
+    calls = []
+    times = M.step_times(lambda: calls.append(1), "cpu", warmup=2, min_iters=4, max_iters=4, min_time=10.0)
+    assert len(times) == 4 and len(calls) == 6
+    times = M.step_times(lambda: None, "cpu", warmup=0, min_iters=3, max_iters=50, min_time=0.0)
+    assert len(times) == 3

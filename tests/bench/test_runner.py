@@ -1,0 +1,71 @@
+"""The runner: one row per backend and budget; failures become rows and never stop the run."""
+import torch
+
+from kiln.bench import backends as B
+from kiln.bench import runner
+from kiln.bench.case import Case, FnWorkload
+from kiln.bench.suites import micro
+
+CFG = runner.RunConfig(device="cpu", size="tiny", warmup=0, min_iters=2, max_iters=2, min_time=0.0,
+                       warm_compile=False)
+
+
+def _case(**kw):
+    return Case("swish", "micro", lambda d, dt, s: FnWorkload(micro.swish, [torch.randn(64, requires_grad=True)], dt),
+                **kw)
+
+
+def test_variants_sweep_only_compiled_training():
+    train, infer = _case(), _case(train=False)
+    assert runner.variants(train, ["eager", "inductor", "kiln"], [1.0, 0.5]) == [
+        ("eager", None), ("inductor", 1.0), ("inductor", 0.5), ("kiln", 1.0), ("kiln", 0.5)]
+    assert runner.variants(infer, ["eager", "kiln"], [1.0, 0.5]) == [("eager", None), ("kiln", None)]
+
+
+def test_backend_failure_is_a_row(monkeypatch):
+    real = B.compile_model
+
+    def broken(backend, model, options=None, budget=None):
+        if backend == "kiln":
+            raise RuntimeError("lowering failed\nmore")
+        return real(backend, model, options, budget)
+
+    monkeypatch.setattr(B, "compile_model", broken)
+    rows = list(runner.run_case(_case(), "fp32", ["kiln", "eager"], None, CFG))
+    assert [r["backend"] for r in rows] == ["kiln", "eager"]
+    assert rows[0]["status"] == "error" and rows[0]["stage"] == "compile"
+    assert rows[0]["error"] == "RuntimeError: lowering failed"
+    assert rows[1]["status"] == "ok" and rows[1]["iters"] == 2
+
+
+def test_build_failure_gives_error_rows():
+    def build(device, dtype, size):
+        raise MemoryError("too big")
+    rows = list(runner.run_case(Case("big", "micro", build), "fp32", ["eager", "kiln"], [0.5], CFG))
+    assert [(r["backend"], r["budget"], r["stage"]) for r in rows] == [("eager", None, "build"), ("kiln", 0.5, "build")]
+
+
+def test_wrong_result_fails_check(monkeypatch):
+    real = B.compile_model
+
+    def wrong(backend, model, options=None, budget=None):
+        if backend == "kiln":
+            return lambda x: model(x) * 1.01
+        return real(backend, model, options, budget)
+
+    monkeypatch.setattr(B, "compile_model", wrong)
+    rows = {r["backend"]: r for r in runner.run_case(_case(), "fp32", ["eager", "kiln"], None, CFG)}
+    assert rows["eager"]["check"] == "ref"
+    assert rows["kiln"]["status"] == "ok" and rows["kiln"]["ok"] is False
+
+
+def test_micro_cases_build_tiny_and_match_eager_copy():
+    for case in micro.CASES:
+        for dtype in ("fp32", "bf16"):
+            wl = case.build("cpu", dtype, "tiny")
+            a, b = wl.fresh(), wl.fresh()
+            ra, rb = a.check(a.model), b.check(b.model)
+            assert len(ra) >= 2, case.name  # output and at least one grad
+            assert B.check_names(["eager"]) == ["eager"]
+            assert all(torch.equal(x, y) for x, y in zip(ra, rb)), case.name
+            assert wl.min_bytes > 0

@@ -1,0 +1,38 @@
+"""Smoke test: ``kiln bench`` end to end on one tiny micro case, eager and kiln, JSON to a tmp path."""
+import json
+import time
+
+from kiln.bench.cli import main
+
+
+def _kiln_ready():
+    try:
+        import kiln
+        return callable(getattr(kiln, "compile", None))
+    except Exception:
+        return False
+
+
+def test_bench_one_case_to_json(tmp_path):
+    backends = "eager,kiln" if _kiln_ready() else "eager"
+    out, md = tmp_path / "out.json", tmp_path / "out.md"
+    t0 = time.time()
+    rc = main(["--device", "cpu", "--size", "tiny", "--cases", "swish", "--dtype", "fp32",
+               "--backends", backends, "--no-record", "--json", str(out), "--md", str(md), "--iters", "3"])
+    assert time.time() - t0 < 30
+    assert rc == 0
+    data = json.loads(out.read_text())
+    rows = {r["backend"]: r for r in data["rows"]}
+    assert sorted(rows) == sorted(backends.split(","))
+    eager = rows["eager"]
+    assert eager["status"] == "ok" and eager["iters"] == 3 and eager["ms"] > 0
+    # eager swish saves x (an input, not counted) and sigmoid(x): 4096 fp32 values
+    assert eager["saved_bytes"] == 4096 * 4
+    # minimal traffic: fwd reads x writes y, bwd reads dy and x writes dx: 5 tensors of 16 KiB
+    assert eager["min_bytes"] == 5 * 4096 * 4 and eager["gbps"] > 0
+    if "kiln" in rows:
+        k = rows["kiln"]
+        assert k["status"] == "ok", k.get("error")
+        assert k["ok"] and k["err"] < 1e-5
+        assert k["compile_s"] > 0 and k["warm_compile_s"] > 0
+    assert "| swish | fp32 |" in md.read_text()

@@ -1,0 +1,67 @@
+"""Helpers for codegen tests: trace a function to an ATen graph, fuse it, run it, compare."""
+from __future__ import annotations
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from kiln.codegen.fuse import fuse_graph
+from kiln.options import Options
+
+
+def decompositions():
+    try:
+        from kiln.capture.decomp import decomposition_table
+        return decomposition_table("triton")
+    except ImportError:
+        from torch._decomp import core_aten_decompositions
+        return core_aten_decompositions()
+
+
+def fused(fn, *args, mode="fake", **opts):
+    """(graph module with kernels, number of kernels) for ``fn`` traced on ``args``."""
+    gm = make_fx(fn, decomposition_table=decompositions(), tracing_mode=mode)(*args)
+    n = fuse_graph(gm, list(args), Options(codegen="triton", **opts), strict=True)
+    return gm, n
+
+
+def kernels(gm):
+    return [n.target for n in gm.graph.nodes if hasattr(n.target, "source")]
+
+
+def aten_ops(gm):
+    return [n.target for n in gm.graph.nodes if n.op == "call_function" and not hasattr(n.target, "source")]
+
+
+def _ref(x):
+    if isinstance(x, torch.Tensor) and x.is_floating_point():
+        return x.double()
+    return x
+
+
+def assert_close(out, ref, atol=1e-5, rtol=1e-5):
+    if isinstance(ref, (tuple, list)):
+        assert len(out) == len(ref)
+        for o, r in zip(out, ref):
+            assert_close(o, r, atol, rtol)
+        return
+    if ref is None:
+        assert out is None
+        return
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    assert out.dtype == ref.dtype or ref.dtype == torch.float64, (out.dtype, ref.dtype)
+    torch.testing.assert_close(out.to(ref.dtype) if ref.dtype == torch.float64 else out, ref,
+                               atol=atol, rtol=rtol, equal_nan=True)
+
+
+def check(fn, *args, n_kernels=None, atol=1e-5, rtol=1e-5, ref_fp64=False, mode="fake"):
+    """Fuse ``fn``, run it on ``args`` and compare with eager; returns the graph module."""
+    gm, n = fused(fn, *args, mode=mode)
+    out = gm(*args)
+    if ref_fp64:
+        ref = fn(*[_ref(a) for a in args])
+    else:
+        ref = fn(*args)
+    assert_close(out, ref, atol, rtol)
+    if n_kernels is not None:
+        assert n == n_kernels, f"expected {n_kernels} kernels, got {n}:\n{gm.code}"
+    return gm

@@ -1,0 +1,140 @@
+"""Min-cut rematerialization: what it saves, what it recomputes, correctness and speed."""
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kiln.options import current
+from kiln.partition import partition_joint, saved_values
+from kiln.partition import ops
+from kiln.partition.estimate import size_bytes
+from tests.partition.helpers import aot, check_grads
+from tests.partition.synth import chain_joint
+
+
+def _saved(cap, num_fwd_outputs=1):
+    return saved_values(cap.fw, num_fwd_outputs)
+
+
+def _act_bytes(cap, num_fwd_outputs=1):
+    return sum(size_bytes(n) for n in _saved(cap, num_fwd_outputs) if not n.name.startswith("primals"))
+
+
+def pointwise_chain(x):
+    a = x.sin()
+    b = a.cos()
+    c = b.exp()
+    return (c * a).sum()
+
+
+def test_recomputes_pointwise_chain():
+    """The plain partition saves intermediates; the min-cut saves only the input and recomputes them."""
+    x = torch.randn(32, 32, requires_grad=True)
+    plain = check_grads(pointwise_chain, (x,), partitioner="default")
+    cut = check_grads(pointwise_chain, (x,), partitioner="mincut")
+    assert _act_bytes(plain) > 0
+    assert _act_bytes(cut) == 0, [n.name for n in _saved(cut)]
+    assert any(n.target is torch.ops.aten.sin.default for n in cut.bw.graph.nodes)
+
+
+def test_saves_matmul_and_its_materialized_input():
+    """mm is never recomputed; cos feeds mm's backward (not fusible) so it is saved at budget 1."""
+    def f(x, w):
+        return torch.mm(x.cos(), w).relu().sum()
+    cap = check_grads(f, (torch.randn(8, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)))
+    names = {n.name for n in _saved(cap)}
+    assert "cos" in names
+    assert not any(n.target is torch.ops.aten.mm.default and n.args[1].name.startswith("primals")
+                   for n in cap.bw.graph.nodes), "forward mm must not be recomputed"
+
+
+@pytest.mark.parametrize("budget", [0.0, 0.5, 1.0])
+def test_dropout_never_recomputed(budget):
+    def f(x, w):
+        return F.dropout(torch.mm(x, w).relu(), 0.3, training=True).sin().sum()
+    cap = check_grads(f, (torch.randn(6, 8, requires_grad=True), torch.randn(8, 5, requires_grad=True)),
+                      activation_memory_budget=budget)
+    assert not any(ops.is_random(n) for n in cap.bw.graph.nodes)
+
+
+def ln_gelu(x, w, b):
+    y = F.layer_norm(x, (x.shape[-1],), w, b)
+    return F.gelu(y).softmax(-1) * 3
+
+
+def mlp(x, w1, w2):
+    return torch.mm(torch.mm(x, w1).tanh().sigmoid(), w2).relu()
+
+
+CASES = [
+    (ln_gelu, lambda: (torch.randn(4, 16, requires_grad=True), torch.randn(16, requires_grad=True),
+                       torch.randn(16, requires_grad=True))),
+    (mlp, lambda: (torch.randn(8, 16, requires_grad=True), torch.randn(16, 16, requires_grad=True),
+                   torch.randn(16, 4, requires_grad=True))),
+    (pointwise_chain, lambda: (torch.randn(16, 16, requires_grad=True),)),
+]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("budget", [0.0, 0.3, 1.0])
+def test_grads_match_under_budget(case, budget):
+    fn, make = CASES[case]
+    check_grads(fn, make(), activation_memory_budget=budget)
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_budget_one_never_saves_more_than_plain(case):
+    fn, make = CASES[case]
+    plain = check_grads(fn, make(), partitioner="default")
+    cut = check_grads(fn, make(), partitioner="mincut")
+    assert _act_bytes(cut) <= _act_bytes(plain)
+
+
+def test_dynamic_shapes_under_budget():
+    compiled, cap = aot(mlp, dynamic=True, activation_memory_budget=0.2)
+    for n in (8, 3):
+        args = (torch.randn(n, 16, requires_grad=True), torch.randn(16, 16, requires_grad=True),
+                torch.randn(16, 4, requires_grad=True))
+        ref = [a.detach().clone().requires_grad_() for a in args]
+        compiled(*args).sum().backward()
+        mlp(*ref).sum().backward()
+        for a, r in zip(args, ref):
+            torch.testing.assert_close(a.grad, r.grad)
+
+
+def test_op_classes():
+    aten = torch.ops.aten
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    nodes = {name: g.call_function(t, (x,)) for name, t in [
+        ("mm", aten.mm.default), ("cos", aten.cos.default), ("view", aten.t.default),
+        ("drop", aten.native_dropout.default), ("sum", aten.sum.default), ("sort", aten.sort.default)]}
+    assert ops.is_heavy(nodes["mm"]) and not ops.is_recomputable(nodes["mm"])
+    assert ops.is_recomputable(nodes["cos"]) and ops.is_fusible(nodes["cos"], nodes["sum"])
+    assert ops.is_view(nodes["view"]) and ops.is_recomputable(nodes["view"])
+    assert ops.is_random(nodes["drop"]) and not ops.is_recomputable(nodes["drop"])
+    assert not ops.is_recomputable(nodes["sort"])
+    assert not ops.is_fusible(nodes["cos"], nodes["mm"])
+
+
+def _partition_time(layers, **opts):
+    gm = chain_joint(layers)
+    n = len(gm.graph.nodes)
+    t0 = time.perf_counter()
+    fw, bw = partition_joint(gm, None, num_fwd_outputs=1, opts=current(**opts))
+    return n, time.perf_counter() - t0, fw, bw
+
+
+def test_partition_scales_small():
+    n, dt, fw, bw = _partition_time(200)
+    saved = {s.name for s in saved_values(fw, 1)}
+    # mm outputs (cos backward) and cos outputs (mm backward, not fusible) are saved; no mm recomputed
+    assert sum(s.startswith("mm") for s in saved) == 200 and sum(s.startswith("cos") for s in saved) == 199
+    assert sum(1 for x in bw.graph.nodes if x.target is torch.ops.aten.mm.default) == 400
+
+
+def test_partition_50k_nodes_under_2s():
+    n, dt, fw, bw = _partition_time(5600)
+    assert n >= 50_000
+    assert dt < 2.0, f"partitioning {n} nodes took {dt:.2f}s"
