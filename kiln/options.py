@@ -77,6 +77,8 @@ class Options:
         for f in dataclasses.fields(self):
             if f.metadata.get("cache"):
                 h.update(f"{f.name}={_stable_repr(getattr(self, f.name))};".encode())
+        from kiln.passes.registry import cache_key as registered_passes_key
+        h.update(registered_passes_key().encode())
         return h.hexdigest()[:16]
 
 

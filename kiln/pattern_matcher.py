@@ -16,3 +16,13 @@ from kiln.passes.match_register import (PatternError, register_graph_pattern,  #
                                         register_lowering_pattern, register_replacement)
 from kiln.passes.match_trace import (PatternTraceError, fwd_only, fx_to_pattern, gen_pattern,  # noqa: F401
                                      joint_fwd_bwd, remove_noop_aliases, replace_with_graph)
+
+__all__ = [
+    "Arg", "CallFunction", "CallMethod", "CallModule", "DuplicatePatternError", "ExclusiveKeywordArg",
+    "FailedMatch", "GraphPatternEntry", "Ignored", "KeywordArg", "ListOf", "LoweringError",
+    "LoweringPatternEntry", "MULTIPLE", "Match", "MatchContext", "MultiOutputPattern", "PatternEntry",
+    "PatternError", "PatternExpr", "PatternMatcherPass", "PatternTraceError", "ReplacementPatternEntry",
+    "fwd_only", "fx_to_pattern", "gen_pattern", "is_match", "joint_fwd_bwd", "lowerings",
+    "register_graph_pattern", "register_lowering", "register_lowering_pattern", "register_replacement",
+    "remove_noop_aliases", "replace_with_graph",
+]

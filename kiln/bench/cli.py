@@ -41,7 +41,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cases", type=_csv, default=None, help="comma list of case names or fnmatch patterns")
     p.add_argument("--backends", type=_csv, default=["eager", "inductor", "kiln"])
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
-    p.add_argument("--dtype", type=_csv, default=["fp32", "bf16"], help="micro dtypes: fp32,bf16,fp16")
+    p.add_argument("--dtype", type=_csv, default=None,
+                   help="micro dtypes: fp32,bf16,fp16 (default: fp32,bf16 on cuda, fp32 on cpu)")
     p.add_argument("--budget", type=_floats, default=None,
                    help="sweep activation_memory_budget on training cases, e.g. 1.0,0.5,0.1")
     p.add_argument("--size", choices=["tiny", "cpu", "gpu"], default=None, help="default: by device")
@@ -79,7 +80,7 @@ def _meta(args, argv, device, size, cases, skipped):
     name = torch.cuda.get_device_name() if device == "cuda" else (platform.processor() or platform.machine())
     return {**B.versions(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "t0": time.time(),
             "device": device, "device_name": name, "size": size, "suite": args.suite, "threads": torch.get_num_threads(),
-            "backends": args.backends, "budgets": args.budget, "caches": args.caches, "python": platform.python_version(),
+            "backends": args.backends, "budgets": args.budget, "dtypes": args.dtype, "caches": args.caches, "python": platform.python_version(),
             "command": "kiln bench " + " ".join(argv), "cases": [c.name for c in cases], "skipped": skipped,
             "mem_kind": "CUDA peak allocated during one step" if device == "cuda"
             else "bytes saved for backward (distinct storages, not inputs)"}
@@ -161,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     size = args.size or ("gpu" if device == "cuda" else "cpu")
+    args.dtype = args.dtype or (["fp32", "bf16"] if device == "cuda" else ["fp32"])
     d = DEFAULTS[device]
     cfg = runner.RunConfig(device=device, size=size, warmup=d["warmup"] if args.warmup is None else args.warmup,
                            min_iters=args.iters or d["min_iters"], max_iters=args.iters or d["max_iters"],

@@ -139,6 +139,10 @@ def markdown(meta: dict, rows: list) -> str:
         lines.append(f"- error: {r['case']} {r.get('dtype')} {r['backend']}"
                      f"{'@' + budget_cell(r.get('budget')) if r.get('budget') is not None else ''}"
                      f" in {r.get('stage')}: {r.get('error')}")
+    for r in rows:
+        if r.get("status") == "ok" and r.get("ok") is False:
+            lines.append(f"- check failed: {r['case']} {r['dtype']} {r['backend']}"
+                         f"{'@' + budget_cell(r.get('budget')) if r.get('budget') is not None else ''}: {r['check']}")
     for name, why in meta.get("skipped", []):
         lines.append(f"- skipped: {name}: {why}")
     return "\n".join(lines) + "\n"

@@ -173,8 +173,8 @@ def _rewrite(gm, lw, groups, kernels):
             args.append(produced[name] if buf.compute is not None else buf.node)
         args += [_symbol_node(graph, s) for s in src.scalars]
         vals = [_fake(lw, lw.buffers[name], graph) for name in src.outputs]
-        with graph.inserting_before(output):
-            node = graph.call_function(kernel, tuple(args))
+        with graph.inserting_before(output):   # node names must not shadow the kernel's name
+            node = graph.create_node("call_function", kernel, tuple(args), {}, name=f"fused_{src.outputs[0]}")
         first = min((position[b.node] for b in g.nodes if b.node in position), default=len(position))
         priority[node] = first
         new_nodes.append(node)

@@ -37,7 +37,7 @@ def config(kind, xnumel, rnumel, persistent, inner, interpret):
         return max(1, min(next_pow2(xnumel), 4096 // rb)), rb, 1
     if inner:
         return 1, min(next_pow2(rnumel), 2048), 8
-    return 64, min(next_pow2(rnumel), 32), 8
+    return min(32, next_pow2(xnumel)), min(next_pow2(rnumel), 64), 4
 
 
 def candidates(kind, xnumel, rnumel, persistent, inner):

@@ -93,14 +93,30 @@ class Lowering:
     def _lowerable(self, node):
         if node.target is operator.getitem:
             return not isinstance(self.values.get(node.args[0]), ExternTuple)
+        if node.target not in LOWERINGS and self._functional(node) is not None:
+            return "val" in node.meta
         return node.target in LOWERINGS and "val" in node.meta
+
+    def _functional(self, node):
+        """The out-of-place twin of an in-place op whose mutated input is a private temporary
+        (computed here, used by nothing else), so mutating it equals returning a new value."""
+        t = node.target
+        if not isinstance(t, torch._ops.OpOverload) or not t._opname.endswith("_") or not node.args:
+            return None
+        packet = getattr(aten, t._opname[:-1], None)
+        fn = getattr(packet, t._overloadname, None) if packet is not None else None
+        arg = node.args[0]
+        if fn not in LOWERINGS or not isinstance(arg, torch.fx.Node) or arg in self.kept or len(arg.users) != 1:
+            return None
+        return fn
 
     def _lower(self, node):
         args = self.arg(node.args)
         kwargs = {k: self.arg(v) for k, v in node.kwargs.items()}
         if node.target is operator.getitem:
             return args[0][args[1]]
-        return LOWERINGS[node.target](self, *args, **kwargs)
+        target = node.target if node.target in LOWERINGS else self._functional(node)
+        return LOWERINGS[target](self, *args, **kwargs)
 
     def arg(self, a):
         if isinstance(a, torch.fx.Node):
@@ -155,6 +171,13 @@ class Lowering:
         if value.buffer is not None:
             return value.buffer
         val = node.meta.get("val") if node is not None else None
+        base = getattr(value, "view_base", None)
+        if base is not None and node is not None and is_tensor(val) and base.buffer.node is node.args[0]:
+            buf = self._node_buffer(node, "view", val)   # keep the ATen view of the stored base
+            self.kept.add(node)
+            value.buffer = buf
+            value._memo = {k: v for k, v in value._memo.items() if k and k[0] == "compute"}
+            return buf
         if is_tensor(val) and tuple(size_expr(s) for s in val.shape) == value.shape:
             shape, stride = meta_layout(val)
             buf = Buffer(node.name, shape, stride, val.dtype, val.device, "pointwise", node, value, val)
@@ -188,7 +211,7 @@ class Lowering:
         return False
 
     def _lowerable_target(self, u):
-        return u.target is operator.getitem or u.target in LOWERINGS
+        return u.target is operator.getitem or u.target in LOWERINGS or self._functional(u) is not None
 
     # -- helpers used by lowerings ------------------------------------------------------
     def pointwise(self, fn, shape=None, dtype=None, device=None):
@@ -257,10 +280,21 @@ def value_at(v, idx, out_shape, dtype):
     if isinstance(v, Pointwise):
         return ops.cast(v(broadcast(idx, v.shape, out_shape)), dtype)
     if isinstance(v, sympy.Expr):
-        return ops.cast(ops.index(v), dtype)
+        return sym_value(v, dtype)
     if isinstance(v, (bool, int, float)):
         return ops.const(v, dtype)
     raise Unsupported(f"operand {type(v).__name__}")
+
+
+def sym_value(v, dtype):
+    """A SymInt/SymFloat expression (sizes, counts) as a value of ``dtype``."""
+    if type(v).__name__ == "ToFloat":
+        return ops.cast(ops.index(v.args[0]), dtype)
+    if v.is_Float or v.is_Rational and not v.is_Integer:
+        return ops.const(float(v), dtype)
+    if any(type(a).__name__ not in ("Symbol", "Integer", "Add", "Mul", "Pow") for a in sympy.preorder_traversal(v)):
+        raise Unsupported(f"symbolic value {v}")
+    return ops.cast(ops.index(v), dtype)
 
 
 def result_dtype(*vals):
@@ -273,7 +307,7 @@ def result_dtype(*vals):
         elif isinstance(v, (bool, int, float)):
             args.append(v)
         elif isinstance(v, sympy.Expr):
-            args.append(1)
+            args.append(1.0 if type(v).__name__ == "ToFloat" or v.is_Float else 1)
     return elementwise_dtypes(*args, type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)[1]
 
 

@@ -31,15 +31,81 @@ def out_shape(shape, dims, keepdim):
         tuple(s for i, s in enumerate(shape) if i not in dims)
 
 
+SPLIT_MIN_R = 4096         # split a reduction only when rows are at least this long...
+SPLIT_MIN_NUMEL = 1 << 20  # ...and it reads at least this many elements
+SPLITTABLE = {"sum": "sum", "max": "max", "min": "min", "prod": "prod"}
+
+
 def reduce(ctx, kind, a: Pointwise, dims, keepdim=False, dtype=None, acc=None, body=None) -> Pointwise:
-    """A ``kind`` reduction of ``a`` over ``dims``; ``body(full_index)`` overrides the element."""
+    """A ``kind`` reduction of ``a`` over ``dims``; ``body(full_index)`` overrides the element.
+
+    Few long rows (a full sum, a column sum over many rows) are split in two reductions: partial
+    results over ``S`` chunks of each row, then a short reduction of the partials, so the work
+    spreads over ``S`` times more programs."""
     n = len(a.shape)
     dims = _dims(dims, n)
     dtype = dtype or a.dtype
     acc = acc or upcast(dtype)
     fn = body or (lambda idx: ops.cast(a(idx), acc))
-    red = Reduction(kind, a.shape, tuple(dims), fn, acc, dtype, out_shape(a.shape, dims, keepdim))
+    oshape = out_shape(a.shape, dims, keepdim)
+    splits = split_count(a.shape, dims) if kind in SPLITTABLE else 1
+    if splits > 1:
+        return _split_reduce(ctx, kind, a, dims, fn, acc, dtype, oshape, splits)
+    red = Reduction(kind, a.shape, tuple(dims), fn, acc, dtype, oshape)
     return ctx.reduction(red, a.device)
+
+
+def split_count(shape, dims) -> int:
+    """How many chunks to split each row of a reduction into (1: do not split)."""
+    from kiln.codegen.launch import next_pow2
+    r = numel(shape, dims)
+    x = numel(shape, [d for d in range(len(shape)) if d not in dims])
+    if not (r.is_Integer and x.is_Integer):
+        return 1
+    r, x = int(r), int(x)
+    if r < SPLIT_MIN_R or r * x < SPLIT_MIN_NUMEL:
+        return 1
+    inner = (len(shape) - 1) in dims
+    target = 1024 if inner else 8192     # rows (inner) or columns (outer) that fill a GPU
+    if x >= target:
+        return 1
+    s = min(next_pow2(-(-target // x)), r // 1024)
+    return s if s >= 2 else 1
+
+
+def _split_reduce(ctx, kind, a, dims, fn, acc, dtype, oshape, splits):
+    from kiln.codegen.indexing import unflatten
+    from kiln.codegen.triton_ops import neutral_value
+    shape = list(a.shape)
+    total = numel(shape, dims)
+    chunk = -(-int(total) // splits)
+    first = dims[0]
+    # partial: the reduced dims become (splits, chunk) at the first reduced position
+    ranges = []
+    for d, size in enumerate(shape):
+        if d == first:
+            ranges += [sympy.Integer(splits), sympy.Integer(chunk)]
+        elif d not in dims:
+            ranges.append(size)
+    pos = first
+    red_sizes = [shape[d] for d in dims]
+    pad = splits * chunk != int(total)
+    fill = ops.const(neutral_value(kind, acc), acc)
+
+    def partial_fn(idx):
+        g = idx[pos] * chunk + idx[pos + 1]
+        rid = iter(unflatten(g, red_sizes))
+        rest = iter(idx[:pos] + idx[pos + 2:])
+        full = [next(rid) if d in dims else next(rest) for d in range(len(shape))]
+        v = fn(full)
+        if pad:
+            v = ops.masked(ops.binary("lt", ops.index(g), ops.const(int(total), torch.int64)), v, fill)
+        return v
+    pshape = ranges[:pos + 1] + ranges[pos + 2:]
+    part = ctx.reduction(Reduction(kind, tuple(ranges), (pos + 1,), partial_fn, acc, acc, tuple(pshape)), a.device)
+    final = Reduction(SPLITTABLE[kind], tuple(pshape), (pos,), lambda idx: ops.cast(part(idx), acc), acc, dtype,
+                      oshape)
+    return ctx.reduction(final, a.device)
 
 
 def keep_index(idx, dims):

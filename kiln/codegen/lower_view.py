@@ -22,9 +22,13 @@ def _remap(ctx, a, fn):
     if not isinstance(a, Pointwise):
         raise Unsupported("view of a non-tensor")
     buf = a.buffer
-    if buf is not None and buf.node is not None and buf.node is ctx.node.args[0]:
+    base = buf is not None and buf.node is not None and buf.node is ctx.node.args[0]
+    if base and buf.kind in ("input", "extern", "view"):
         return KEEP
-    return ctx.pointwise(lambda idx: a(fn(idx)), shape=_shape(ctx.meta), dtype=a.dtype)
+    out = ctx.pointwise(lambda idx: a(fn(idx)), shape=_shape(ctx.meta), dtype=a.dtype)
+    if base:  # a view of a kernel's output: fuse through it, stay an ATen view if materialized
+        out.view_base = a
+    return out
 
 
 def _norm_dim(d, n):
@@ -33,6 +37,8 @@ def _norm_dim(d, n):
 
 def reshape_index(idx, in_shape, out_shape):
     """Index into ``in_shape`` for position ``idx`` of the same data viewed as ``out_shape``."""
+    in_shape = [size_expr(s) for s in in_shape]
+    out_shape = [size_expr(s) for s in out_shape]
     groups = _groups(list(in_shape), list(out_shape))
     out = []
     for ins, outs in groups:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import sympy
 
-from kiln.codegen.indexing import RINDEX, XINDEX, ZERO, Ranges, equal, prod, unflatten
+from kiln.codegen.indexing import RINDEX, XINDEX, ZERO, Ranges, contiguous_strides, equal, prod, unflatten
 from kiln.codegen.loops import Pointwise, Reduction, Scatter
 
 MAX_GROUP = 64   # buffers per kernel
@@ -83,6 +83,11 @@ def place(shape, dims):
         vs = iter(domain_vars(dims))
     elif len(xs) < len(full) and _same(sq, xs):
         vs = iter(unflatten(XINDEX, xs))
+    elif _same([prod(sq)], [prod(full)]):   # same elements, another shape: walk both row-major
+        flat = sum((v * st for v, st in zip(domain_vars(dims), contiguous_strides(full))), ZERO)
+        return unflatten(flat, list(shape))
+    elif len(xs) < len(full) and _same([prod(sq)], [prod(xs)]):
+        return unflatten(XINDEX, list(shape))
     else:
         return None
     return [ZERO if s == 1 else next(vs) for s in shape]

@@ -180,16 +180,24 @@ def supports(op: str, dtype: torch.dtype, interpret: bool, arity: int) -> bool:
     return template(op, dtype, interpret, arity) is not None
 
 
-def neutral(kind: str, dtype: torch.dtype) -> str:
-    """The identity element of a reduction, as Triton source."""
+def neutral_value(kind: str, dtype: torch.dtype):
+    """The identity element of a reduction as a Python number."""
     if kind in ("sum", "any"):
-        return "0"
+        return 0
     if kind == "prod":
-        return "1"
+        return 1
     big = kind in ("min", "argmin", "all")
     if dtype.is_floating_point:
-        return "float('inf')" if big else "float('-inf')"
+        return float("inf") if big else float("-inf")
     if dtype == torch.bool:
-        return "1" if big else "0"
+        return int(big)
     info = torch.iinfo(dtype)
-    return str(info.max if big else info.min)
+    return info.max if big else info.min
+
+
+def neutral(kind: str, dtype: torch.dtype) -> str:
+    """The identity element of a reduction, as Triton source."""
+    v = neutral_value(kind, dtype)
+    if isinstance(v, float):
+        return "float('inf')" if v > 0 else "float('-inf')"
+    return str(v)

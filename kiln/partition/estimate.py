@@ -40,9 +40,11 @@ def hint(x) -> int:
 def tensor_bytes(val) -> int:
     """Bytes of a (fake) tensor's elements; tuples and lists are summed; non-tensors weigh 0."""
     if isinstance(val, torch.Tensor):
-        n = 1
-        for s in val.shape:
-            n *= hint(s)
+        n = val.numel()
+        if not isinstance(n, int):
+            n = 1
+            for s in val.shape:
+                n *= hint(s)
         return n * val.element_size()
     if isinstance(val, (tuple, list)):
         return sum(tensor_bytes(v) for v in val)

@@ -73,14 +73,25 @@ def tangent_closure(graph: fx.Graph) -> set:
     return out
 
 
+_IMPURE: dict = {}
+
+
 def is_impure(node: fx.Node) -> bool:
     """Mutating or side-effecting (never removed as dead); random ops are not impure here."""
     if node.op in ("placeholder", "output"):
         return True
+    cacheable = node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+    if cacheable:
+        hit = _IMPURE.get(id(node.target))
+        if hit is not None and hit[0] is node.target:
+            return hit[1]
     try:
-        return node.is_impure(impure_random=False)
+        impure = node.is_impure(impure_random=False)
     except TypeError:  # torch without the impure_random flag
-        return node.is_impure()
+        impure = node.is_impure()
+    if cacheable:
+        _IMPURE[id(node.target)] = (node.target, impure)
+    return impure
 
 
 def dce(graph: fx.Graph) -> int:

@@ -54,34 +54,63 @@ def packet(node: fx.Node):
     return getattr(node.target, "overloadpacket", None)
 
 
-def _tags(node: fx.Node):
-    return getattr(node.target, "tags", ()) or ()
+class OpClass:
+    """Facts about one op target, computed once (op targets hash slowly; lookups go by id)."""
+    __slots__ = ("target", "view", "seeded", "heavy", "pointwise", "reduction", "cheap", "cat", "dropout_arg")
+
+    def __init__(self, target):
+        tags = getattr(target, "tags", ()) or ()
+        p = getattr(target, "overloadpacket", None)
+        self.target = target
+        self.view = bool(getattr(target, "is_view", False))
+        self.seeded = torch.Tag.nondeterministic_seeded in tags
+        self.heavy = p in HEAVY
+        self.pointwise = torch.Tag.pointwise in tags
+        self.reduction = torch.Tag.reduction in tags
+        self.cat = p is aten.cat
+        self.cheap = (target in SYM_OPS or self.view or self.pointwise or p in CHEAP_REDUCTIONS
+                      or p in CASTS_AND_COPIES or p in CONSTRUCTORS or p in INDEXING)
+        schema = getattr(target, "_schema", None)
+        names = [a.name for a in schema.arguments] if schema is not None else []
+        self.dropout_arg = names.index("dropout_p") if "dropout_p" in names else None
+
+
+_CLASSES: dict = {}
+
+
+def op_class(node: fx.Node) -> OpClass:
+    t = node.target
+    c = _CLASSES.get(id(t))
+    if c is None or c.target is not t:
+        c = _CLASSES[id(t)] = OpClass(t)
+    return c
 
 
 def is_view(node: fx.Node) -> bool:
     """The op returns an alias of its input (view, t, expand, permute, ...)."""
-    return node.op == "call_function" and bool(getattr(node.target, "is_view", False))
+    return node.op == "call_function" and op_class(node).view
 
 
 def is_random(node: fx.Node) -> bool:
     """Draws random numbers (attention kernels only when their dropout_p is not 0)."""
-    if node.op != "call_function" or torch.Tag.nondeterministic_seeded not in _tags(node):
+    if node.op != "call_function":
         return False
-    schema = getattr(node.target, "_schema", None)
-    names = [a.name for a in schema.arguments] if schema is not None else []
-    if "dropout_p" in names:
-        i = names.index("dropout_p")
+    c = op_class(node)
+    if not c.seeded:
+        return False
+    if c.dropout_arg is not None:
+        i = c.dropout_arg
         p = node.args[i] if i < len(node.args) else node.kwargs.get("dropout_p", 0.0)
         return not (isinstance(p, (int, float)) and p == 0)
     return True
 
 
 def is_heavy(node: fx.Node) -> bool:
-    return node.op == "call_function" and packet(node) in HEAVY
+    return node.op == "call_function" and op_class(node).heavy
 
 
 def is_pointwise(node: fx.Node) -> bool:
-    return torch.Tag.pointwise in _tags(node)
+    return node.op == "call_function" and op_class(node).pointwise
 
 
 def is_getitem(node: fx.Node) -> bool:
@@ -92,33 +121,44 @@ def is_recomputable(node: fx.Node) -> bool:
     """On the default allowlist of ops that are cheap to run again in the backward."""
     if node.op != "call_function" or is_random(node):
         return False
-    if node.target in SYM_OPS or is_view(node) or is_pointwise(node):
-        return True
-    if is_getitem(node):
+    if node.target is operator.getitem:
         return is_recomputable(node.args[0])
-    p = packet(node)
-    return p in CHEAP_REDUCTIONS or p in CASTS_AND_COPIES or p in CONSTRUCTORS or p in INDEXING
+    return op_class(node).cheap
 
 
 def is_fusible_op(node: fx.Node) -> bool:
     """A fusing backend can merge the op with its neighbours (no library call)."""
-    if node.op != "call_function" or is_heavy(node):
+    if node.op != "call_function":
         return False
-    if is_getitem(node):
+    if node.target is operator.getitem:
         return is_fusible_op(node.args[0])
-    return is_recomputable(node)
+    return not op_class(node).heavy and is_recomputable(node)
 
 
 def is_fusible(producer: fx.Node, consumer: fx.Node) -> bool:
     """``consumer`` can read ``producer`` inside one fused kernel (``cat`` always can)."""
-    if consumer.op == "call_function" and packet(consumer) is aten.cat:
+    if consumer.op == "call_function" and op_class(consumer).cat:
         return True
     return is_fusible_op(producer) and is_fusible_op(consumer)
 
 
 def is_big_reduction(node: fx.Node, size_of) -> bool:
     """A reduction whose output is more than 4x smaller than its input: cheap to save, costly to redo."""
-    if node.op != "call_function" or torch.Tag.reduction not in _tags(node):
+    if node.op != "call_function" or not op_class(node).reduction:
         return False
     ins = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
     return bool(ins) and size_of(node) * 4 < size_of(ins[0])
+
+
+def node_facts(node: fx.Node, parent_facts=None) -> tuple:
+    """(view, random, heavy, recomputable, fusible_op, cat, reduction) for ``node`` with one class lookup;
+    a getitem takes ``parent_facts`` (its producer's) for everything but view/cat/reduction."""
+    if node.op != "call_function":
+        return (False, False, False, False, False, False, False)
+    if node.target is operator.getitem:
+        p = parent_facts if parent_facts is not None else node_facts(node.args[0])
+        return (False, p[1], p[2], p[3], p[4], False, False)
+    c = op_class(node)
+    rnd = c.seeded and is_random(node)
+    cheap = c.cheap and not rnd
+    return (c.view, rnd, c.heavy, cheap, cheap and not c.heavy, c.cat, c.reduction)

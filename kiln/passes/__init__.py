@@ -12,19 +12,11 @@ from __future__ import annotations
 import torch.fx as fx
 
 from kiln.debug import log
+from kiln.passes.registry import STAGES, cache_key, passes_for, register, run_stage  # noqa: F401
 
 
 def _run(stage: str, gm: fx.GraphModule, hook) -> None:
-    try:
-        from kiln.passes.registry import run_stage
-    except ImportError:
-        run_stage = None
-    if run_stage is not None:
-        run_stage(stage, gm, hook)
-        return
-    if hook is not None:
-        hook(gm.graph)
-        gm.recompile()
+    run_stage(stage, gm, hook)
 
 
 def _delta(gm: fx.GraphModule, before: int) -> int:
@@ -63,21 +55,20 @@ def post_grad(gm: fx.GraphModule, opts) -> int:
 
 
 def _cse(gm: fx.GraphModule) -> None:
-    try:
-        from kiln.passes.cse import cse
-    except ImportError:
-        return
+    from kiln.passes.cse import cse
     removed = cse(gm)
     log(2, f"cse: {removed} nodes removed")
 
 
 def _builtin(stage: str, gm: fx.GraphModule) -> None:
     """kiln's own pattern lists for ``stage`` (kiln/passes/patterns/)."""
-    try:
-        from kiln.passes.patterns import BUILTIN
-    except ImportError:
+    from kiln.passes.patterns import BUILTIN
+    if not BUILTIN.get(stage):
         return
-    for p in BUILTIN.get(stage, ()):
+    if stage == "joint":  # patterns are traced without AOT's no-op alias nodes
+        from kiln.passes.match_trace import remove_noop_aliases
+        remove_noop_aliases(gm.graph)
+    for p in BUILTIN[stage]:
         n = p.apply(gm.graph)
         if n:
             gm.recompile()

@@ -241,11 +241,12 @@ class AliasAnalysis:
             return _val_storages(val) if val is not None else self._new()
         if node.op in ("placeholder", "get_attr"):
             return self._new()
+        written = written_args(node)
+        if written:  # in-place ops (add_, inplace=True, out=) return what they wrote
+            return self._new() | self.of(written)
         ops = [op for op in _overloads(node) if not op._schema.is_mutable]
         if ops and not any(r.alias_info for op in ops for r in op._schema.returns):
             return self._new()
-        if written_args(node):  # in-place ops return (an alias of) their first argument
-            return self.of(node.args[0] if node.args else (node.args, node.kwargs))
         # unknown callable: it may return any of its inputs
         return self._new() | self.of((node.args, node.kwargs))
 

@@ -87,15 +87,17 @@ def _concat(gm, group, fake_mode) -> None:
     with g.inserting_before(first):
         big = g.call_function(aten.addmm.default, (b_node, x, w_node))
     infer_val(big, fake_mode)
-    start = 0
-    for n, width in zip(nodes, widths):
+    slices, start = [], 0
+    for width in widths:
         with g.inserting_before(first):
             s = g.call_function(aten.slice.Tensor, (big, 1, start, start + width))
         start += width
-        sv = infer_val(s, fake_mode)
+        infer_val(s, fake_mode)
+        slices.append(s)
+    for n, s in zip(nodes, slices):
         for user in list(n.users):
             src = s
-            if _needs_copy(user, sv):
+            if _needs_copy(user, s.meta.get("val")):
                 with g.inserting_before(user):
                     src = g.call_function(aten.clone.default, (s,), {"memory_format": torch.contiguous_format})
                 infer_val(src, fake_mode)

@@ -23,7 +23,7 @@ import contextlib
 import copy
 import gc
 import time
-from typing import Dict, Optional
+from typing import Dict
 
 import torch
 import torch.fx as fx
@@ -190,7 +190,7 @@ def _copy_node(new_graph: fx.Graph, node: fx.Node, env: Dict[fx.Node, fx.Node]) 
     return new
 
 
-def cse(gm, graph: Optional[fx.Graph] = None) -> int:
+def cse(gm) -> int:
     """Merge repeated computations of ``gm`` (a GraphModule or Graph) in place; return nodes removed."""
     graph = gm.graph if isinstance(gm, fx.GraphModule) else gm
     start = time.perf_counter()

@@ -31,8 +31,9 @@ from kiln.debug import counters, log
 from kiln.passes.fold import add_constant, drop_unused_constants, fold_constants, protect_outputs
 
 aten = torch.ops.aten
-# Names tried, in order, on kiln.passes.patterns.mkldnn for the CPU convolution prepack rewrite.
-MKLDNN_ENTRY_POINTS = ("prepack_convolutions", "rewrite_convolutions", "pack_convolutions", "apply")
+# kiln.passes.patterns.mkldnn entry points tried in order: prepack only (the relu fusion stays a post-grad
+# pattern, so user post-grad passes still see `_convolution_pointwise(..., "none")` + relu, as in seed 002).
+MKLDNN_ENTRY_POINTS = ("pack_conv_weights", "prepack_convolutions")
 MAX_FOLD_ROUNDS = 4
 
 
@@ -43,13 +44,19 @@ class FrozenRegion:
     state: set                                 # positions holding module state (freeze candidates)
     frozen: list = field(default_factory=list)  # positions turned into constants
     lifted: int = 0                            # leading inputs AOTAutograd lifted from the graph module
+    sources: list = field(default_factory=list)  # Dynamo's source of each input (None when lifted)
 
 
 # -- which inputs are module state --------------------------------------------------------------------
-def _source_name(n: fx.Node) -> str:
+def _source(n: fx.Node):
     src = getattr(n, "_dynamo_source", None)
     if src is None and n.meta.get("grapharg") is not None:
         src = getattr(n.meta["grapharg"], "source", None)
+    return src
+
+
+def _source_name(n: fx.Node) -> str:
+    src = _source(n)
     if src is None:
         return ""
     name = src.name
@@ -167,6 +174,8 @@ def freezing_passes(gm: fx.GraphModule, opts, target: str, trace, fake_mode=None
         stats["bn_affine"] = trace.stage("bn_to_affine", conv_bn.bn_to_affine, gm, fake_mode)
     stats["constant_folded"] += fold_constants(gm, fake_mode)
     stats["mkldnn"] = trace.stage("mkldnn", _mkldnn_rewrite, gm, target, inputs)
+    if stats["mkldnn"]:
+        trace.stage("pin_strides", layout.pin_eager_strides, gm, fake_mode)
     drop_unused_constants(gm)
     protect_outputs(gm)
     stats["constants"] = sum(1 for n in gm.graph.nodes if n.op == "get_attr")
@@ -201,7 +210,8 @@ def compile_frozen(gm: fx.GraphModule, example_inputs: list, opts, trace, aot):
     if not state:
         log(1, "freeze: no parameters or buffers in this graph; compiling without freezing")
         return aot(gm, example_inputs, opts, trace)
-    region = FrozenRegion(real=lifted + list(example_inputs), state=state, lifted=len(lifted))
+    sources = [None] * len(lifted) + [_source(n) for n in gm.graph.nodes if n.op == "placeholder"]
+    region = FrozenRegion(real=lifted + list(example_inputs), state=state, lifted=len(lifted), sources=sources)
     target = resolve_target(opts, example_inputs)
 
     def inference_compiler(g, inputs):
@@ -240,21 +250,48 @@ def compile_frozen(gm: fx.GraphModule, example_inputs: list, opts, trace, aot):
 
 
 # -- discarding the originals -----------------------------------------------------------------------
+ERASED_MESSAGE = ("Trying to run Pytorch Eager Module after Dynamo Freezing. The original parameters have "
+                  "been discarded for memory efficiency ({where}). Call the compiled module instead, or "
+                  "compile with freezing_discard_parameters=False to keep them.")
+
+
+def _unguard(source) -> bool:
+    """Drop the guards Dynamo is about to install on ``source`` (a frozen input); False if impossible.
+
+    The compiled region never reads a frozen input again, so its guards only cause a recompile (and a
+    failure) once the original is erased. Other compiled regions keep their own guards on it.
+    """
+    ctx = torch._guards.TracingContext.try_get()
+    guards = getattr(getattr(ctx, "guards_context", None), "dynamo_guards", None)
+    remove = getattr(guards, "remove_guards_with_source", None)
+    if source is None or remove is None:
+        return False
+    remove(source)
+    return True
+
+
 def _release(region: FrozenRegion) -> None:
     ctx = torch._guards.TracingContext.try_get()
     params_flat = getattr(ctx, "params_flat", None) if ctx is not None else None
+    release = []
     for i in region.frozen:
-        if i < region.lifted and params_flat is not None and i < len(params_flat):
-            params_flat[i] = None  # AOTAutograd's runtime then passes None for it; the region ignores it
-    erased = discard_parameters([region.real[i] for i in region.frozen])
+        if i < region.lifted:  # a graph-module attribute: Dynamo guards its module, not the tensor
+            if params_flat is not None and i < len(params_flat):
+                params_flat[i] = None  # AOTAutograd's runtime then passes None; the region ignores it
+            release.append(region.real[i])
+        elif _unguard(region.sources[i]):
+            release.append(region.real[i])
+        else:
+            log(1, f"freeze: input {i} kept: its Dynamo guards could not be dropped")
+    erased = discard_parameters(release)
     log(1, f"freeze: discarded {erased} original parameters and buffers")
 
 
 class ErasedTensor(torch.Tensor):
     """A parameter or buffer dropped by ``freezing_discard_parameters=True``.
 
-    Freezing copied its value into the compiled graph; the original was released to save memory. It
-    keeps shape and dtype (on the meta device) so the module still prints, and every op on it raises.
+    Freezing copied its value into the compiled graph and released the original to save memory. It keeps
+    shape and dtype (on the meta device) so the module still prints, and every op on it raises.
     """
 
     @staticmethod
@@ -271,28 +308,29 @@ class ErasedTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         names = [a.erased_name for a in pytree.tree_leaves((args, kwargs or {})) if isinstance(a, ErasedTensor)]
-        raise RuntimeError(
-            f"Trying to run Pytorch Eager Module after Dynamo Freezing. The original parameters have been "
-            f"discarded for memory efficiency (found in {func} on {', '.join(names)}). Call the compiled "
-            f"module instead, or compile with freezing_discard_parameters=False to keep them.")
+        raise RuntimeError(ERASED_MESSAGE.format(where=f"{func} on {', '.join(names)}"))
 
     def __repr__(self):
         return f"ErasedTensor({self.erased_name}, shape={list(self.shape)}, dtype={self.dtype})"
 
 
 def discard_parameters(tensors) -> int:
-    """Swap each of ``tensors`` for an ErasedTensor in every nn.Module holding it; returns the swap count."""
+    """Swap each of ``tensors`` for an ErasedTensor in every nn.Module holding it; returns the swap count.
+
+    The originals are then referenced by neither kiln nor the modules and are freed; running a module
+    that held one raises ``RuntimeError("Trying to run Pytorch Eager Module after Dynamo Freezing ...")``.
+    """
     ids = {id(t) for t in tensors}
     count = 0
     for obj in gc.get_objects():
         try:
-            if not isinstance(obj, torch.nn.Module):
+            if not issubclass(type(obj), torch.nn.Module):
                 continue
         except Exception:  # objects with odd __class__ properties
             continue
         for store in (obj.__dict__.get("_parameters", {}), obj.__dict__.get("_buffers", {}), obj.__dict__):
             for name, t in list(store.items()):
-                if isinstance(t, torch.Tensor) and not isinstance(t, ErasedTensor) and id(t) in ids:
+                if isinstance(t, torch.Tensor) and id(t) in ids and type(t) in (torch.Tensor, torch.nn.Parameter):
                     store[name] = ErasedTensor(t, name, obj)
                     count += 1
     return count

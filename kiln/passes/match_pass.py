@@ -192,6 +192,8 @@ class PatternMatcherPass:
                 debug.counters["kiln"]["pattern_matcher_count"] += 1
                 debug.counters["kiln"]["pattern_matcher_nodes"] += len(m.nodes)
                 log(5, f"{self.name}: matched {len(m.nodes)} nodes at {node.name}: {entry.pattern!r}")
+        if count and isinstance(gm, fx.GraphModule):
+            gm.recompile()
         return count
 
     @property

@@ -235,54 +235,67 @@ def _replace_uses(old: fx.Node, new) -> None:
 
 def replace_with_graph(match: Match, graph: fx.Graph, replacement, args: Sequence[Any]) -> bool:
     """Splice ``replacement`` (GraphModule or Graph; its placeholders bind ``args`` in order) in place
-    of ``match.output_nodes()``, then erase matched nodes left without users. Returns False (graph
-    untouched) when no insertion point sees every argument before every user of the outputs."""
+    of ``match.output_nodes()``, then erase matched nodes left without users.
+
+    New nodes go just before the first matched output when every argument is defined there;
+    otherwise (joint graphs, where a tangent is computed after the forward output) each new node
+    goes right after its latest input. Returns False, leaving the graph as it was, when a new
+    output would still come after a user of the output it replaces.
+    """
     rgraph = replacement.graph if isinstance(replacement, fx.GraphModule) else replacement
     outputs = match.output_nodes()
-    present = [n for n in outputs if n is not None]
-    first_out = min(present)
+    first_out = min(n for n in outputs if n is not None)
     arg_nodes = [n for n in _nodes(args) if n.graph is graph]
-    anchor = first_out
-    if arg_nodes and not max(arg_nodes) < first_out:
-        last = max(arg_nodes)
-        users = [u for o in present for u in o.users]
-        if any(not last < u for u in users):
-            return False
-        anchor = last.next
+    simple = not arg_nodes or max(arg_nodes) < first_out
     env: Dict[fx.Node, Any] = {}
     placeholders = iter(args)
-    owner = graph.owning_module
-    with graph.inserting_before(anchor):
-        for n in rgraph.nodes:
-            if n.op == "placeholder":
-                env[n] = next(placeholders)
-            elif n.op == "get_attr":
-                value = getattr(replacement, n.target) if isinstance(replacement, fx.GraphModule) else None
-                if owner is None or value is None:
-                    raise PatternTraceError("replacement needs a constant but the graph has no owning module")
-                name = _free_attr(owner, "_kiln_constant")
-                if isinstance(value, torch.Tensor):
-                    owner.register_buffer(name, value, persistent=False)
-                else:
-                    setattr(owner, name, value)
-                env[n] = graph.get_attr(name)
-            elif n.op == "output":
-                result = fx.map_arg(n.args[0], env.__getitem__)
-            else:
-                new = graph.node_copy(n, env.__getitem__)
-                # the traced values may belong to another fake mode (cached traces): recompute them
-                new.meta.pop("val", None)
-                new.meta.pop("tensor_meta", None)
-                propagate_val(new)
-                env[n] = new
+    inserted: list = []
+    result = None
+    for n in rgraph.nodes:
+        if n.op == "placeholder":
+            env[n] = next(placeholders)
+        elif n.op == "output":
+            result = fx.map_arg(n.args[0], env.__getitem__)
+        else:
+            inputs = [x for x in _nodes(fx.map_arg((n.args, n.kwargs), env.__getitem__)) if x.graph is graph]
+            where = (graph.inserting_before(first_out) if simple or not inputs
+                     else graph.inserting_after(max(inputs)))
+            with where:
+                env[n] = new = _copy_in(graph, replacement, n, env)
+            inserted.append(new)
     results = list(result) if isinstance(result, (list, tuple)) else [result]
     if len(outputs) == 1 and len(results) != 1:
         results = [result]
-    for old, new in zip(outputs, results):
-        if old is not None and new is not None and old is not new:
-            _replace_uses(old, new)
+    pairs = [(old, new) for old, new in zip(outputs, results) if old is not None and new is not None and old is not new]
+    if any(isinstance(new, fx.Node) and not all(new < u for u in old.users) for old, new in pairs):
+        for node in reversed(inserted):
+            graph.erase_node(node)
+        return False
+    for old, new in pairs:
+        _replace_uses(old, new)
     match.erase_nodes()
     return True
+
+
+def _copy_in(graph: fx.Graph, replacement, n: fx.Node, env) -> fx.Node:
+    """Copy one replacement node into ``graph`` at the current insertion point."""
+    if n.op == "get_attr":
+        value = getattr(replacement, n.target, None) if isinstance(replacement, fx.GraphModule) else None
+        owner = graph.owning_module
+        if owner is None or value is None:
+            raise PatternTraceError("the replacement needs a constant but the graph has no owning module")
+        name = _free_attr(owner, "_kiln_constant")
+        if isinstance(value, torch.Tensor):
+            owner.register_buffer(name, value, persistent=False)
+        else:
+            setattr(owner, name, value)
+        return graph.get_attr(name)
+    new = graph.node_copy(n, env.__getitem__)
+    # the traced values may belong to another fake mode (cached traces): recompute them
+    new.meta.pop("val", None)
+    new.meta.pop("tensor_meta", None)
+    propagate_val(new)
+    return new
 
 
 def _nodes(value) -> list:

@@ -33,6 +33,9 @@ def test_compare_flags_mismatch_and_nan():
     assert M.compare(ref, [t.clone() for t in ref], 1e-3)["ok"]
     bad = M.compare(ref, [torch.ones(4), torch.arange(4.0) + 0.1], 1e-3)
     assert not bad["ok"] and abs(bad["err"] - 0.1 / 3) < 1e-6 and "tensor 1" in bad["check"]
+    assert "(4/4 elements)" in bad["check"]
+    one = M.compare([torch.zeros(100)], [torch.zeros(100).index_fill(0, torch.tensor([7]), 1.0)], 1e-3)
+    assert not one["ok"] and "(1/100 elements)" in one["check"]
     nan = M.compare(ref, [torch.full((4,), float("nan")), ref[1]], 1.0)
     assert not nan["ok"]
     assert not M.compare(ref, ref[:1], 1.0)["ok"]

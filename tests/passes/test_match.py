@@ -10,8 +10,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import kiln.config
 from kiln import debug
 from kiln.lowerings import lowerings as L
-from kiln.pattern_matcher import (MULTIPLE, Arg, CallFunction, CallMethod, DuplicatePatternError, Ignored,
-                                  KeywordArg, ListOf, MultiOutputPattern, PatternMatcherPass, fwd_only,
+from kiln.pattern_matcher import (MULTIPLE, Arg, CallFunction, CallMethod, CallModule, DuplicatePatternError,
+                                  Ignored, KeywordArg, ListOf, MultiOutputPattern, PatternMatcherPass, fwd_only,
                                   joint_fwd_bwd, register_graph_pattern, register_lowering_pattern,
                                   register_replacement)
 from kiln.passes import match_trace
@@ -340,3 +340,90 @@ def test_every_match_is_logged_at_level_5():
     with kiln.config.patch(debug=5), contextlib.redirect_stderr(err):
         assert p.apply(gm) == 1
     assert "logged: matched 2 nodes" in err.getvalue()
+
+
+def test_register_replacement_on_graph_without_meta():
+    """No fake values: only an exact match of the example trace is replaced."""
+    def search(a, b):
+        return torch.mm(a, b).relu()
+
+    def replace(a, b):
+        return torch.clamp_min(torch.mm(a, b), 0)
+
+    p = PatternMatcherPass()
+    register_replacement(search, replace, [torch.randn(2, 3), torch.randn(3, 2)], fwd_only, p)
+    g = fx.Graph()
+    a, b = g.placeholder("a"), g.placeholder("b")
+    g.output(g.call_function(aten.relu.default, (g.call_function(aten.mm.default, (a, b)),)))
+    gm = fx.GraphModule({}, g)
+    assert "val" not in a.meta
+    assert p.apply(gm) == 1
+    assert aten.clamp_min.default in targets(gm)
+    x, w = torch.randn(4, 5), torch.randn(5, 3)
+    torch.testing.assert_close(gm(x, w), torch.mm(x, w).relu())
+
+
+def test_exclusive_arg_names():
+    def search(a, b):
+        return a * b + a
+
+    def replace(a, b):
+        return a * (b + 1)
+
+    p = PatternMatcherPass()
+    register_replacement(search, replace, [torch.randn(3), torch.randn(3)], fwd_only, p,
+                         exclusive_arg_names=("a", "b"))
+
+    def f(x, y):
+        return (x * y + x) + (x * x + x)  # the second needs a == b: rejected
+
+    x, y = torch.randn(3), torch.randn(3)
+    gm = make_fx(f)(x, y)
+    assert p.apply(gm) == 1
+    torch.testing.assert_close(gm(x, y), f(x, y))
+    shared = PatternMatcherPass()  # without exclusivity both sums match
+    register_replacement(search, replace, [torch.randn(3), torch.randn(3)], fwd_only, shared)
+    assert shared.apply(make_fx(f)(x, y)) == 2
+
+
+def test_call_module_pattern():
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.act = torch.nn.ReLU()
+
+        def forward(self, x):
+            return self.act(x.neg())
+
+    gm = fx.symbolic_trace(M())
+    p = PatternMatcherPass()
+
+    @register_lowering_pattern(CallModule(torch.nn.ReLU, CallMethod("neg", Arg())), pass_dict=p)
+    def lower(match, x):
+        return L[torch.neg](L[torch.clamp_max](x, 0.0))  # relu(-x) == -min(x, 0)
+
+    assert p.apply(gm) == 1
+    assert not any(n.op == "call_module" for n in gm.graph.nodes)
+    x = torch.randn(6)
+    torch.testing.assert_close(gm(x), M()(x))
+
+
+def test_lowerings_table():
+    x = torch.randn(4)
+    torch.testing.assert_close(L[aten.relu](x), x.relu())  # no graph in sight: runs eagerly
+    gm = make_fx(lambda t: t.cos())(x)
+    (cos,) = gm.graph.find_nodes(op="call_function", target=aten.cos.default)
+    new = L[aten.relu](cos)  # no insertion point: right after its latest input
+    assert new.target == aten.relu.default and cos.next is new
+    assert new.meta["val"].shape == (4,)
+    from kiln.lowerings import register_lowering, lowerings
+
+    @register_lowering(aten.hardtanh)
+    def _hardtanh(t, lo=-1.0, hi=1.0):
+        return L[aten.clamp_max](L[aten.clamp_min](t, lo), hi)
+
+    try:
+        out = L[aten.hardtanh.default](cos)  # the overload finds the packet's lowering
+        assert out.target == aten.clamp_max.default
+    finally:
+        lowerings._table.pop(aten.hardtanh)

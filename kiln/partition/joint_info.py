@@ -1,0 +1,194 @@
+"""Facts about a joint graph that the min-cut needs, computed once per partition as flat arrays.
+
+Nodes are numbered in graph order (the output node excluded). ``fw`` lists the nodes that do not depend
+on a tangent (the forward could compute them); the flow network has one in/out vertex pair per ``fw``
+node. Per-node facts (op class, size, distance from the backward, the cost of saving) live in numpy
+arrays indexed by node number, so a budget search can cut the same graph many times cheaply.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import numpy as np
+import torch
+import torch.fx as fx
+
+from kiln.partition import ops
+from kiln.partition.estimate import size_bytes
+from kiln.partition.extract import is_impure, is_sym, is_tangent, split_outputs
+
+MAX_DIST = 100
+
+
+def mutated_primals(graph: fx.Graph, primals) -> Optional[set]:
+    """Primals whose data AOTAutograd writes back after the forward (None when it cannot tell)."""
+    descs = graph.output_node().meta.get("desc")
+    if descs is not None:
+        idx = {getattr(getattr(d, "mutated_input", None), "idx", None) for d in descs
+               if type(d).__name__ == "InputMutationAOTOutput"}
+    else:
+        from torch._guards import TracingContext
+        tc = TracingContext.try_get()
+        meta = getattr(tc, "fw_metadata", None) if tc is not None else None
+        if meta is None:
+            return None
+        idx = {i for i, info in enumerate(meta.input_info) if info.mutates_data}
+    by_index = {}
+    for n in primals:
+        d = n.meta.get("desc")
+        by_index[getattr(d, "idx", None) if d is not None else len(by_index)] = n
+    return {by_index[i] for i in idx if i in by_index}
+
+
+def _inputs(n: fx.Node):
+    d = getattr(n, "_input_nodes", None)  # all_input_nodes copies this dict's keys, slowly
+    return d.keys() if isinstance(d, dict) else n.all_input_nodes
+
+
+class JointInfo:
+    """Arrays over the joint graph's nodes; see the module docstring."""
+
+    def __init__(self, joint_gm: fx.GraphModule, num_fwd_outputs: int):
+        self.gm, self.graph, self.num_fwd_outputs = joint_gm, joint_gm.graph, num_fwd_outputs
+        self.nodes: List[fx.Node] = [n for n in self.graph.nodes if n.op != "output"]
+        self.index: Dict[fx.Node, int] = {n: i for i, n in enumerate(self.nodes)}
+        N, idx = len(self.nodes), self.index
+        self.inputs_of = [[idx[a] for a in _inputs(n)] for n in self.nodes]
+        self.users_of = [[idx[u] for u in n.users if u.op != "output"] for n in self.nodes]
+        tang = [False] * N  # plain lists in the per-node loops: numpy scalar access is slow
+        for i, n in enumerate(self.nodes):
+            tang[i] = (n.op == "placeholder" and is_tangent(n)) or any(tang[a] for a in self.inputs_of[i])
+        self.is_tang = np.array(tang, dtype=bool)
+        self.tang = {n for n, t in zip(self.nodes, tang) if t}
+        fwd_out, grads = split_outputs(self.graph, num_fwd_outputs)
+        self.grads = {g for g in grads if isinstance(g, fx.Node)}
+        fw_ids = [i for i in range(N) if not tang[i]]
+        self.fw: List[fx.Node] = [self.nodes[i] for i in fw_ids]
+        self.fw_ids = np.array(fw_ids, dtype=np.int64)
+        self.primals = [n for n in self.fw if n.op == "placeholder"]
+        self.fwd_required = self._ancestors([idx[o] for o in fwd_out if isinstance(o, fx.Node)])
+        self.size = {n: size_bytes(n) for n in self.fw}
+        used = [False] * N
+        for i in fw_ids:
+            used[i] = self.nodes[i] in self.grads or any(tang[u] for u in self.users_of[i])
+        self.used_by_bw = np.array(used, dtype=bool)
+        self.dist = self._dist_from_bw(fw_ids, used, tang)
+        self.mutated = mutated_primals(self.graph, self.primals)
+        self._classify()
+        self._dist_l = self.dist.tolist()
+        self.weight = np.array([self._weight(n) for n in self.fw], dtype=np.float64)
+
+    def user_edges(self):
+        """(producer, user) node-number arrays, one entry per distinct pair."""
+        if not hasattr(self, "_edges"):
+            pairs = {(i, u) for i, us in enumerate(self.users_of) for u in us}
+            arr = np.array(sorted(pairs), dtype=np.int64).reshape(-1, 2)
+            self._edges = (arr[:, 0], arr[:, 1])
+        return self._edges
+
+    def _ancestors(self, roots) -> np.ndarray:
+        seen = [False] * len(self.nodes)
+        stack = list(roots)
+        while stack:
+            i = stack.pop()
+            if not seen[i]:
+                seen[i] = True
+                stack.extend(self.inputs_of[i])
+        return np.array(seen, dtype=bool)
+
+    def _dist_from_bw(self, fw_ids, used, tang) -> np.ndarray:
+        dist = [MAX_DIST] * len(self.nodes)
+        for i in reversed(fw_ids):
+            if used[i]:
+                dist[i] = 0
+                continue
+            for u in self.users_of[i]:
+                if not tang[u] and dist[u] + 1 < dist[i]:
+                    dist[i] = dist[u] + 1
+        return np.array(dist, dtype=np.int64)
+
+    def _classify(self):
+        """Per-node op facts: always-banned reasons and the flags the policies combine."""
+        facts = []
+        for i, n in enumerate(self.nodes):
+            parent = None
+            if n.op == "call_function" and ops.is_getitem(n) and isinstance(n.args[0], fx.Node):
+                parent = facts[self.index[n.args[0]]]
+            facts.append(ops.node_facts(n, parent))
+        f = np.array(facts, dtype=bool).reshape(-1, 7)
+        self.view, random_, self.heavy, self.cheap, self.fusible_op, self.is_cat, reduction = f.T
+        self.static_reason: Dict[int, str] = {}
+        self.must_recompute = np.zeros(len(self.nodes), dtype=bool)
+        self.big_reduction = np.zeros(len(self.nodes), dtype=bool)
+        for i in self.fw_ids:
+            n = self.nodes[i]
+            reason = self._static_reason(n, random_[i], self.view[i])
+            if reason:
+                self.static_reason[int(i)] = reason
+                continue
+            rec = n.meta.get("recompute") if n.meta else None
+            if rec is not None:
+                self.must_recompute[i] = "MUST_RECOMPUTE" in str(rec)
+            if reduction[i]:
+                self.big_reduction[i] = ops.is_big_reduction(n, lambda x: self.size.get(x) or size_bytes(x))
+        self._fus, self._cat, self._view_l = self.fusible_op.tolist(), self.is_cat.tolist(), self.view.tolist()
+        self._tang_l, self._req_l = self.is_tang.tolist(), self.fwd_required.tolist()
+        self.materialized = np.array([self._materialized(i) for i in range(len(self.nodes))], dtype=bool)
+
+    @staticmethod
+    def _static_reason(n: fx.Node, random_: bool, view: bool) -> Optional[str]:
+        if n.op == "placeholder":
+            return "input"
+        if n.op == "get_attr":
+            return None
+        if n.op != "call_function":
+            return "not an op"
+        if is_impure(n):
+            return "mutates"
+        if random_:
+            return "random"
+        if view:
+            return None
+        rec = n.meta.get("recompute")
+        if rec is not None and "MUST_SAVE" in str(rec):
+            return "tagged MUST_SAVE"
+        return None
+
+    def fusible(self, i: int, j: int) -> bool:
+        return self._cat[j] or (self._fus[i] and self._fus[j])
+
+    def _materialized(self, i: int) -> bool:
+        """Some backward-side user (looking through views) cannot fuse with node ``i``."""
+        if self._tang_l[i]:
+            return False
+        stack, seen = [i], set()
+        while stack:
+            cur = stack.pop()
+            for u in self.users_of[cur]:
+                if u in seen or self._req_l[u]:
+                    continue
+                seen.add(u)
+                if self._view_l[u] and not self._tang_l[u]:
+                    stack.append(u)
+                elif not self.fusible(i, u):
+                    return True
+        return False
+
+    def _weight(self, n: fx.Node) -> float:
+        """Cost of saving ``n`` (inf: never saved)."""
+        if n.op == "placeholder":
+            # An input is alive anyway, so saving it is free, unless the runtime mutates it after the
+            # forward (the saved value would be stale): then prefer saving what was computed from it.
+            if self.mutated is None:
+                return float(self.size[n])
+            return float(self.size[n]) * 1000.0 if n in self.mutated else 0.0
+        if is_sym(n):
+            return 1.0
+        i = self.index[n]
+        if not isinstance(n.meta.get("val"), torch.Tensor) or self.view[i]:
+            return float("inf")
+        w = float(self.size[n]) * 1.1 ** min(self._dist_l[i], MAX_DIST)
+        users = self.users_of[i]
+        if users and len(users) == len(n.users) and all(self.fusible(i, u) for u in users):
+            w *= 2
+        return w

@@ -1,0 +1,156 @@
+"""Pointwise fusion: the micro cases of the seed are one kernel each, and match eager."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.codegen.util import aten_ops, check, fused, kernels
+
+
+def gelu_bias(bias, y):
+    x = bias + y
+    return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
+
+
+def swish(x):
+    return x * torch.sigmoid(x)
+
+
+def mish(x):
+    return x.mul(torch.tanh(F.softplus(x)))
+
+
+def hard_sigmoid(x):
+    return (x + 3.0).clamp(min=0.0, max=6.0).div(6.0)
+
+
+def hard_swish(x):
+    return x * (x + 3.0).clamp(min=0.0, max=6.0).div(6.0)
+
+
+def hard_mish(x):
+    return 0.5 * x * (x + 2.0).clamp(min=0.0, max=2.0)
+
+
+MICRO = [gelu_bias, swish, mish, hard_sigmoid, hard_swish, hard_mish]
+
+
+@pytest.mark.parametrize("fn", MICRO, ids=lambda f: f.__name__)
+def test_micro_forward_is_one_kernel(fn):
+    args = [torch.randn(1000) for _ in range(fn.__code__.co_argcount)]
+    gm = check(fn, *args, n_kernels=1, atol=1e-5, rtol=1e-5)
+    assert aten_ops(gm) == []
+
+
+@pytest.mark.parametrize("fn", [gelu_bias, mish, hard_swish], ids=lambda f: f.__name__)
+def test_micro_backward_is_one_kernel(fn):
+    def fwd_bwd(*args):
+        args = [a.detach().requires_grad_() for a in args]
+        out = fn(*args)
+        return torch.autograd.grad(out, args, torch.ones_like(out))
+    args = [torch.randn(256) for _ in range(fn.__code__.co_argcount)]
+    gm, n = fused(fwd_bwd, *args)
+    ref = fwd_bwd(*args)
+    for o, r in zip(gm(*args), ref):
+        torch.testing.assert_close(o, r, atol=1e-5, rtol=1e-5)
+    assert n == 1
+
+
+def test_views_fuse_through_index_arithmetic():
+    def fn(x):
+        y = (x + 1).view(2, 16) * 3
+        return y.reshape(4, 8).t().contiguous() + 1, (x + 1).view(4, 2, 4).permute(0, 2, 1).reshape(4, 8) * 2
+    check(fn, torch.randn(4, 8), n_kernels=2)
+
+
+def test_views_of_inputs_stay_aten_views():
+    gm = check(lambda x: (x.permute(1, 0) * 2).sin(), torch.randn(4, 8), n_kernels=1)
+    assert aten_ops(gm) == [torch.ops.aten.permute.default]
+
+
+def test_broadcast_and_type_promotion():
+    def fn(a, b, c):
+        return a * b + c, (a > 0.5) & (c < 2), a.to(torch.float16) * 3, b // 2, b % 3 - a
+    a, b, c = torch.rand(4, 1, 8), torch.randint(-9, 9, (3, 1)), torch.randn(8, dtype=torch.float64)
+    check(fn, a, b, c, atol=1e-3, rtol=1e-3)
+
+
+def test_low_precision_computes_in_fp32():
+    def fn(x, y):
+        return (x * y + 1).exp() * 0.5
+    x, y = torch.randn(64, dtype=torch.bfloat16), torch.randn(64, dtype=torch.bfloat16)
+    check(fn, x, y, n_kernels=1, atol=2e-2, rtol=2e-2, ref_fp64=True)
+
+
+def test_where_masked_fill_and_casts():
+    def fn(x):
+        return torch.where(x > 0, x, x * 0.1).to(torch.float16), x.masked_fill(x < 0, 0), (x > 0).float().sum()
+    check(fn, torch.randn(4, 8), atol=1e-3, rtol=1e-3)
+
+
+def test_cat_stack_pad():
+    def fn(x, y):
+        return torch.cat([x * 2, y + 1], 1).relu(), torch.stack([x, x.exp()], 0), F.pad(x * 2, (1, 2, 0, 1), value=3.0)
+    check(fn, torch.randn(4, 8), torch.randn(4, 3))
+
+
+def test_slices_flip_scatters():
+    def fn(x, y):
+        return (x[1:3, ::2] * 2, x[:, 2] + 1, x.flip(0) + x, torch.select_scatter(x, y, 0, 1),
+                torch.slice_scatter(x, x[:2] * 2, 0, 1, 3))
+    check(fn, torch.randn(4, 8), torch.randn(8))
+
+
+def test_integer_division_semantics():
+    def fn(a, b):
+        return a // b, a % b, torch.div(a, b, rounding_mode="trunc"), torch.div(a, b), torch.fmod(a, b)
+    a = torch.randint(-20, 20, (64,))
+    b = torch.randint(1, 5, (64,)) * (torch.randint(0, 2, (64,)) * 2 - 1)
+    check(fn, a, b, n_kernels=1)
+
+
+def test_math_ops():
+    def fn(x):
+        return (x.abs().sqrt(), x.expm1(), x.abs().log1p(), x.sinh(), x.cosh(), x.atan2(x + 1) if False else x.sign(),
+                x.trunc(), x.round(), x.erf(), x.reciprocal(), x.abs().pow(1.7), torch.pow(x, 3), x.isnan())
+    check(fn, torch.randn(64) * 3, n_kernels=1, atol=1e-4, rtol=1e-4)
+
+
+def test_arange_full_rand():
+    def fn(x):
+        return x + torch.arange(8, dtype=torch.float32), torch.full((4, 8), 2.0) * x
+    check(fn, torch.randn(4, 8), n_kernels=1)
+
+
+def test_rand_is_uniform_and_seeded():
+    gm, n = fused(lambda x: x + torch.rand_like(x), torch.zeros(64, 64))
+    assert n == 1
+    torch.manual_seed(3)
+    a = gm(torch.zeros(64, 64))
+    torch.manual_seed(3)
+    b = gm(torch.zeros(64, 64))
+    c = gm(torch.zeros(64, 64))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert 0 <= a.min() and a.max() < 1 and abs(a.mean().item() - 0.5) < 0.02
+    gm, _ = fused(lambda x: torch.randn_like(x) + x, torch.zeros(64, 64))
+    r = gm(torch.zeros(64, 64))
+    assert abs(r.mean().item()) < 0.05 and abs(r.std().item() - 1) < 0.05
+
+
+def test_native_dropout_mask_and_output_agree():
+    def fn(x):
+        out, mask = torch.ops.aten.native_dropout.default(x, 0.25, True)
+        return out, mask
+    gm, n = fused(fn, torch.ones(32, 32))
+    out, mask = gm(torch.ones(32, 32))
+    assert n == 1
+    assert torch.equal(out != 0, mask)
+    assert torch.allclose(out[mask], torch.full_like(out[mask], 1 / 0.75))
+    assert 0.65 < mask.float().mean().item() < 0.85
+
+
+def test_unsupported_op_stays_aten():
+    def fn(x):
+        return torch.cumsum(x * 2, 0) + 1
+    gm = check(fn, torch.randn(16), n_kernels=2)
+    assert torch.ops.aten.cumsum.default in aten_ops(gm)
+    assert len(kernels(gm)) == 2

@@ -1,0 +1,127 @@
+"""Reductions with their prologues and epilogues: one kernel per row domain."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.codegen.util import aten_ops, check, fused, kernels
+
+
+def layer_norm(x, w, b):
+    return F.layer_norm(x, (x.shape[-1],), w, b)
+
+
+def layer_norm_manual(x, weight, bias):   # the seed's test_layer_norm
+    mean = torch.mean(x, -1, keepdim=True)
+    centered = x - mean
+    var = torch.sum(centered * centered, -1, keepdim=True) / x.size(-1)
+    rvar = 1.0 / torch.sqrt(var + 1e-5)
+    return (x - mean) * rvar * weight + bias
+
+
+def rms_norm(x, w):   # T5 LayerNorm
+    v = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+    return w * (x * torch.rsqrt(v + 1e-6)).to(x.dtype)
+
+
+def grads(fn, n_inputs):
+    """fn's forward+backward as one function returning input gradients."""
+    def run(*args):
+        ins = [a.detach().requires_grad_(i < n_inputs) for i, a in enumerate(args[:-1])]
+        out = fn(*ins)
+        return torch.autograd.grad(out, ins[:n_inputs], args[-1])
+    return run
+
+
+@pytest.mark.parametrize("fn", [layer_norm, layer_norm_manual], ids=["F.layer_norm", "manual"])
+@pytest.mark.parametrize("n", [8, 3000], ids=["persistent", "looped"])
+def test_layer_norm_forward_is_one_kernel(fn, n):
+    check(fn, torch.randn(4, n), torch.randn(n), torch.randn(n), n_kernels=1, atol=1e-4, rtol=1e-4)
+
+
+def test_layer_norm_backward_at_most_two_kernels():
+    # the backward graph alone, as AOTAutograd hands it over: saved mean and rstd are inputs
+    def bwd(g, x, mean, rstd, w, b):
+        return torch.ops.aten.native_layer_norm_backward.default(g, x, [x.shape[-1]], mean, rstd, w, b,
+                                                                 [True, True, True])
+    x, w, b, g = torch.randn(6, 32), torch.randn(32), torch.randn(32), torch.randn(6, 32)
+    _, mean, rstd = torch.ops.aten.native_layer_norm.default(x, [32], w, b, 1e-5)
+    gm = check(bwd, g, x, mean, rstd, w, b, atol=1e-4, rtol=1e-4)
+    assert len(kernels(gm)) <= 2
+
+
+def test_layer_norm_forward_backward_numerics():
+    fn = grads(layer_norm, 3)
+    x, w, b, g = torch.randn(5, 24), torch.randn(24), torch.randn(24), torch.randn(5, 24)
+    gm = check(fn, x, w, b, g, atol=1e-4, rtol=1e-4)
+    assert len(kernels(gm)) <= 3   # forward statistics, row backward, column backward
+
+
+def test_rms_norm_one_kernel_each_way():
+    check(rms_norm, torch.randn(4, 64), torch.randn(64), n_kernels=1, atol=1e-5, rtol=1e-5)
+    gm = check(grads(rms_norm, 2), torch.randn(4, 64), torch.randn(64), torch.randn(4, 64), atol=1e-4, rtol=1e-4)
+    assert len(kernels(gm)) <= 2
+
+
+def test_rms_norm_half():
+    x, w = torch.randn(4, 64, dtype=torch.float16), torch.randn(64, dtype=torch.float16)
+    check(rms_norm, x, w, n_kernels=1, atol=1e-2, rtol=1e-2, ref_fp64=True)
+
+
+@pytest.mark.parametrize("n", [10, 2500], ids=["persistent", "looped"])
+def test_softmax_forward_one_kernel_backward_one_kernel(n):
+    x = torch.randn(3, n)
+    check(lambda x: torch.softmax(x, -1), x, n_kernels=1, atol=1e-5, rtol=1e-4)
+    check(lambda x: torch.log_softmax(x, -1), x, n_kernels=1, atol=1e-5, rtol=1e-4)
+    check(grads(lambda x: torch.softmax(x, -1), 1), x, torch.randn(3, n), atol=1e-5, rtol=1e-4)
+    gm, n_k = fused(lambda g, y: torch.ops.aten._softmax_backward_data.default(g, y, -1, torch.float32),
+                    torch.randn(3, n), torch.softmax(x, -1))
+    assert n_k == 1
+
+
+def test_softmax_over_outer_dim():
+    check(lambda x: torch.softmax(x, 0), torch.randn(5, 7, 3), n_kernels=1, atol=1e-5, rtol=1e-5)
+
+
+def test_cross_entropy_forward_and_backward():
+    x, t = torch.randn(6, 10), torch.tensor([1, 2, 3, 0, 9, -100])
+    gm = check(lambda x, t: F.cross_entropy(x, t), x, t, atol=1e-5, rtol=1e-5)
+    assert len(kernels(gm)) <= 2
+    check(grads(lambda x, t: F.cross_entropy(x, t), 1), x, t, torch.tensor(1.0), atol=1e-5, rtol=1e-5)
+
+
+def test_variance_and_std():
+    def fn(x):
+        return x.var(-1), x.std(0), torch.var_mean(x, 1, correction=0), x.var()
+    check(fn, torch.randn(6, 9), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("n", [8, 3000], ids=["persistent", "looped"])
+def test_min_max_arg_prod_any_all(n):
+    def fn(x):
+        return (x.argmax(1), x.argmin(0), x.max(1), x.amin(1, keepdim=True), x[:, :6].prod(1),
+                (x > 1).any(1), (x > -3).all(), x.sum(), x.mean(0))
+    x = torch.randn(3, n)
+    x[1, 5] = x[1, 2] = x[1].max() + 1   # ties: first index wins
+    check(fn, x, atol=1e-4, rtol=1e-4)
+
+
+def test_column_reduction_and_sibling_fusion():
+    def fn(g, y):
+        return g.sum(0), (g * y).sum(0)
+    check(fn, torch.randn(50, 7), torch.randn(50, 7), n_kernels=1, atol=1e-4, rtol=1e-4)
+
+
+def test_reduction_of_a_view_and_epilogue_through_views():
+    def fn(x):
+        s = (x * 2).view(4, 3, 5).sum(-1)
+        return (s.unsqueeze(-1) * x.view(4, 3, 5)).reshape(4, 15)
+    check(fn, torch.randn(4, 15), n_kernels=1, atol=1e-5, rtol=1e-5)
+
+
+def test_reduction_read_at_another_row_forces_a_new_kernel():
+    def fn(x):
+        s = x.sum(1, keepdim=True)
+        return x * s.flip(0)
+    gm = check(fn, torch.randn(4, 8), atol=1e-5, rtol=1e-5)
+    assert len(kernels(gm)) == 2
+    assert aten_ops(gm) == []
