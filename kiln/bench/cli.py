@@ -86,7 +86,7 @@ def _meta(args, argv, device, size, cases, skipped):
             else "bytes saved for backward (distinct storages, not inputs)"}
 
 
-def _run(args, cfg, cases, console):
+def _run(args, cfg, cases, console, meta):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from kiln.bench import report, runner
     jobs = [(c, d) for c in cases for d in (c.dtypes if c.dtypes == ("auto",) else
@@ -103,6 +103,8 @@ def _run(args, cfg, cases, console):
                 progress.update(task, description=f"{case.name} {dtype} {backend}{tag}")
             for row in runner.run_case(case, dtype, args.backends, args.budget, cfg, on_start=started):
                 rows.append(row)
+                if args.json:  # partial results survive a timeout or a crash of the process
+                    report.write_json(args.json, {**meta, "partial": True}, rows)
                 progress.console.print(report.live_line(row), markup=False, highlight=False)
                 progress.advance(task)
     return rows
@@ -178,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             B.save_template(cache_root)
         for b, e in meta["prime_errors"].items():
             console.print(f"warning: backend {b} failed a trivial compile: {e}", markup=False, highlight=False)
-        rows = _run(args, cfg, cases, console)
+        rows = _run(args, cfg, cases, console, meta)
     meta["elapsed_s"] = time.time() - meta["t0"]
     return _finish(args, meta, rows, console)
 

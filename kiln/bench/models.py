@@ -21,18 +21,18 @@ import torch.nn.functional as F
 @dataclass(frozen=True)
 class GPTConfig:
     """Shape of the built-in GPT; ``batch`` and ``seq`` describe the example batch."""
-    vocab: int = 2048
+    vocab: int = 1024
     seq: int = 128
     n_layer: int = 2
     n_head: int = 4
-    n_embd: int = 128
+    n_embd: int = 64
     batch: int = 4
     sdpa: bool = False
 
 
 GPT_SIZES = {
     "tiny": GPTConfig(vocab=256, seq=32, n_layer=1, n_head=2, n_embd=32, batch=2),
-    "cpu": GPTConfig(vocab=2048, seq=128, n_layer=2, n_head=4, n_embd=128, batch=4),
+    "cpu": GPTConfig(vocab=1024, seq=128, n_layer=2, n_head=4, n_embd=64, batch=4),
     "gpu": GPTConfig(vocab=16384, seq=1024, n_layer=6, n_head=12, n_embd=768, batch=8),
 }
 

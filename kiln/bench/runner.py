@@ -41,9 +41,13 @@ def variants(case, backends, budgets):
 
 
 def _error(e: BaseException) -> str:
-    msg = str(e).strip().splitlines()
-    first = next((m for m in msg if m.strip()), "")
-    return f"{type(e).__name__}: {first[:300]}"
+    """``Type: first line`` of the error; Dynamo's BackendCompilerFailed is unwrapped to its cause."""
+    inner = getattr(e, "inner_exception", None)
+    prefix = ""
+    if inner is not None:
+        prefix, e = f"{type(e).__name__} <- ", inner
+    msg = [m for m in str(e).strip().splitlines() if m.strip()]
+    return f"{prefix}{type(e).__name__}: {(msg[0] if msg else '')[:300]}"
 
 
 def _dynamo_counts():

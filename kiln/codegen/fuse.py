@@ -69,13 +69,28 @@ def _plan(gm, opts):
     autotune = bool(getattr(opts, "max_autotune", False)) or getattr(opts, "mode", None) in (
         "max-autotune", "max-autotune-no-cudagraphs")
     kernels = []
+    graph = gm.graph
     for g in groups:
         device = g.nodes[0].device
         src = emit(g, lw.buffers, device, PLACEHOLDER, autotune)
         k = kernel_for(src.text, src.kind, device.type != "cuda", len(src.outputs))
         log(4, f"codegen: kernel {k.name} ({len(g.nodes)} buffers, {g.kind})\n{k.source}")
-        kernels.append((k, src))
+        sym_nodes = [_symbol_node(graph, s) for s in src.scalars]
+        vals = [_fake(lw, lw.buffers[name], graph) for name in src.outputs]
+        kernels.append((k, src, sym_nodes, vals))
+    _check_replaceable(gm, lw, groups)
     return lw, groups, kernels
+
+
+def _check_replaceable(gm, lw, groups):
+    """Every lowered node that an ATen call or the output still uses must be a kernel output."""
+    stored = {b.node for g in groups for b in g.stored if b.node is not None}
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n in lw.kept or n in stored:
+            continue
+        for u in n.users:
+            if u.op == "output" or u in lw.kept:
+                raise CodegenError(f"codegen: {n.name} is used by {u.name} but no kernel writes it")
 
 
 def _toposort_groups(groups, lw):
@@ -85,7 +100,7 @@ def _toposort_groups(groups, lw):
     for g in groups:
         d = set()
         for b in g.nodes:
-            exprs = scatter_exprs(b) if g.kind == "scatter" else [body(b, g.dims)]
+            exprs = scatter_exprs(b) if g.kind == "scatter" else [body(b, g.dims, g.role(b))]
             for e in exprs:
                 for name, _ in loads(e):
                     o = owner.get(name)
@@ -166,13 +181,12 @@ def _rewrite(gm, lw, groups, kernels):
     output = next(n for n in graph.nodes if n.op == "output")
     position = {n: i for i, n in enumerate(graph.nodes)}
     produced, new_nodes, priority = {}, [], {}
-    for g, (kernel, src) in zip(groups, kernels):
+    for g, (kernel, src, sym_nodes, vals) in zip(groups, kernels):
         args = []
         for name in src.inputs:
             buf = lw.buffers[name]
             args.append(produced[name] if buf.compute is not None else buf.node)
-        args += [_symbol_node(graph, s) for s in src.scalars]
-        vals = [_fake(lw, lw.buffers[name], graph) for name in src.outputs]
+        args += sym_nodes
         with graph.inserting_before(output):   # node names must not shadow the kernel's name
             node = graph.create_node("call_function", kernel, tuple(args), {}, name=f"fused_{src.outputs[0]}")
         first = min((position[b.node] for b in g.nodes if b.node in position), default=len(position))

@@ -74,7 +74,7 @@ def run(kernel, args, xnumel, rnumel, cfg, meta):
     elif cfg is None:
         cfg = config(kind, xnumel, rnumel, meta["persistent"], meta["inner"], meta.get("interpret"))
     xb, rb, warps = cfg
-    grid = ((xnumel + xb - 1) // xb,)
+    grid = (1,) if meta.get("outer") else ((xnumel + xb - 1) // xb,)
     if kind == "pointwise":
         kernel[grid](*args, XBLOCK=xb, num_warps=warps)
     else:
@@ -210,19 +210,25 @@ def kernel_def(k, name):
         body.append(f"xnumel = {int(k.xnumel)}")
     if k.red and static_r:
         body.append(f"rnumel = {int(k.rnumel)}")
-    pid = "tl.program_id(0).to(tl.int64)" if k.i64 else "tl.program_id(0)"
-    body.append(f"xoffset = {pid} * XBLOCK")
+    ind = ""
     if k.red:
         cast = ".to(tl.int64)" if k.i64 else ""
-        body.append("xindex = xoffset + tl.arange(0, XBLOCK)[:, None]")
-        body.append("xmask = xindex < xnumel")
         body.append(f"rbase = tl.arange(0, RBLOCK)[None, :]{cast}")
         if k.persistent:
             body += ["rindex = rbase", "rmask = rindex < rnumel"]
+    if k.outer:   # one program walks all rows, accumulating the outer reductions
+        body += k.pre
+        body.append("for xoffset in range(0, xnumel, XBLOCK):")
+        ind = "    "
     else:
-        body.append("xindex = xoffset + tl.arange(0, XBLOCK)")
-        body.append("xmask = xindex < xnumel")
-    _render(k.top.lines, "", body)
+        pid = "tl.program_id(0).to(tl.int64)" if k.i64 else "tl.program_id(0)"
+        body.append(f"xoffset = {pid} * XBLOCK")
+    body.append(ind + ("xindex = xoffset + tl.arange(0, XBLOCK)[:, None]" if k.red else
+                       "xindex = xoffset + tl.arange(0, XBLOCK)"))
+    body.append(ind + "xmask = xindex < xnumel")
+    _render(k.top.lines, ind, body)
+    if k.outer:
+        _render(k.post.lines, "", body)
     return "\n".join(["@triton.jit", f"def {name}({', '.join(params)}):"] + ["    " + b for b in body])
 
 
@@ -249,7 +255,8 @@ def launch_line(k, name, args, names):
     cfg = None
     if k.xnumel.is_Integer and k.rnumel.is_Integer and not k.autotune:
         cfg = config(kind, int(k.xnumel), int(k.rnumel), k.persistent, inner, k.interpret)
-    meta = dict(kind=kind, persistent=k.persistent, inner=inner, interpret=k.interpret, autotune=k.autotune)
+    meta = dict(kind=kind, persistent=k.persistent, inner=inner, interpret=k.interpret, autotune=k.autotune,
+                outer=k.outer)
     return [f"xnumel, rnumel = {pyexpr(k.xnumel, names)}, {pyexpr(k.rnumel, names)}",
             f"launch.run({name}, ({', '.join(args)},), xnumel, rnumel, {cfg}, {meta!r})"]
 

@@ -266,6 +266,7 @@ class Reduction:
     acc_dtype: torch.dtype
     dtype: torch.dtype
     out_shape: tuple
+    split: bool = False   # the second half of a split reduction (never folded back into one program)
 
     def full_index(self, out_idx):
         """Map an output index onto the kept dims of ``ranges`` (reduced dims left as None)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sympy
 import torch
 
-from kiln.codegen.indexing import ZERO, size_expr
+from kiln.codegen.indexing import ZERO, FloorDiv, size_expr
 from kiln.codegen.loops import Pointwise, Scatter, Unsupported, indirect_symbol, ops, upcast
 from kiln.codegen.lower import aten, broadcast, register, value_at
 from kiln.codegen.lower_pointwise import E
@@ -205,10 +205,7 @@ def _slice_scatter(ctx, base, src, dim=0, start=None, end=None, step=1):
         if step != 1:
             cond = ops.binary("logical_and", cond, E.bin("eq", E.bin("remainder", i, step), 0))
         sub = list(idx)
-        sub[d] = (idx[d] - start) / step if step != 1 else idx[d] - start
-        if step != 1:
-            from kiln.codegen.indexing import FloorDiv
-            sub[d] = FloorDiv(idx[d] - start, step)
+        sub[d] = FloorDiv(idx[d] - start, step) if step != 1 else idx[d] - start
         val = ops.masked(cond, ops.cast(src(sub), compute), ops.const(0, compute))
         return ops.where(cond, val, value_at(base, idx, shape, compute))
     return ctx.pointwise(fn)

@@ -33,6 +33,7 @@ def out_shape(shape, dims, keepdim):
 
 SPLIT_MIN_R = 4096         # split a reduction only when rows are at least this long...
 SPLIT_MIN_NUMEL = 1 << 20  # ...and it reads at least this many elements
+SPLIT_MIN_CHUNK = 1024     # elements of a row each partial reduces, at least
 SPLITTABLE = {"sum": "sum", "max": "max", "min": "min", "prod": "prod"}
 
 
@@ -69,7 +70,7 @@ def split_count(shape, dims) -> int:
     target = 1024 if inner else 8192     # rows (inner) or columns (outer) that fill a GPU
     if x >= target:
         return 1
-    s = min(next_pow2(-(-target // x)), r // 1024)
+    s = min(next_pow2(-(-target // x)), r // SPLIT_MIN_CHUNK)
     return s if s >= 2 else 1
 
 
@@ -104,7 +105,7 @@ def _split_reduce(ctx, kind, a, dims, fn, acc, dtype, oshape, splits):
     pshape = ranges[:pos + 1] + ranges[pos + 2:]
     part = ctx.reduction(Reduction(kind, tuple(ranges), (pos + 1,), partial_fn, acc, acc, tuple(pshape)), a.device)
     final = Reduction(SPLITTABLE[kind], tuple(pshape), (pos,), lambda idx: ops.cast(part(idx), acc), acc, dtype,
-                      oshape)
+                      oshape, split=True)
     return ctx.reduction(final, a.device)
 
 

@@ -25,7 +25,8 @@ import sympy
 from kiln.codegen.indexing import RINDEX, XINDEX, ZERO, Ranges, contiguous_strides, equal, prod, unflatten
 from kiln.codegen.loops import Pointwise, Reduction, Scatter
 
-MAX_GROUP = 64   # buffers per kernel
+MAX_GROUP = 64          # buffers per kernel
+OUTER_MAX = 1 << 18     # a reduction over all rows joins the row kernel up to this many elements
 
 
 @dataclass(eq=False)
@@ -35,6 +36,10 @@ class Group:
     nodes: list = field(default_factory=list)
     kind: str = "pointwise"   # 'pointwise' | 'reduction' | 'scatter'
     stored: list = field(default_factory=list)   # buffers written to memory (set by schedule())
+    roles: dict = field(default_factory=dict)    # buffer name -> 'outer' | 'scalar' (else a row)
+
+    def role(self, buf):
+        return self.roles.get(buf.name, "row")
 
     @property
     def xs(self):
@@ -97,9 +102,16 @@ def _same(a, b):
     return len(a) == len(b) and all(x == y or sympy.expand(x - y) == 0 for x, y in zip(a, b))
 
 
-def body(buf, dims):
-    """The Expr a buffer's kernel evaluates under ``dims`` (None if it does not fit)."""
+def body(buf, dims, role="row"):
+    """The Expr a buffer's kernel evaluates under ``dims`` (None if it does not fit).
+
+    Roles beyond a row: 'outer', a reduction over all rows of a row kernel (its reduced index is
+    ``xindex``); 'scalar', a one-element value computed after all rows."""
     c = buf.compute
+    if role == "outer":
+        return c.fn(unflatten(XINDEX, list(c.ranges)))
+    if role == "scalar":
+        return c.compute([ZERO] * len(buf.shape))
     if isinstance(c, Reduction):
         if tuple(_key(d) for d in node_dims(buf)) != tuple(_key(d) for d in dims):
             return None
@@ -113,8 +125,10 @@ def _key(d):
     return (sympy.expand(d[0]), d[1])
 
 
-def current(buf, dims):
+def current(buf, dims, role="row"):
     """Flat index of the element of ``buf`` computed at (xindex, rindex)."""
+    if role in ("outer", "scalar"):
+        return buf.index([ZERO] * len(buf.shape))
     return buf.index(place(buf.shape, dims))
 
 
@@ -197,6 +211,7 @@ class Scheduler:
         self.order = {b: i for i, b in enumerate(self.lw.computed)}
         for buf in self.lw.computed:
             self._add(buf)
+        self._merge_outer()
         for g in self.groups:
             g.stored = [b for b in g.nodes if self._needed_outside(b, g)]
         return [g for g in self.groups if g.stored]
@@ -233,66 +248,94 @@ class Scheduler:
         for name in self.reads[buf]:
             self.readers.setdefault(name, []).append(g)
 
-    def _try_join(self, g, buf):
+    def _role(self, g, buf):
+        """How ``buf`` would sit in ``g``: a row, an outer reduction or a scalar epilogue."""
+        c = buf.compute
+        if g.kind != "reduction" or not g.rs:
+            return "row"
+        xs = g.xs
+        if isinstance(c, Reduction) and not c.split and len(c.reduced) == len(c.ranges) and len(c.ranges) > 0 \
+                and c.kind in ("sum", "max", "min", "prod") and _same(squeeze(c.ranges), xs):
+            total = prod(xs) * prod(g.rs)
+            if total.is_Integer and int(total) <= OUTER_MAX and int(prod(xs)) > 1:
+                return "outer"
+        if isinstance(c, Pointwise) and not squeeze(buf.shape) and "outer" in g.roles.values():
+            return "scalar"
+        return "row"
+
+    def _try_join(self, g, buf, cycle=True):
         if len(g.nodes) >= MAX_GROUP:
             return False
         is_red = isinstance(buf.compute, Reduction)
+        role = self._role(g, buf)
         dims = g.dims
-        if is_red and g.kind == "reduction" and _keys(node_dims(buf)) != _keys(g.dims):
-            return False
-        if is_red and g.kind == "pointwise":
-            dims = node_dims(buf)
+        if role == "row":
+            if is_red and g.kind == "reduction" and _keys(node_dims(buf)) != _keys(g.dims):
+                return False
+            if is_red and g.kind == "pointwise":
+                dims = node_dims(buf)
         members = g.nodes + [buf]
-        names = {b.name for b in members}
+        roles = {**g.roles, buf.name: role} if role != "row" else g.roles
         check = members if dims is not g.dims else [buf]
         for b in check:
-            e = body(b, dims)
-            if e is None or not self._reads_current(e, names, dims):
+            e = body(b, dims, roles.get(b.name, "row"))
+            if e is None or not self._reads_current(e, members, dims, roles, roles.get(b.name, "row")):
                 return False
-        if self._cycle(set(members)):
+        if cycle and self._cycle(set(members)):
             return False
-        g.dims = dims
+        g.dims, g.roles = dims, roles
         if is_red:
             g.kind = "reduction"
         self._join(g, buf)
         return True
 
     def _try_merge(self, g, h):
-        """Merge group ``h`` into ``g`` (same rules as joining, for every member)."""
-        if h.kind == "scatter" or len(g.nodes) + len(h.nodes) > MAX_GROUP:
+        """Merge group ``h`` into ``g``: join its buffers one by one, then check the whole."""
+        if h.kind == "scatter" or g.kind == "scatter" or len(g.nodes) + len(h.nodes) > MAX_GROUP:
             return False
-        if g.kind == "reduction" and h.kind == "reduction":
-            if _keys(g.dims) != _keys(h.dims):
-                return False
-            dims = g.dims
-        else:
-            dims = g.dims if g.kind == "reduction" else h.dims
-            if g.kind == h.kind == "pointwise" and _keys(g.dims) != _keys(h.dims):
-                return False
-        members = sorted(g.nodes + h.nodes, key=self.order.get)
-        names = {b.name for b in members}
-        for b in members:
-            e = body(b, dims)
-            if e is None or not self._reads_current(e, names, dims):
-                return False
-        if self._cycle(set(members)):
+        saved = (list(g.nodes), g.dims, dict(g.roles), g.kind)
+
+        def undo():
+            g.nodes, g.dims, g.roles, g.kind = saved
+            for b in h.nodes:
+                self.group_of[b] = h
             return False
-        g.nodes, g.dims = members, dims
-        if h.kind == "reduction":
-            g.kind = "reduction"
-        for b in h.nodes:
-            self.group_of[b] = g
+        for b in sorted(h.nodes, key=self.order.get):
+            if not self._try_join(g, b, cycle=False):
+                return undo()
+        g.nodes.sort(key=self.order.get)
+        for b in g.nodes:
+            e = body(b, g.dims, g.role(b))
+            if e is None or not self._reads_current(e, g.nodes, g.dims, g.roles, g.role(b)):
+                return undo()
+        if self._cycle(set(g.nodes)):
+            return undo()
         for lst in self.readers.values():
-            for i, x in enumerate(lst):
-                if x is h:
-                    lst[i] = g
+            lst[:] = [g if x is h else x for x in lst]
         self.groups.remove(h)
         return True
 
-    def _reads_current(self, expr, names, dims):
+    def _merge_outer(self):
+        """Fold groups of whole-tensor reductions (a loss's sums) into a row kernel they read."""
+        for h in list(self.groups):
+            if h not in self.groups or h.kind != "reduction" or h.xs:
+                continue
+            for g in list(self.groups):
+                if g is not h and g.kind == "reduction" and g.rs and self._try_merge(g, h):
+                    break
+
+    def _reads_current(self, expr, members, dims, roles, reader):
+        """Every read of a member is of the element this kernel has in registers."""
         ranges = domain_ranges(dims)
+        names = {b.name for b in members}
         for name, index in loads(expr):
-            if name in names and not equal(index, current(self.buffers[name], dims), ranges):
+            if name not in names:
+                continue
+            role = roles.get(name, "row")
+            after = role in ("outer", "scalar")   # known only after the loop over rows
+            if after != (reader == "scalar"):
+                return False
+            if not equal(index, current(self.buffers[name], dims, role), ranges):
                 return False
         return True
 

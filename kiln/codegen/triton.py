@@ -18,7 +18,7 @@ from kiln.codegen.schedule import body, current
 from kiln.codegen.triton_ops import HELPERS, TL_DTYPE, neutral, reduce_code, template
 
 PERSISTENT_MAX = 2048   # static rows up to this many elements stay in registers
-LEVELS = {"c": 0, "x": 1, "xr": 2}
+LEVELS = {"c": 0, "x": 1, "xr": 2, "s": 3}   # constant, per row, per element, after all rows
 
 
 class Source:
@@ -52,6 +52,9 @@ class TritonKernel:
         self.xnumel, self.rnumel = prod(group.xs), prod(group.rs)
         self.ranges = group.ranges
         self.names = {b.name for b in group.nodes}
+        self.roles = dict(group.roles)
+        self.outer = bool(self.roles)
+        self.post = None
         self.inputs, self.sizes, self.seeds, self.helpers = {}, {}, {}, set()
         self.libdevice = False
         self.count = 0
@@ -69,10 +72,11 @@ class TritonKernel:
             return r
         if e.op == "load" and e.args[0] in self.names:
             buf = self.buffers[e.args[0]]
+            role = self.roles.get(buf.name, "row")
             if isinstance(buf.compute, Reduction):
                 r = red_ref(buf)
             else:
-                r = self.resolve(body(buf, self.dims))
+                r = self.resolve(body(buf, self.dims, role))
             r = ops.cast(r, upcast(buf.dtype))
         elif e.op in ("load", "index") and e.args[2]:
             binds = [(s, self.resolve(v)) for s, v in e.args[2]]
@@ -103,7 +107,7 @@ class TritonKernel:
                 for _, v in e.args[2]:
                     lv = max(lv, self.level(v), key=LEVELS.get)
         elif e.op == "red":
-            lv = "x"
+            lv = "s" if self.roles.get(e.args[0]) == "outer" else "x"
         else:
             lv = "c"
             for c in e.children():
@@ -127,7 +131,10 @@ class TritonKernel:
         lv = self.level(e)
         if mask is not None:
             lv = max(lv, mask[1], key=LEVELS.get)
-        target = scope if lv == "xr" else self.top
+        if lv == "s" or scope is self.post:
+            target = self.post
+        else:
+            target = scope if lv == "xr" else self.top
         key = (e, mask and mask[0])
         hit = target.find(key)
         if hit is not None:
@@ -262,27 +269,57 @@ class TritonKernel:
     # -- kernel body ----------------------------------------------------------------------
     def generate(self, name):
         self.top = Scope()
+        if self.outer:
+            self.post, self.pre = Scope(), []
         plan = self._plan()
         if self.red and not self.persistent:
             self._looped(plan)
         else:
             self._straight(plan)
+        if self.outer:
+            self._outer(plan)
         return self._assemble(name)
 
     def _plan(self):
-        """(reductions, stores): resolved bodies and values in topological order."""
-        reductions, stores = [], []
+        """(reductions, stores, later): resolved row reductions and stored values in topological
+        order, and the outer reductions and scalar stores that follow the loop over rows."""
+        reductions, stores, later = [], [], []
         for buf in self.g.nodes:
-            e = self.resolve(body(buf, self.dims))
-            if isinstance(buf.compute, Reduction):
-                reductions.append((buf, e))
-                value = red_ref(buf)
+            role = self.roles.get(buf.name, "row")
+            e = self.resolve(body(buf, self.dims, role))
+            is_red = isinstance(buf.compute, Reduction)
+            value = red_ref(buf) if is_red else e
+            if role == "row":
+                if is_red:
+                    reductions.append((buf, e))
+                if buf in self.g.stored:
+                    stores.append((buf, value))
             else:
-                value = e
-            if buf in self.g.stored:
-                stores.append((buf, value))
+                later.append((buf, e if is_red else None, value if buf in self.g.stored else None))
         self.out_args = {b.name: f"out_ptr{i}" for i, b in enumerate(self.g.stored)}
-        return reductions, stores
+        return reductions, stores, later
+
+    def _outer(self, plan):
+        """Accumulate outer reductions across rows, then write the scalar results."""
+        for buf, e, value in plan[2]:
+            if e is not None:
+                kind, dt = buf.compute.kind, buf.compute.acc_dtype
+                acc = f"_outer_{buf.name}"
+                self.pre.append(f"{acc} = tl.full([XBLOCK, 1], {neutral(kind, dt)}, {TL_DTYPE[dt]})")
+                v = self._reduce_value(buf, e, self.top)
+                comb = {"sum": f"{acc} + {v}", "prod": f"{acc} * {v}",
+                        "max": f"tl.maximum({acc}, {v})", "min": f"tl.minimum({acc}, {v})"}[kind]
+                self.top.lines.append(f"{acc} = tl.where(xmask, {comb}, {acc})")
+                var = self.tmp("red")
+                if kind == "prod":
+                    self.helpers.add("_kiln_prod")
+                self.post.lines.append(f"{var} = {reduce_code(kind, acc, self.interpret, axis=0)}")
+                self.red_vars[buf.name] = var
+            if value is not None:
+                value = ops.cast(value, buf.dtype)
+                v = self._tensor(self.emit(value, self.post), value)
+                self.post.lines.append(f"tl.store({self.out_args[buf.name]} + tl.full([1, 1], 0, tl.int32), "
+                                       f"tl.broadcast_to({v}, [1, 1]))")
 
     def _reduce_final(self, buf, acc, scope, index=None):
         """Reduce the [XBLOCK, RBLOCK] tile ``acc`` to the row result (``index``: the rindex of
@@ -309,7 +346,7 @@ class TritonKernel:
 
     def _straight(self, plan):
         """Pointwise kernels and persistent reductions: one scope, no loops."""
-        reductions, stores = plan
+        reductions, stores = plan[:2]
         scope = self.top
         red_of = {b.name: (b, e) for b, e in reductions}
         order = [(b, red_of.get(b.name)) for b in self.g.nodes]
@@ -326,7 +363,7 @@ class TritonKernel:
                 self._store(buf, store_of[buf.name], scope)
 
     def _looped(self, plan):
-        reductions, stores = plan
+        reductions, stores = plan[:2]
         stage = {}
         for buf, e in reductions:
             stage[buf.name] = 1 + max([stage[r] for r in self.reds(e)], default=-1)
@@ -379,7 +416,7 @@ class TritonKernel:
         value = ops.cast(value, buf.dtype)
         lv = self.level(value)
         v = self.emit(value, scope)
-        idx = simplify(current(buf, self.dims), self.ranges)
+        idx = simplify(current(buf, self.dims, self.roles.get(buf.name, "row")), self.ranges)
         syms = idx.free_symbols
         ilv = "xr" if RINDEX in syms and self.red else ("x" if syms & {XINDEX, RINDEX} else "c")
         slv = max(ilv, "x", key=LEVELS.get)

@@ -152,14 +152,15 @@ def _kiln_randn(seed, offset):
 HELPER_DEPS = {"_kiln_rand": ["_kiln_philox", "_kiln_uniform"], "_kiln_randn": ["_kiln_philox", "_kiln_uniform"]}
 
 
-def reduce_code(kind: str, x: str, interpret: bool) -> str:
-    """Triton source reducing ``x`` over axis 1 (keeping it), for sum/max/min/prod."""
+def reduce_code(kind: str, x: str, interpret: bool, axis: int = 1) -> str:
+    """Triton source reducing 2-D ``x`` over ``axis`` (keeping it), for sum/max/min/prod."""
+    keep = "[:, None]" if axis == 1 else "[None, :]"
     if kind == "prod":
-        return f"tl.reduce({x}, 1, _kiln_prod)[:, None]"
+        return f"tl.reduce({x}, {axis}, _kiln_prod){keep}"
     if interpret:  # the interpreter has numpy fast paths for these standard combine functions
         comb = {"sum": "_sum_combine", "max": "_elementwise_max", "min": "_elementwise_min"}[kind]
-        return f"tl.reduce({x}, 1, tl.standard.{comb})[:, None]"
-    return f"tl.{kind}({x}, 1)[:, None]"
+        return f"tl.reduce({x}, {axis}, tl.standard.{comb}){keep}"
+    return f"tl.{kind}({x}, {axis}){keep}"
 
 
 def template(op: str, dtype: torch.dtype, interpret: bool, arity: int):

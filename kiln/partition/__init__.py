@@ -19,7 +19,7 @@ def choose_saved(joint_gm: fx.GraphModule, *, num_fwd_outputs: int, opts) -> lis
     """The forward values to save, according to ``opts.partitioner`` (no graphs are built)."""
     if opts.partitioner == "default":
         from kiln.partition.default import default_saved
-        return default_saved(joint_gm.graph, num_fwd_outputs)
+        return default_saved(joint_gm, num_fwd_outputs)
     from kiln.partition.mincut import mincut_saved
     return mincut_saved(joint_gm, num_fwd_outputs=num_fwd_outputs, opts=opts)
 

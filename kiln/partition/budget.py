@@ -17,13 +17,14 @@ from typing import Dict, List, Sequence
 import numpy as np
 import torch.fx as fx
 
-from kiln.debug import log
+from kiln.debug import level, log
 from kiln.partition import ops
 from kiln.partition.estimate import runtime_estimator
 from kiln.partition.mincut import (AGGRESSIVE, MORE_AGGRESSIVE, RECOMPUTE_ALL, RUNTIME_OPTIMAL, JointInfo,
                                    _no_worse_than_default, activation_bytes, log_decisions, min_cut)
 
 _TOL = 1e-9
+DP_CELLS = 5 * 10 ** 7  # exact DP when items x capacity units fit; HiGHS MILP above that
 
 
 class BudgetError(ValueError):
@@ -66,7 +67,7 @@ def saved_for_budget(info: JointInfo, budget: float, opts, optimal=None) -> List
     values = [estimate(o) for o in owners]
     keep = knapsack(sizes, values, max(0.0, cap - fixed))
     dont_ban = frozenset(o for i, o in enumerate(owners) if i not in keep)
-    for i, o in enumerate(owners):
+    for i, o in enumerate(owners if level() >= 3 else ()):
         log(3, f"remat: knapsack {'keeps' if i in keep else 'recomputes'} {o.name} "
                f"({sizes[i]} B, runtime {values[i]:.3g})")
     policy = AGGRESSIVE.replace(dont_ban=dont_ban)
@@ -89,7 +90,8 @@ def knapsack(sizes: Sequence[int], values: Sequence[float], capacity: float) -> 
     """Indices of the items to keep: maximum total value with total size <= capacity, solved exactly.
 
     Ties in value prefer keeping more bytes (less recomputation). Sizes are divided by their gcd so the
-    solver works on small integers; the answer is checked in exact integer arithmetic."""
+    solver works on small integers: a dynamic program when items x capacity is small, else HiGHS MILP
+    (gap 0) whose answer is checked in exact integer arithmetic."""
     n = len(sizes)
     if n == 0:
         return set()
@@ -102,6 +104,8 @@ def knapsack(sizes: Sequence[int], values: Sequence[float], capacity: float) -> 
     v = np.array(values, dtype=np.float64)
     v = v / (v.max() if v.max() > 0 else 1.0) + 1e-7 * w / max(w.max(), 1.0)
     free = {i for i in range(n) if sizes[i] == 0}
+    if n * (limit + 1) <= DP_CELLS:
+        return _dp(w.astype(np.int64), v, limit) | free
     for _ in range(4):
         keep = _milp(w, v, limit)
         used = sum(sizes[i] for i in keep)

@@ -82,12 +82,56 @@ def _shapes(x):
     return torch.utils._pytree.tree_map(lambda v: v.shape if isinstance(v, torch.Tensor) else v, x)
 
 
+_FLOPS_MEMO: dict = {}
+
+
 def node_flops(node: fx.Node) -> float:
     """FLOPs of ``node`` from PyTorch's FLOP formulas (0 for ops without one, such as pointwise)."""
     if node.op != "call_function":
         return 0.0
     packet = getattr(node.target, "overloadpacket", node.target)
+    if packet not in flop_registry and packet not in EXTRA_FLOPS:
+        return 0.0
+    key = _flops_key(node)
+    hit = _FLOPS_MEMO.get(key) if key is not None else None
+    if hit is not None:
+        return hit
     args, kwargs, val = _vals(node.args), _vals(node.kwargs), node.meta.get("val")
+    if key is None:
+        key = (node.target, str(torch.utils._pytree.tree_map(_hinted, (args, kwargs, val))))
+    hit = _FLOPS_MEMO.get(key)
+    if hit is None:
+        if len(_FLOPS_MEMO) > 10000:
+            _FLOPS_MEMO.clear()
+        hit = _FLOPS_MEMO[key] = _flops(packet, args, kwargs, val)
+    return hit
+
+
+def _flops_key(node: fx.Node):
+    """A cheap memo key when every argument is a node holding a tensor, or a plain scalar."""
+    if node.kwargs:
+        return None
+    parts = [node.target]
+    for a in node.args:
+        if isinstance(a, fx.Node):
+            v = a.meta.get("val")
+            if not isinstance(v, torch.Tensor):
+                return None
+            parts.append(_hinted(v))
+        elif isinstance(a, (int, float, bool, str)) or a is None:
+            parts.append(a)
+        else:
+            return None
+    return tuple(parts)
+
+
+def _hinted(v):
+    if isinstance(v, torch.Tensor):
+        return (tuple(hint(s) for s in v.shape), tuple(hint(s) for s in v.stride()), v.dtype)
+    return hint(v) if isinstance(v, torch.SymInt) else v
+
+
+def _flops(packet, args, kwargs, val) -> float:
     try:
         if packet in flop_registry:
             out = flop_registry[packet](*args, out_val=val, **kwargs)

@@ -45,8 +45,8 @@ def _inputs(n: fx.Node):
     return d.keys() if isinstance(d, dict) else n.all_input_nodes
 
 
-class JointInfo:
-    """Arrays over the joint graph's nodes; see the module docstring."""
+class GraphIndex:
+    """Nodes numbered in graph order with input/user lists and the tangent closure (plain lists)."""
 
     def __init__(self, joint_gm: fx.GraphModule, num_fwd_outputs: int):
         self.gm, self.graph, self.num_fwd_outputs = joint_gm, joint_gm.graph, num_fwd_outputs
@@ -58,10 +58,32 @@ class JointInfo:
         tang = [False] * N  # plain lists in the per-node loops: numpy scalar access is slow
         for i, n in enumerate(self.nodes):
             tang[i] = (n.op == "placeholder" and is_tangent(n)) or any(tang[a] for a in self.inputs_of[i])
-        self.is_tang = np.array(tang, dtype=bool)
+        self.tang_l = tang
         self.tang = {n for n, t in zip(self.nodes, tang) if t}
-        fwd_out, grads = split_outputs(self.graph, num_fwd_outputs)
+        self.fwd_out, grads = split_outputs(self.graph, num_fwd_outputs)
         self.grads = {g for g in grads if isinstance(g, fx.Node)}
+
+    def ancestors_l(self, roots) -> list:
+        seen = [False] * len(self.nodes)
+        stack = list(roots)
+        while stack:
+            i = stack.pop()
+            if not seen[i]:
+                seen[i] = True
+                stack.extend(self.inputs_of[i])
+        return seen
+
+
+class JointInfo(GraphIndex):
+    """Arrays over the joint graph's nodes; see the module docstring."""
+
+    def __init__(self, joint_gm: fx.GraphModule, num_fwd_outputs: int, index: Optional[GraphIndex] = None):
+        if index is not None:
+            self.__dict__.update(index.__dict__)
+        else:
+            GraphIndex.__init__(self, joint_gm, num_fwd_outputs)
+        N, idx, tang, fwd_out = len(self.nodes), self.index, self.tang_l, self.fwd_out
+        self.is_tang = np.array(tang, dtype=bool)
         fw_ids = [i for i in range(N) if not tang[i]]
         self.fw: List[fx.Node] = [self.nodes[i] for i in fw_ids]
         self.fw_ids = np.array(fw_ids, dtype=np.int64)
@@ -75,8 +97,7 @@ class JointInfo:
         self.dist = self._dist_from_bw(fw_ids, used, tang)
         self.mutated = mutated_primals(self.graph, self.primals)
         self._classify()
-        self._dist_l = self.dist.tolist()
-        self.weight = np.array([self._weight(n) for n in self.fw], dtype=np.float64)
+        self.weight = self._weights()
 
     def user_edges(self):
         """(producer, user) node-number arrays, one entry per distinct pair."""
@@ -87,14 +108,7 @@ class JointInfo:
         return self._edges
 
     def _ancestors(self, roots) -> np.ndarray:
-        seen = [False] * len(self.nodes)
-        stack = list(roots)
-        while stack:
-            i = stack.pop()
-            if not seen[i]:
-                seen[i] = True
-                stack.extend(self.inputs_of[i])
-        return np.array(seen, dtype=bool)
+        return np.array(self.ancestors_l(roots), dtype=bool)
 
     def _dist_from_bw(self, fw_ids, used, tang) -> np.ndarray:
         dist = [MAX_DIST] * len(self.nodes)
@@ -174,21 +188,33 @@ class JointInfo:
                     return True
         return False
 
-    def _weight(self, n: fx.Node) -> float:
-        """Cost of saving ``n`` (inf: never saved)."""
-        if n.op == "placeholder":
-            # An input is alive anyway, so saving it is free, unless the runtime mutates it after the
-            # forward (the saved value would be stale): then prefer saving what was computed from it.
-            if self.mutated is None:
-                return float(self.size[n])
-            return float(self.size[n]) * 1000.0 if n in self.mutated else 0.0
-        if is_sym(n):
-            return 1.0
-        i = self.index[n]
-        if not isinstance(n.meta.get("val"), torch.Tensor) or self.view[i]:
-            return float("inf")
-        w = float(self.size[n]) * 1.1 ** min(self._dist_l[i], MAX_DIST)
-        users = self.users_of[i]
-        if users and len(users) == len(n.users) and all(self.fusible(i, u) for u in users):
-            w *= 2
-        return w
+    def _weights(self) -> np.ndarray:
+        """Cost of saving each ``fw`` node: bytes x1.1^dist_from_bw, x2 when every user fuses with it;
+        0 for inputs (alive anyway; x1000 if the runtime mutates them after the forward, so the saved
+        value would be stale), 1 for SymInts, inf for views and non-tensors (never saved)."""
+        k = len(self.fw)
+        size = np.zeros(k)
+        kind = np.zeros(k, dtype=np.int8)  # 0 tensor, 1 placeholder, 2 sym, 3 never
+        fuse_all = np.zeros(k, dtype=bool)
+        view, fus, cat = self._view_l, self._fus, self._cat
+        for j, n in enumerate(self.fw):
+            i = self.index[n]
+            size[j] = self.size[n]
+            if n.op == "placeholder":
+                kind[j] = 1
+            elif not isinstance(n.meta.get("val"), torch.Tensor):
+                kind[j] = 2 if is_sym(n) else 3
+            elif view[i]:
+                kind[j] = 3
+            else:
+                us = self.users_of[i]
+                fuse_all[j] = bool(us) and len(us) == len(n.users) and all(cat[u] or (fus[i] and fus[u]) for u in us)
+        w = size * np.power(1.1, np.minimum(self.dist[self.fw_ids], MAX_DIST)) * np.where(fuse_all, 2.0, 1.0)
+        if self.mutated is None:
+            inputs = size
+        else:
+            mutated = np.array([n in self.mutated for n in self.fw], dtype=bool)
+            inputs = np.where(mutated, size * 1000.0, 0.0)
+        w = np.where(kind == 1, inputs, w)
+        w = np.where(kind == 2, 1.0, w)
+        return np.where(kind == 3, np.inf, w)

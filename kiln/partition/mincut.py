@@ -205,7 +205,7 @@ def _graph_budget(info: JointInfo, budget: float) -> float:
 def _no_worse_than_default(info: JointInfo, saved):
     """Budget 1 never saves more activation bytes than the plain (eager-like) partition."""
     from kiln.partition.default import default_saved
-    plain = default_saved(info.graph, info.num_fwd_outputs)
+    plain = default_saved(info.gm, info.num_fwd_outputs, gi=info)
     if activation_bytes(info, saved) > activation_bytes(info, plain):
         log(3, "remat: min-cut saves more than the plain partition; keeping the plain one")
         return plain

@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 
 from kiln.debug import log
-from kiln.passes.fold import add_constant, compute_dtype, constant_value, like
+from kiln.passes.fold import add_constant, compute_dtype, constant_value, fake_mode_of, like
 
 aten = torch.ops.aten
 
@@ -105,8 +105,8 @@ def _fold_one(gm, n: fx.Node, fake_mode) -> bool:
     with unset_fake_temporarily(), torch.no_grad():
         dt = compute_dtype(w.dtype)
         vec = _channel_vector(gm, c, out_shape, dim, channels, dt)
-        if vec is None:
-            return False
+        if vec is None or not bool(torch.isfinite(vec).all()) or (kind == "div" and bool((vec == 0).any())):
+            return False  # inf/nan scales do not commute with the convolution's sums
         vec = vec.to(w.device)
         new_w, new_b = w, b
         if kind in ("mul", "div"):
@@ -144,6 +144,7 @@ def _fold_one(gm, n: fx.Node, fake_mode) -> bool:
 
 def fold_binary(gm: fx.GraphModule, fake_mode=None) -> int:
     """Fold binary ops by constants into the conv/linear before them; edits ``gm``, returns the count."""
+    fake_mode = fake_mode or fake_mode_of(gm)
     folded = 0
     for n in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in BINARY]:
         if _fold_one(gm, n, fake_mode):

@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 
 from kiln.debug import log
-from kiln.passes.fold import add_constant, constant_value, infer_val
+from kiln.passes.fold import add_constant, constant_value, fake_mode_of, infer_val
 
 aten = torch.ops.aten
 VIEWS = (aten.view.default, aten._unsafe_view.default)
@@ -43,6 +43,14 @@ def _linear(gm, n: fx.Node):
     return x, wt, bt
 
 
+def _input_key(x):
+    """Linears on 3-D inputs each flatten the input with their own view: those views are one input."""
+    if isinstance(x, fx.Node) and x.target in VIEWS and not x.kwargs:
+        shape = tuple(a if not isinstance(a, fx.Node) else ("node", a) for a in x.args[1])
+        return ("view", x.args[0], shape)
+    return x
+
+
 def _groups(gm) -> list:
     groups: dict = {}
     for n in gm.graph.nodes:
@@ -50,7 +58,7 @@ def _groups(gm) -> list:
         if lin is None:
             continue
         x, wt, _ = lin
-        groups.setdefault((x, wt.shape[0], wt.dtype, wt.device), []).append((n, lin))
+        groups.setdefault((_input_key(x), wt.shape[0], wt.dtype, wt.device), []).append((n, lin))
     return [g for g in groups.values() if len(g) >= MIN_GROUP]
 
 
@@ -107,6 +115,7 @@ def _concat(gm, group, fake_mode) -> None:
 
 def concat_linears(gm: fx.GraphModule, fake_mode=None) -> int:
     """Merge linears sharing an input into one addmm; edits ``gm``, returns how many linears merged."""
+    fake_mode = fake_mode or fake_mode_of(gm)
     merged = 0
     for group in _groups(gm):
         _concat(gm, group, fake_mode)

@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from kiln.debug import log
-from kiln.passes.fold import add_constant, compute_dtype, constant_value, infer_val, like
+from kiln.passes.fold import add_constant, compute_dtype, constant_value, fake_mode_of, infer_val, like
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -95,6 +95,7 @@ def _foldable_conv(gm: fx.GraphModule, conv, bn: fx.Node):
 
 def fold_conv_bn(gm: fx.GraphModule, fake_mode=None) -> int:
     """Fold each eval BatchNorm that follows a convolution into it; edits ``gm``, returns the fold count."""
+    fake_mode = fake_mode or fake_mode_of(gm)
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     folded = 0
     for bn in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in BATCH_NORMS]:
@@ -134,6 +135,7 @@ def fold_conv_bn(gm: fx.GraphModule, fake_mode=None) -> int:
 
 def bn_to_affine(gm: fx.GraphModule, fake_mode=None) -> int:
     """Rewrite each constant eval BatchNorm left in ``gm`` as ``x * s + t``; returns how many changed."""
+    fake_mode = fake_mode or fake_mode_of(gm)
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     changed = 0
     for bn in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in BATCH_NORMS]:

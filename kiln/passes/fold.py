@@ -243,14 +243,21 @@ __all__ = ["fold_constants", "add_constant", "constant_value", "drop_unused_cons
 
 
 def infer_val(node: fx.Node, fake_mode=None):
-    """Compute ``node.meta['val']`` from its inputs' vals (under ``fake_mode`` when there is one)."""
+    """Compute ``node.meta['val']`` from its inputs' vals: under ``fake_mode``, else on the meta device."""
     import contextlib
-    args, kwargs = pytree.tree_map(lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a,
-                                   (node.args, node.kwargs))
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def val(a):
+        v = a.meta.get("val") if isinstance(a, fx.Node) else a
+        if fake_mode is None and isinstance(v, torch.Tensor) and not isinstance(v, FakeTensor):
+            v = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+        return v
+
+    args, kwargs = pytree.tree_map(val, (node.args, node.kwargs))
     with (fake_mode if fake_mode is not None else contextlib.nullcontext()):
-        val = node.target(*args, **kwargs)
-    node.meta["val"] = val
-    return val
+        out = node.target(*args, **kwargs)
+    node.meta["val"] = out
+    return out
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -71,7 +71,8 @@ def pin_eager_strides(gm: fx.GraphModule, fake_mode=None) -> int:
     break, and the graph output. Returns how many were inserted.
     """
     import torch
-    from kiln.passes.fold import infer_val
+    from kiln.passes.fold import fake_mode_of, infer_val
+    fake_mode = fake_mode or fake_mode_of(gm)
     free: set = set()
     for n in gm.graph.nodes:
         if n.op != "call_function":

@@ -59,7 +59,7 @@ def test_views_fuse_through_index_arithmetic():
     def fn(x):
         y = (x + 1).view(2, 16) * 3
         return y.reshape(4, 8).t().contiguous() + 1, (x + 1).view(4, 2, 4).permute(0, 2, 1).reshape(4, 8) * 2
-    check(fn, torch.randn(4, 8), n_kernels=2)
+    check(fn, torch.randn(4, 8), n_kernels=1)   # same number of elements: one kernel walks both
 
 
 def test_views_of_inputs_stay_aten_views():

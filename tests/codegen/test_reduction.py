@@ -82,11 +82,45 @@ def test_softmax_over_outer_dim():
     check(lambda x: torch.softmax(x, 0), torch.randn(5, 7, 3), n_kernels=1, atol=1e-5, rtol=1e-5)
 
 
-def test_cross_entropy_forward_and_backward():
+def test_cross_entropy_forward_is_one_kernel():
+    # rows' max and sum-exp, the picked logit and the mean over rows (with ignore_index) in one pass
     x, t = torch.randn(6, 10), torch.tensor([1, 2, 3, 0, 9, -100])
-    gm = check(lambda x, t: F.cross_entropy(x, t), x, t, atol=1e-5, rtol=1e-5)
-    assert len(kernels(gm)) <= 2
+    check(lambda x, t: F.cross_entropy(x, t), x, t, n_kernels=1, atol=1e-5, rtol=1e-5)
+    check(lambda x, t: F.cross_entropy(x, t, reduction="sum"), x, t, n_kernels=1, atol=1e-5, rtol=1e-5)
+    w = torch.rand(10)
+    check(lambda x, t, w: F.cross_entropy(x, t, weight=w), x, t, w, n_kernels=1, atol=1e-5, rtol=1e-5)
+
+
+def test_cross_entropy_backward():
+    x, t = torch.randn(6, 10), torch.tensor([1, 2, 3, 0, 9, -100])
     check(grads(lambda x, t: F.cross_entropy(x, t), 1), x, t, torch.tensor(1.0), atol=1e-5, rtol=1e-5)
+
+
+def test_whole_tensor_reduction_of_row_results_joins_the_row_kernel():
+    def fn(x):
+        m = x.amax(1)
+        return m, (x - m[:, None]).exp().sum(1).log().mean(), x.sum(1).max()
+    check(fn, torch.randn(9, 13), n_kernels=1, atol=1e-5, rtol=1e-5)
+
+
+def test_large_outer_reduction_stays_a_second_kernel(monkeypatch):
+    import kiln.codegen.schedule as sched
+    monkeypatch.setattr(sched, "OUTER_MAX", 64)
+    check(lambda x: x.sum(1).mean(), torch.randn(9, 13), n_kernels=2, atol=1e-5, rtol=1e-5)
+
+
+def test_split_reductions(monkeypatch):
+    import kiln.codegen.lower_reduce as lr
+    monkeypatch.setattr(lr, "SPLIT_MIN_R", 64)
+    monkeypatch.setattr(lr, "SPLIT_MIN_NUMEL", 256)
+    monkeypatch.setattr(lr, "SPLIT_MIN_CHUNK", 64)
+    # a full sum (padded chunks), a column sum and a max: each a partial and a final kernel
+    check(lambda x: x.sum(), torch.randn(1000), n_kernels=2, atol=1e-4, rtol=1e-5)
+    check(lambda x: (x * 2).sum(0), torch.randn(300, 5), n_kernels=2, atol=1e-4, rtol=1e-5)
+    check(lambda x: x.amax(), torch.randn(7, 131), n_kernels=2)
+    monkeypatch.undo()
+    assert lr.split_count((4, 1000000), [1]) > 1 and lr.split_count((4096, 1000000), [1]) == 1
+    assert lr.split_count((65536, 512), [0]) > 1 and lr.split_count((64, 512), [0]) == 1
 
 
 def test_variance_and_std():

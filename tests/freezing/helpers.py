@@ -1,9 +1,17 @@
 """Modules from seed 004 (test_inductor_freezing) and small helpers for the freezing tests."""
 import contextlib
 
+import pytest
 import torch
 
 import kiln
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def cuda_ok(device):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
 
 
 class ConvBN(torch.nn.Module):
@@ -102,3 +110,21 @@ def wrapper_code(code):
 def calls(src: str, name: str) -> list:
     """Lines of a wrapper source that call something whose global name contains ``name``."""
     return [ln for ln in src.splitlines() if "=" in ln and name in ln.split("=", 1)[1].split("(")[0]]
+
+
+def aten_graph(fn, *inputs):
+    """An ATen graph of ``fn`` in which the tensors it closes over are ``get_attr`` constants."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+    with torch.no_grad():
+        gm = make_fx(fn)(*inputs)
+        mode = FakeTensorMode(allow_non_fake_inputs=True)  # one fake mode for every val, as in AOTAutograd
+        FakeTensorProp(gm, mode).propagate(*[mode.from_tensor(t) for t in inputs])
+    return gm
+
+
+def ops(gm, target) -> int:
+    """How many nodes of ``gm`` call ``target`` (an OpOverload or an overload packet)."""
+    from kiln.passes.fold import count_ops
+    return count_ops(gm, target)
