@@ -55,6 +55,12 @@ def tensors(obj) -> list:
     return []
 
 
+def _to64(t):
+    if isinstance(t, torch.Tensor) and t.is_floating_point():
+        return t.detach().double().requires_grad_(t.requires_grad)
+    return t
+
+
 def nbytes(ts) -> int:
     """Bytes of the listed tensors (element count times element size)."""
     return sum(t.numel() * t.element_size() for t in ts)
@@ -97,6 +103,19 @@ class Workload:
         """Run the forward whose saved tensors are measured; returns what ``backward_for_memory`` takes."""
         raise NotImplementedError
 
+    def reference64(self) -> list:
+        """``check`` of a float64 copy (model, inputs; no autocast): the referee when a backend and
+        eager disagree in low precision. Results are in the same order as ``check``."""
+        wl = self.fresh()
+        if isinstance(wl.model, torch.nn.Module):
+            wl.model = wl.model.double()
+        wl.inputs = tuple(_to64(t) for t in self.inputs)
+        wl._to64()
+        return wl.check(wl.model)
+
+    def _to64(self) -> None:
+        pass
+
     def backward_for_memory(self, out) -> None:
         raise NotImplementedError
 
@@ -119,6 +138,9 @@ class FnWorkload(Workload):
         grads = [t for t in self.state() if t.requires_grad]
         self.min_bytes = nbytes(ins) + nbytes([out]) + (nbytes([out]) + nbytes(ins) + nbytes(grads) if train else 0)
         self._opt = None
+
+    def _to64(self) -> None:
+        self.grad = self.grad.double()
 
     def _zero(self):
         for t in self.state():
@@ -166,6 +188,9 @@ class ModelWorkload(Workload):
         self._opt = None
         if not train:
             self.model.eval()
+
+    def _to64(self) -> None:
+        self.autocast = None
 
     def _ctx(self):
         if self.autocast is None:

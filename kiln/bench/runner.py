@@ -41,13 +41,17 @@ def variants(case, backends, budgets):
 
 
 def _error(e: BaseException) -> str:
-    """``Type: first line`` of the error; Dynamo's BackendCompilerFailed is unwrapped to its cause."""
+    """``Type: first line [... last line]`` of the error; Dynamo's BackendCompilerFailed is unwrapped
+    to its cause (Triton's CompilationError puts the reason on its last line)."""
     inner = getattr(e, "inner_exception", None)
     prefix = ""
     if inner is not None:
         prefix, e = f"{type(e).__name__} <- ", inner
-    msg = [m for m in str(e).strip().splitlines() if m.strip()]
-    return f"{prefix}{type(e).__name__}: {(msg[0] if msg else '')[:300]}"
+    msg = [m.strip() for m in str(e).strip().splitlines() if m.strip()]
+    text = msg[0][:200] if msg else ""
+    if len(msg) > 1:
+        text += " ... " + msg[-1][:200]
+    return f"{prefix}{type(e).__name__}: {text}"
 
 
 def _dynamo_counts():
@@ -62,7 +66,7 @@ def _cleanup(device):
         torch.cuda.empty_cache()
 
 
-def measure_backend(case, wl_pristine, ref, backend, budget, cfg: RunConfig) -> dict:
+def measure_backend(case, wl_pristine, ref, backend, budget, cfg: RunConfig, ref64=None) -> dict:
     """One row: compile times, check, step-time summary and memory for ``backend`` at ``budget``."""
     row = {"backend": backend, "budget": budget, "status": "ok"}
     stage, f, wl = "copy", None, None
@@ -78,7 +82,8 @@ def measure_backend(case, wl_pristine, ref, backend, budget, cfg: RunConfig) -> 
                 g1, b1 = _dynamo_counts()
                 row.update(compile_s=cold, graphs=g1 - g0, graph_breaks=b1 - b0)
             stage = "check"
-            row.update(M.compare(ref, got, wl.tol) if backend != "eager" else {"ok": True, "err": 0.0, "check": "ref"})
+            row.update(M.compare(ref, got, wl.tol, ref64) if backend != "eager"
+                       else {"ok": True, "err": 0.0, "check": "ref"})
             del got
             if cfg.warm_compile and backend != "eager":
                 stage = "warm compile"
@@ -125,9 +130,16 @@ def run_case(case, dtype: str, backend_names, budgets, cfg: RunConfig, on_start=
                    "error": _error(e), "traceback": traceback.format_exc(limit=8)}
         _cleanup(cfg.device)
         return
+    truth: list = []
+
+    def ref64():  # float64 referee, computed at most once per case and only when a check fails
+        if not truth:
+            truth.append(pristine.reference64())
+        return truth[0]
+
     for backend, budget in pairs:
         if on_start:
             on_start(backend, budget)
-        yield {**base, **measure_backend(case, pristine, ref, backend, budget, cfg)}
-    del pristine, ref
+        yield {**base, **measure_backend(case, pristine, ref, backend, budget, cfg, ref64)}
+    del pristine, ref, truth
     _cleanup(cfg.device)

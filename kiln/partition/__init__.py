@@ -7,7 +7,9 @@
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+import contextlib
+import gc
+from typing import Tuple
 
 import torch.fx as fx
 
@@ -15,13 +17,26 @@ from kiln.debug import counters, log
 from kiln.partition.extract import PartitionError, dce, extract, saved_values  # noqa: F401
 
 
+@contextlib.contextmanager
+def _gc_paused():
+    """Cyclic GC passes over a big fx graph dominate per-node loops; pause it while partitioning."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def choose_saved(joint_gm: fx.GraphModule, *, num_fwd_outputs: int, opts) -> list:
     """The forward values to save, according to ``opts.partitioner`` (no graphs are built)."""
-    if opts.partitioner == "default":
-        from kiln.partition.default import default_saved
-        return default_saved(joint_gm, num_fwd_outputs)
-    from kiln.partition.mincut import mincut_saved
-    return mincut_saved(joint_gm, num_fwd_outputs=num_fwd_outputs, opts=opts)
+    with _gc_paused():
+        if opts.partitioner == "default":
+            from kiln.partition.default import default_saved
+            return default_saved(joint_gm, num_fwd_outputs)
+        from kiln.partition.mincut import mincut_saved
+        return mincut_saved(joint_gm, num_fwd_outputs=num_fwd_outputs, opts=opts)
 
 
 def partition_joint(joint_gm: fx.GraphModule, joint_inputs=None, *, num_fwd_outputs: int, opts=None,
@@ -36,7 +51,8 @@ def partition_joint(joint_gm: fx.GraphModule, joint_inputs=None, *, num_fwd_outp
     opts = opts if opts is not None else current()
     dce(joint_gm.graph)
     saved = choose_saved(joint_gm, num_fwd_outputs=num_fwd_outputs, opts=opts)
-    fw, bw = extract(joint_gm, saved, num_fwd_outputs=num_fwd_outputs)
+    with _gc_paused():
+        fw, bw = extract(joint_gm, saved, num_fwd_outputs=num_fwd_outputs)
     kept = saved_values(fw, num_fwd_outputs)
     counters["partition"]["graphs"] += 1
     counters["partition"]["saved"] += len(kept)

@@ -68,7 +68,7 @@ def tangent_closure(graph: fx.Graph) -> set:
     for n in graph.nodes:
         if n.op == "output":
             continue
-        if is_tangent(n) or any(a in out for a in n.all_input_nodes):
+        if is_tangent(n) or any(a in out for a in _inputs(n)):
             out.add(n)
     return out
 
@@ -113,36 +113,65 @@ def _ancestors(outputs: Iterable, stop: set) -> set:
             continue
         seen.add(n)
         if n not in stop:
-            stack.extend(n.all_input_nodes)
+            stack.extend(_inputs(n))
     return seen
 
 
-def _subgraph(joint: fx.Graph, inputs: Sequence[fx.Node], outputs: Sequence, keep, what: str) -> fx.Graph:
-    """Copy of the part of ``joint`` that computes ``outputs`` from ``inputs`` (plus impure nodes that
-    ``keep`` accepts and whose inputs are available)."""
+def _inputs(n: fx.Node):
+    d = getattr(n, "_input_nodes", None)  # all_input_nodes copies this dict's keys, slowly
+    return d.keys() if isinstance(d, dict) else n.all_input_nodes
+
+
+def lazy_order(nodes: Sequence[fx.Node], need: set, anchors: set, available: set) -> List[fx.Node]:
+    """``need`` in the order the backward should run it: the ``anchors`` (tangent-dependent nodes) in
+    graph order, each preceded by the recomputation it needs that has not run yet (depth-first), so a
+    recomputed value is made just before its first use rather than all at the start (as the autograd
+    engine would). Nodes left over (not feeding any anchor) follow in graph order."""
+    done, out = set(available), []
+
+    def emit(root):
+        stack = [(root, False)]
+        while stack:
+            cur, ready = stack.pop()
+            if cur in done:
+                continue
+            if ready:
+                done.add(cur)
+                out.append(cur)
+                continue
+            stack.append((cur, True))
+            stack.extend((a, False) for a in reversed(list(_inputs(cur))) if a not in done and a in need)
+
+    for n in nodes:
+        if n in need and n in anchors:
+            emit(n)
+    for n in nodes:
+        if n in need:
+            emit(n)
+    return out
+
+
+def _subgraph(joint: fx.Graph, inputs: Sequence[fx.Node], outputs: Sequence, keep, what: str,
+              anchors: Optional[set] = None) -> fx.Graph:
+    """Copy of the part of ``joint`` that computes ``outputs`` (and the impure nodes ``keep`` accepts)
+    from ``inputs``: in graph order, or in ``lazy_order`` around ``anchors`` when given."""
     g = fx.Graph()
     env = {}
-    for n in inputs:
-        p = g.placeholder(n.name)
+    for n in inputs:  # create_node: Graph.placeholder() searches for the last placeholder each time
+        p = g.create_node("placeholder", n.name, name=n.name, type_expr=n.type)
         p.meta = dict(n.meta)
         env[n] = p
-    need = _ancestors(outputs, set(inputs))
-    for n in joint.nodes:
-        if n in env or n.op == "output":
-            continue
-        if n.op == "placeholder":
-            if n in need:
-                raise PartitionError(f"partition: the {what} graph needs input {n.name}, which it does not get")
-            continue
-        wanted = n in need or (is_impure(n) and keep(n))
-        if not wanted:
-            continue
-        if all(a in env for a in n.all_input_nodes):
-            env[n] = g.node_copy(n, env.__getitem__)
-        elif n in need:
-            missing = [a.name for a in n.all_input_nodes if a not in env]
-            raise PartitionError(f"partition: {what} node {n.name} needs {missing}, which are neither "
-                                 f"inputs nor computable there")
+    nodes = [n for n in joint.nodes if n.op != "output"]
+    roots = [o for o in outputs if isinstance(o, fx.Node)]
+    roots += [n for n in nodes if n.op != "placeholder" and n not in env and is_impure(n) and keep(n)]
+    need = _ancestors(roots, set(inputs))
+    missing = [n.name for n in nodes if n.op == "placeholder" and n in need and n not in env]
+    if missing:
+        raise PartitionError(f"partition: the {what} graph needs inputs {missing}, which it does not get")
+    order = lazy_order(nodes, need, anchors, set(env)) if anchors is not None else \
+        [n for n in nodes if n in need and n not in env]
+    for n in order:
+        env[n] = g.node_copy(n, env.__getitem__)
     g.output(tuple(env[o] if isinstance(o, fx.Node) else o for o in outputs))
     dce(g)
     g.lint()
@@ -220,16 +249,15 @@ def extract(joint_gm: fx.GraphModule, saved: Iterable[fx.Node], *, num_fwd_outpu
     def order(sv):
         return [n for n in sv if not is_sym(n)] + [n for n in sv if is_sym(n)]
 
-    # First cut: drop saved values the backward does not use.
-    saved = order(saved)
-    g = _subgraph(joint, saved + bwd_in, bwd_out, in_bw, "backward")
-    used = {p.name for p in g.nodes if p.op == "placeholder" and p.users}
-    saved = [n for n in saved if n.name in used]
+    # Drop saved values the backward does not use.
+    roots = [o for o in bwd_out if isinstance(o, fx.Node)] + [n for n in tang if is_impure(n)]
+    need = _ancestors(roots, set(saved) | set(bwd_in))
+    saved = order([n for n in saved if n in need])
     syms = [n for n in saved if is_sym(n)]
     saved = order(saved + _bind_symbols(joint, saved + bwd_in, syms, fwd_in))
     tensors, syms = [n for n in saved if not is_sym(n)], [n for n in saved if is_sym(n)]
 
-    bw = _subgraph(joint, syms + tensors + bwd_in, bwd_out, in_bw, "backward")
+    bw = _subgraph(joint, syms + tensors + bwd_in, bwd_out, in_bw, "backward", anchors=tang)
     fw = _subgraph(joint, fwd_in, list(fwd_out) + tensors + syms, in_fw, "forward")
     for p in bw.nodes:
         if p.op == "placeholder" and "val" not in p.meta:
@@ -243,8 +271,3 @@ def saved_values(fw_gm: fx.GraphModule, num_fwd_outputs: int) -> List[fx.Node]:
     outs = fw_gm.graph.output_node().args[0]
     return [o for o in outs[num_fwd_outputs:] if isinstance(o, fx.Node)]
 
-
-def saved_bytes(nodes: Iterable[fx.Node], hint: Optional[int] = None) -> int:
-    """Bytes of the tensors among ``nodes`` (symbolic sizes use their hints)."""
-    from kiln.partition.estimate import size_bytes
-    return sum(size_bytes(n) for n in nodes)

@@ -15,8 +15,8 @@
 5. With ``freezing_discard_parameters=True``, ``discard_parameters`` swaps the frozen tensors in every
    module holding them for an ``ErasedTensor``: the originals can be freed and eager calls fail loudly.
 
-Frozen values are not guarded: change a parameter after compiling and the compiled graph keeps the old
-value. Freezing is for inference only.
+Frozen values are never checked again: change a parameter after compiling and the compiled graph keeps
+the old value. Freezing is for inference only.
 """
 from __future__ import annotations
 
@@ -55,11 +55,11 @@ def _source(n: fx.Node):
     return src
 
 
-def _source_name(n: fx.Node) -> str:
-    src = _source(n)
-    if src is None:
+def _source_text(source) -> str:
+    """A Dynamo source's name, like ``L['self']._modules['conv']._parameters['weight']``."""
+    if source is None:
         return ""
-    name = src.name
+    name = source.name
     return name() if callable(name) else str(name)
 
 
@@ -70,7 +70,7 @@ def module_state(gm: fx.GraphModule, example_inputs) -> set:
     for i, (n, ex) in enumerate(zip(placeholders, example_inputs)):
         if not isinstance(ex, torch.Tensor):
             continue
-        name = _source_name(n)
+        name = _source_text(_source(n))
         static = n.meta.get("tensor_dict", {}).get("_dynamo_static_input_type") is not None
         if isinstance(ex, torch.nn.Parameter) or "._parameters[" in name or "._buffers[" in name or static:
             out.add(i)
@@ -107,7 +107,7 @@ def _freezable(t, val) -> bool:
         return False
     if isinstance(val, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in val.shape):
         return False
-    return type(t) in (torch.Tensor, torch.nn.Parameter) or isinstance(t, torch.nn.Parameter)
+    return type(t) in (torch.Tensor, torch.nn.Parameter)
 
 
 def freeze_placeholders(gm: fx.GraphModule, region: FrozenRegion, fake_mode=None) -> int:
@@ -181,6 +181,7 @@ def freezing_passes(gm: fx.GraphModule, opts, target: str, trace, fake_mode=None
     stats["constants"] = sum(1 for n in gm.graph.nodes if n.op == "get_attr")
     for k in ("constant_folded", "conv_bn_folded", "binary_folded", "concat_linear"):
         counters["kiln"][k] += stats[k]
+    counters["kiln"]["frozen_constants"] += stats["constants"]  # constants the compiled graph reads
     return stats
 
 
@@ -258,16 +259,32 @@ ERASED_MESSAGE = ("Trying to run Pytorch Eager Module after Dynamo Freezing. The
 def _unguard(source) -> bool:
     """Drop the guards Dynamo is about to install on ``source`` (a frozen input); False if impossible.
 
-    The compiled region never reads a frozen input again, so its guards only cause a recompile (and a
-    failure) once the original is erased. Other compiled regions keep their own guards on it.
+    The compiled region never reads a frozen input again, so its guards would only cause a recompile
+    (and a failure) once the original is erased. Other compiled regions keep their own guards on it.
     """
     ctx = torch._guards.TracingContext.try_get()
     guards = getattr(getattr(ctx, "guards_context", None), "dynamo_guards", None)
-    remove = getattr(guards, "remove_guards_with_source", None)
-    if source is None or remove is None:
+    if source is None or guards is None or not hasattr(guards, "inner"):
         return False
-    remove(source)
-    return True
+    name = _source_text(source)
+
+    def on_source(g) -> bool:  # guards on the source itself or on anything read through it
+        n = _source_text(g.originating_source)
+        return n == name or n.startswith((name + ".", name + "["))
+
+    try:
+        if hasattr(guards, "remove_guards_with_source"):
+            guards.remove_guards_with_source(source)
+        if any(on_source(g) for g in guards.inner):  # older versions match sources differently
+            guards.inner = type(guards.inner)(g for g in guards.inner if not on_source(g))
+            if hasattr(guards, "source_to_guards"):
+                guards.source_to_guards.clear()
+                for g in guards.inner:
+                    guards.track_guard_by_source(g)
+    except Exception as e:  # Dynamo internals changed: keep the original rather than break the guards
+        log(1, f"freeze: cannot drop the guards on {name}: {e}")
+        return False
+    return not any(on_source(g) for g in guards.inner)
 
 
 def _release(region: FrozenRegion) -> None:

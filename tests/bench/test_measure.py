@@ -53,3 +53,14 @@ def test_step_times_excludes_warmup_and_respects_bounds():
     assert len(times) == 4 and len(calls) == 6
     times = M.step_times(lambda: None, "cpu", warmup=0, min_iters=3, max_iters=50, min_time=0.0)
     assert len(times) == 3
+
+
+def test_compare_float64_referee():
+    truth = [torch.tensor([1.0, 2.5, 3.0], dtype=torch.float64)]
+    eager_off = [torch.tensor([1.0, 2.0, 3.0])]          # eager rounds badly at one element
+    close = [torch.tensor([1.0, 2.5, 3.0])]
+    res = M.compare(eager_off, close, 1e-3, lambda: truth)
+    assert res["ok"] and res["check"].startswith("ok vs fp64")
+    worse = M.compare(close, eager_off, 1e-3, lambda: truth)  # now the backend is the one that is off
+    assert not worse["ok"] and "vs fp64 tensor 0" in worse["check"]
+    assert not M.compare(close, eager_off, 1e-3)["ok"]       # without a referee it simply fails

@@ -34,7 +34,7 @@ def test_backend_failure_is_a_row(monkeypatch):
     rows = list(runner.run_case(_case(), "fp32", ["kiln", "eager"], None, CFG))
     assert [r["backend"] for r in rows] == ["kiln", "eager"]
     assert rows[0]["status"] == "error" and rows[0]["stage"] == "compile"
-    assert rows[0]["error"] == "RuntimeError: lowering failed"
+    assert rows[0]["error"] == "RuntimeError: lowering failed ... more"
     assert rows[1]["status"] == "ok" and rows[1]["iters"] == 2
 
 
@@ -57,6 +57,15 @@ def test_wrong_result_fails_check(monkeypatch):
     rows = {r["backend"]: r for r in runner.run_case(_case(), "fp32", ["eager", "kiln"], None, CFG)}
     assert rows["eager"]["check"] == "ref"
     assert rows["kiln"]["status"] == "ok" and rows["kiln"]["ok"] is False
+
+
+def test_reference64_runs_in_float64():
+    wl = micro.CASES[7].build("cpu", "bf16", "tiny")        # t5_rmsnorm, a module with a weight
+    ref, truth = wl.check(wl.model), wl.reference64()
+    assert [t.dtype for t in truth] == [torch.float64] * len(ref)
+    assert all(t.shape == r.shape for t, r in zip(truth, ref))
+    assert wl.model.weight.dtype == torch.bfloat16          # the pristine workload is untouched
+    torch.testing.assert_close(truth[0].to(torch.bfloat16), ref[0], atol=0.05, rtol=0.05)
 
 
 def test_micro_cases_build_tiny_and_match_eager_copy():

@@ -43,7 +43,7 @@ def test_statistics_in_counters_and_debug_log(capsys):
         out = compiled(lambda m, x: m(x))(mod, x)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     c = kiln.counters["kiln"]
-    assert c["frozen_params"] == 5 and c["conv_bn_folded"] == 1
+    assert c["frozen_params"] == 5 and c["conv_bn_folded"] == 1 and c["frozen_constants"] == 2
     err = capsys.readouterr().err
     assert "freezing: 5 params frozen" in err and "1 conv-bn folds" in err
     assert "# after: conv_bn" in err  # each freezing pass shows its graph at level 2

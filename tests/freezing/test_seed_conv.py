@@ -226,7 +226,8 @@ def test_conv_weight_layout_convert(device, monkeypatch):
     with torch.no_grad():
         ref = mod(x)
         out = compiled(lambda m, i: m(i))(mod, x)
-    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    tol = 1e-4 if device == "cpu" else 2e-3  # cuDNN may pick another (TF32) algorithm for channels-last
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
     assert len(seen) == 1 and seen[0].is_contiguous(memory_format=torch.channels_last)
 
 

@@ -132,7 +132,7 @@ def _uneven_configs():
     return configs
 
 
-@pytest.mark.parametrize("config", [0, pytest.param(1, marks=SLOW), pytest.param(2, marks=SLOW)],
+@pytest.mark.parametrize("config", [pytest.param(c, marks=SLOW) for c in range(3)],
                          ids=["fixed1", "fixed2", "random"])
 def test_matmul_uneven_chain(env, config):
     def f(x, ws):

@@ -1,0 +1,150 @@
+"""A peak-memory model of forward + backward for a saved set, and ``activation_memory_limit``.
+
+The model replays the joint graph without running it:
+- forward: the non-tangent nodes the forward outputs and the saved values need, in graph order;
+- backward: the nodes the gradients need from the saved values and tangents, in the order extract()
+  lays them out (``lazy_order``: each recomputation just before its first use).
+Each tensor is alive from the node that makes it to its last use in that phase; saved values stay alive
+from the forward until their last backward use, forward outputs and gradients until the phase ends.
+Views share their base's storage; graph inputs (parameters, user inputs) are not counted. The result is
+the largest sum of live bytes at any node: the activation peak, not the whole process's memory.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Sequence
+
+import torch.fx as fx
+
+from kiln.debug import log
+from kiln.partition import ops
+from kiln.partition.estimate import node_flops, size_bytes
+from kiln.options import parse_bytes
+
+
+class MemoryLimitError(RuntimeError):
+    """``activation_memory_limit`` is below the modelled peak even when the backward recomputes every
+    op it can (budget 0). Raise the limit, shrink the batch, or shard the model."""
+
+
+@dataclass
+class Peak:
+    forward: int     # peak live bytes during the forward
+    backward: int    # peak live bytes during the backward (saved values included)
+    saved: int       # bytes of saved non-input tensors
+    recompute_flops: float  # FLOPs of forward ops the backward runs again
+
+    @property
+    def peak(self) -> int:
+        return max(self.forward, self.backward)
+
+
+def _root(n: fx.Node) -> fx.Node:
+    """The node owning ``n``'s storage (through views)."""
+    seen = 0
+    while ops.is_view(n) and n.args and isinstance(n.args[0], fx.Node) and seen < 1000:
+        n, seen = n.args[0], seen + 1
+    return n
+
+
+def _replay(order: Sequence[fx.Node], alive_at_start: Dict[fx.Node, int], keep: set) -> int:
+    """Peak live bytes running ``order``; ``keep`` roots never die within the phase."""
+    pos = {n: i for i, n in enumerate(order)}
+    last: Dict[fx.Node, int] = {}
+    for i, n in enumerate(order):
+        for a in n.all_input_nodes:
+            r = _root(a)
+            last[r] = max(last.get(r, -1), i)
+    live = dict(alive_at_start)
+    cur = peak = sum(live.values())
+    dying: Dict[int, List[fx.Node]] = {}
+    for r, i in last.items():
+        if r not in keep and (r in live or r in pos):
+            dying.setdefault(i, []).append(r)
+    for i, n in enumerate(order):
+        if n.op != "placeholder" and _root(n) is n and n not in live:
+            b = size_bytes(n) if not isinstance(n.meta.get("val"), (tuple, list)) else 0
+            live[n] = b
+            cur += b
+            peak = max(peak, cur)
+            if n not in last and n not in keep:  # never used: freed at once
+                cur -= live.pop(n)
+        for r in dying.get(i, ()):
+            cur -= live.pop(r, 0)
+    return peak
+
+
+def model_peak(joint_gm: fx.GraphModule, saved: Sequence[fx.Node], num_fwd_outputs: int, info=None) -> Peak:
+    """Modelled activation peak of forward + backward when ``saved`` is saved."""
+    from kiln.partition.extract import lazy_order, normalize_saved, split_outputs, tangent_closure
+    graph = joint_gm.graph
+    tang = info.tang if info is not None else tangent_closure(graph)
+    fwd_out, grads = split_outputs(graph, num_fwd_outputs)
+    saved = [s for s in normalize_saved(saved)]
+    saved_roots = {_root(s) for s in saved if s.op != "placeholder"}
+    stop = set(saved) | {n for n in graph.nodes if n.op == "placeholder"}
+    fw_need = _needed([o for o in fwd_out if isinstance(o, fx.Node)] + list(saved), {
+        n for n in graph.nodes if n.op == "placeholder"})
+    fw_order = [n for n in graph.nodes if n in fw_need and n not in tang and n.op != "output"]
+    fw_keep = saved_roots | {_root(o) for o in fwd_out if isinstance(o, fx.Node)}
+    fwd = _replay(fw_order, {}, fw_keep)
+    bw_need = _needed([g for g in grads if isinstance(g, fx.Node)], stop)
+    nodes = [n for n in graph.nodes if n.op != "output"]
+    available = set(saved) | {n for n in nodes if n.op == "placeholder"}
+    bw_order = lazy_order(nodes, bw_need, tang, available)
+    start = {r: size_bytes(r) for r in saved_roots}
+    start.update({t: size_bytes(t) for t in graph.nodes if t.op == "placeholder" and t in tang})
+    bwd = _replay(bw_order, start, {_root(g) for g in grads if isinstance(g, fx.Node)})
+    flops = sum(node_flops(n) for n in bw_order if n not in tang)
+    return Peak(fwd, bwd, sum(size_bytes(r) for r in saved_roots), flops)
+
+
+def _needed(roots, stop) -> set:
+    seen, stack, root_set = set(), list(roots), set(roots)
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n not in stop or n in root_set:
+            stack.extend(a for a in n.all_input_nodes if a not in seen)
+    return seen
+
+
+def limit_saved(info, budget: float, opts) -> List[fx.Node]:
+    """The largest budget (at most ``budget``) whose modelled peak fits ``activation_memory_limit``."""
+    from kiln.partition.budget import saved_for_budget
+    limit = parse_bytes(opts.activation_memory_limit)
+
+    def peak_at(b):
+        saved = saved_for_budget(info, b, opts)
+        p = model_peak(info.gm, saved, info.num_fwd_outputs, info)
+        log(3, f"remat: limit {limit} B: budget {b:.4f} -> modelled peak {p.peak} B")
+        return saved, p.peak
+
+    saved, peak = peak_at(budget)
+    if peak <= limit:
+        return saved
+    # The peak is not monotone in the budget (recomputing a whole chain at once can cost more than
+    # saving part of it), so scan a grid downwards, then bisect above the best grid point.
+    grid = [budget * (1 - i / 20) for i in range(1, 21)]
+    best_b, best, lowest = None, None, peak
+    for b in grid:
+        s_b, p_b = peak_at(b)
+        lowest = min(lowest, p_b)
+        if p_b <= limit:
+            best_b, best = b, s_b
+            break
+    if best is None:
+        raise MemoryLimitError(f"partition: activation_memory_limit={opts.activation_memory_limit!r} "
+                               f"({limit} B) is unreachable: the lowest modelled peak over budgets "
+                               f"[0, {budget}] is {lowest} B; raise the limit or shrink the batch")
+    lo, hi = best_b, min(budget, best_b + budget / 20)
+    for _ in range(5):
+        mid = (lo + hi) / 2
+        s_m, p_m = peak_at(mid)
+        if p_m <= limit:
+            lo, best = mid, s_m
+        else:
+            hi = mid
+    return best

@@ -1,0 +1,140 @@
+"""``kiln.explain_memory(fn, *args)``: what the partitioner saves and recomputes, and why.
+
+It traces ``fn`` once (AOTAutograd, kiln's partitioner), then reports for the options in force:
+every saved value (bytes, reason, source line), every forward op the backward recomputes, the modelled
+peak (peak.py), and on request a sweep of budgets -> (peak bytes, recompute FLOPs), drawn as a PNG.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.fx as fx
+
+from kiln.options import current
+from kiln.partition import ops
+
+
+@dataclass
+class Row:
+    name: str
+    op: str
+    bytes: int
+    why: str
+    source: str
+
+
+@dataclass
+class MemoryReport:
+    saved: List[Row]
+    recomputed: List[Row]
+    activation_bytes: int
+    peak_bytes: int
+    recompute_flops: float
+    sweep: List[Tuple[float, int, float]] = field(default_factory=list)  # (budget, peak B, FLOPs)
+    png: Optional[str] = None
+
+    def __str__(self) -> str:
+        lines = [f"saved for backward: {self.activation_bytes} B of activations; modelled peak "
+                 f"{self.peak_bytes} B; recompute {self.recompute_flops:.3g} FLOPs"]
+        for title, rows in (("saved", self.saved), ("recomputed", self.recomputed)):
+            lines.append(f"{title} ({len(rows)}):")
+            lines += [f"  {r.name:24s} {r.op:32s} {r.bytes:>12d} B  {r.why:28s} {r.source}" for r in rows]
+        if self.sweep:
+            lines.append("budget -> peak B, recompute FLOPs:")
+            lines += [f"  {b:4.2f} -> {p:>12d}, {f:.3g}" for b, p, f in self.sweep]
+        return "\n".join(lines)
+
+
+def source_line(n: fx.Node) -> str:
+    """The user's source line that produced ``n`` (from meta['stack_trace'])."""
+    st = n.meta.get("stack_trace")
+    if not st:
+        return ""
+    lines = [s.strip() for s in st.strip().splitlines() if s.strip()]
+    files = [s for s in lines if s.startswith("File ")]
+    where = files[-1].split(", in ")[0].replace("File ", "") if files else ""
+    return f"{where}: {lines[-1]}" if where else lines[-1]
+
+
+def _capture_joint(fn, args):
+    from torch._functorch.aot_autograd import aot_function, aot_module, make_boxed_func
+    from kiln.partition import partition_joint
+    box = {}
+
+    def part(joint, joint_inputs, **kw):
+        box["gm"], box["n"] = joint, kw["num_fwd_outputs"]
+        return partition_joint(joint, joint_inputs, opts=current(partitioner="default"), **kw)
+
+    compile_ = aot_module if isinstance(fn, torch.nn.Module) else aot_function
+    compiled = compile_(fn, fw_compiler=lambda g, i: make_boxed_func(g.forward), partition_fn=part)
+    with torch.enable_grad():
+        compiled(*args)
+    if "gm" not in box:
+        raise ValueError("explain_memory: no joint graph was traced; does any input or parameter require grad?")
+    return box["gm"], box["n"]
+
+
+def explain_memory(fn, *args, budgets: Optional[Sequence[float]] = None, png: Optional[str] = None,
+                   **options) -> MemoryReport:
+    """Report the partition of ``fn(*args)`` under the kiln options in force plus ``options``.
+
+    ``budgets``: also sweep these activation_memory_budget values (default 1.0..0.0 by 0.1 when ``png``
+    is given). ``png``: write the budget -> (peak bytes, recompute FLOPs) plot there (matplotlib, Agg).
+    """
+    from kiln.partition import choose_saved
+    from kiln.partition.joint_info import JointInfo
+    from kiln.partition.mincut import ban_reason, RUNTIME_OPTIMAL, Policy
+    from kiln.partition.peak import model_peak
+    opts = current(**options)
+    gm, n = _capture_joint(fn, args)
+    info = JointInfo(gm, n)
+    saved = choose_saved(gm, num_fwd_outputs=n, opts=opts)
+    peak = model_peak(gm, saved, n, info)
+    policy = RUNTIME_OPTIMAL if opts.activation_memory_budget >= 1 else Policy(ban_materialized=False)
+    rows = [Row(s.name, str(s.target), info.size.get(s, 0), ban_reason(info, s, policy) or "cheapest cut",
+                source_line(s)) for s in saved]
+    recomputed = _recomputed(gm, saved, info)
+    rec_rows = [Row(r.name, str(r.target), info.size.get(r, 0), "", source_line(r)) for r in recomputed]
+    act = sum(r.bytes for r, s in zip(rows, saved) if s.op != "placeholder")
+    report = MemoryReport(rows, rec_rows, act, peak.peak, peak.recompute_flops)
+    if png and budgets is None:
+        budgets = [round(1 - i / 10, 2) for i in range(11)]
+    for b in budgets or ():
+        s = choose_saved(gm, num_fwd_outputs=n, opts=opts.replace(activation_memory_budget=b,
+                                                                   activation_memory_limit=None))
+        p = model_peak(gm, s, n, info)
+        report.sweep.append((b, p.peak, p.recompute_flops))
+    if png:
+        report.png = plot_sweep(report.sweep, png)
+    return report
+
+
+def _recomputed(gm, saved, info) -> List[fx.Node]:
+    """Forward-computable call nodes the backward runs (not saved, needed by a gradient)."""
+    from kiln.partition.peak import _needed
+    stop = set(saved) | {x for x in gm.graph.nodes if x.op == "placeholder"}
+    need = _needed([g for g in info.grads], stop)
+    return [x for x in info.fw if x in need and x not in stop and x.op == "call_function"
+            and not ops.is_view(x)]
+
+
+def plot_sweep(sweep, path: str) -> str:
+    """Write budget -> (peak MiB, recompute GFLOPs) as a PNG; returns the path."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    b = [s[0] for s in sweep]
+    fig = Figure(figsize=(6, 4))
+    FigureCanvasAgg(fig)  # Agg canvas, without touching the global pyplot backend
+    ax = fig.add_subplot()
+    ax.plot(b, [s[1] / 2 ** 20 for s in sweep], "o-", color="tab:blue")
+    ax.set_xlabel("activation_memory_budget")
+    ax.set_ylabel("modelled peak (MiB)", color="tab:blue")
+    ax2 = ax.twinx()
+    ax2.plot(b, [s[2] / 1e9 for s in sweep], "s--", color="tab:red")
+    ax2.set_ylabel("recompute GFLOPs", color="tab:red")
+    ax.set_title("kiln: memory vs recomputation")
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
