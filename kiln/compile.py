@@ -23,6 +23,8 @@ from kiln.runtime import load
 def compile_graph(gm: fx.GraphModule, example_inputs: list, opts: Options):
     """Compile one Dynamo graph; returns a callable taking the same inputs."""
     trace = Trace(opts)
+    if opts.cpp_wrapper and not (opts.freezing and not torch.is_grad_enabled()):
+        log(1, "cpp_wrapper=True: kiln has no C++ wrapper yet; running the Python wrapper")
     trace.show("capture", gm)
     if opts.dump_dir:
         from kiln.repro import write_repro

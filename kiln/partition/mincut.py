@@ -173,11 +173,9 @@ def _recomputed(info, n, saved_set) -> bool:
 
 
 def _source(n: fx.Node) -> str:
-    st = n.meta.get("stack_trace")
-    if not st:
-        return ""
-    lines = [s.strip() for s in st.strip().splitlines() if s.strip()]
-    return f" at {lines[-2] if len(lines) > 1 else lines[-1]}"
+    from kiln.partition.report import source_line
+    line = source_line(n)
+    return f" at {line}" if line else ""
 
 
 def mincut_saved(joint_gm: fx.GraphModule, *, num_fwd_outputs: int, opts) -> List[fx.Node]:

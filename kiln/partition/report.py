@@ -52,25 +52,33 @@ def source_line(n: fx.Node) -> str:
     st = n.meta.get("stack_trace")
     if not st:
         return ""
-    lines = [s.strip() for s in st.strip().splitlines() if s.strip()]
-    files = [s for s in lines if s.startswith("File ")]
-    where = files[-1].split(", in ")[0].replace("File ", "") if files else ""
-    return f"{where}: {lines[-1]}" if where else lines[-1]
+    lines = [s.strip() for s in st.strip().splitlines()]
+    lines = [s for s in lines if s and set(s) - set("^~ ")]  # drop caret/tilde marker lines
+    files = [i for i, s in enumerate(lines) if s.startswith("File ")]
+    if not files:
+        return lines[-1] if lines else ""
+    i = files[-1]
+    where = lines[i].split(", in ")[0].replace("File ", "").strip('"')
+    code = lines[i + 1] if i + 1 < len(lines) else ""
+    return f"{where}: {code}"
 
 
 def _capture_joint(fn, args):
-    from torch._functorch.aot_autograd import aot_function, aot_module, make_boxed_func
+    """Trace ``fn`` through Dynamo + AOTAutograd (Dynamo records each node's source line) and keep the
+    joint graph of its (first) graph."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
     from kiln.partition import partition_joint
     box = {}
 
     def part(joint, joint_inputs, **kw):
-        box["gm"], box["n"] = joint, kw["num_fwd_outputs"]
+        box.setdefault("gm", joint)
+        box.setdefault("n", kw["num_fwd_outputs"])
         return partition_joint(joint, joint_inputs, opts=current(partitioner="default"), **kw)
 
-    compile_ = aot_module if isinstance(fn, torch.nn.Module) else aot_function
-    compiled = compile_(fn, fw_compiler=lambda g, i: make_boxed_func(g.forward), partition_fn=part)
+    backend = aot_autograd(fw_compiler=lambda g, i: make_boxed_func(g.forward), partition_fn=part)
     with torch.enable_grad():
-        compiled(*args)
+        torch.compile(fn, backend=backend, fullgraph=False)(*args)
     if "gm" not in box:
         raise ValueError("explain_memory: no joint graph was traced; does any input or parameter require grad?")
     return box["gm"], box["n"]

@@ -76,7 +76,8 @@ def test_explain_memory(tmp_path):
     cos = next(r for r in rep.saved if r.name == "cos")
     assert cos.bytes == 4 * MB and "x.cos()" in cos.source and "test_peak.py" in cos.source
     assert rep.activation_bytes == 32 * MB
-    assert len(rep.sweep) == 11 and rep.sweep[0][1] > rep.sweep[-1][1]
+    assert len(rep.sweep) == 11 and rep.sweep[0][1] > min(p for _, p, _ in rep.sweep)
+    assert rep.sweep[0][2] == 0 < rep.sweep[-1][2]
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert os.path.getsize(png) > 1000
