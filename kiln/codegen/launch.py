@@ -37,7 +37,9 @@ def config(kind, xnumel, rnumel, persistent, inner, interpret):
         return max(1, min(next_pow2(xnumel), 4096 // rb)), rb, 1
     if inner:
         return 1, min(next_pow2(rnumel), 2048), 8
-    return min(32, next_pow2(xnumel)), min(next_pow2(rnumel), 64), 4
+    # outer reductions: columns along the tile's first axis; autotuning on an H200 preferred
+    # 16 warps for long columns (65536x512 column sum: 138 us with 4 warps, 46 us with 16)
+    return min(32, next_pow2(xnumel)), min(next_pow2(rnumel), 64), 16 if rnumel >= 1024 else 4
 
 
 def candidates(kind, xnumel, rnumel, persistent, inner):

@@ -34,6 +34,7 @@ def out_shape(shape, dims, keepdim):
 SPLIT_MIN_R = 4096         # split a reduction only when rows are at least this long...
 SPLIT_MIN_NUMEL = 1 << 20  # ...and it reads at least this many elements
 SPLIT_MIN_CHUNK = 1024     # elements of a row each partial reduces, at least
+SPLIT_MAX_ROWS = 16        # inner reductions with more rows than this are never split
 SPLITTABLE = {"sum": "sum", "max": "max", "min": "min", "prod": "prod"}
 
 
@@ -67,9 +68,11 @@ def split_count(shape, dims) -> int:
     if r < SPLIT_MIN_R or r * x < SPLIT_MIN_NUMEL:
         return 1
     inner = (len(shape) - 1) in dims
-    target = 1024 if inner else 8192     # rows (inner) or columns (outer) that fill a GPU
-    if x >= target:
+    # split only what cannot fill a GPU otherwise: a handful of rows (splitting a norm's rows
+    # would cost its fusion), or fewer columns than an outer reduction needs
+    if (inner and x > SPLIT_MAX_ROWS) or (not inner and x >= 8192):
         return 1
+    target = 1024 if inner else 8192
     s = min(next_pow2(-(-target // x)), r // SPLIT_MIN_CHUNK)
     return s if s >= 2 else 1
 

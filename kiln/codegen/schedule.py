@@ -228,6 +228,16 @@ class Scheduler:
             for g in self.readers.get(name, ()):
                 if g not in candidates and g.kind != "scatter":
                     candidates.append(g)
+        # siblings that read other outputs of the same producer kernel (the halves of split
+        # reductions over the same rows)
+        producers = [self.group_of.get(self.buffers[n]) for n in sorted(self.reads[buf])]
+        for p in producers:
+            if p is None:
+                continue
+            for b in p.nodes:
+                for g in self.readers.get(b.name, ()):
+                    if g not in candidates and g.kind != "scatter" and g is not p:
+                        candidates.append(g)
         for g in candidates:
             if self._try_join(g, buf):
                 for other in candidates:

@@ -100,7 +100,7 @@ class TritonKernel:
         if lv is not None:
             return lv
         if e.op in ("load", "index", "rand"):
-            index = e.args[1]
+            index = e.args[0] if e.op == "index" else e.args[1]
             syms = index.free_symbols if isinstance(index, sympy.Basic) else set()
             lv = "xr" if RINDEX in syms else ("x" if XINDEX in syms else "c")
             if e.op != "rand":

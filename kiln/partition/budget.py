@@ -104,15 +104,43 @@ def knapsack(sizes: Sequence[int], values: Sequence[float], capacity: float) -> 
     v = np.array(values, dtype=np.float64)
     v = v / (v.max() if v.max() > 0 else 1.0) + 1e-7 * w / max(w.max(), 1.0)
     free = {i for i in range(n) if sizes[i] == 0}
-    if n * (limit + 1) <= DP_CELLS:
-        return _dp(w.astype(np.int64), v, limit) | free
+    members, bw, bv = _bundle([i for i in range(n) if sizes[i] > 0], w, v)
+    solve = _dp if len(bw) * (limit + 1) <= DP_CELLS else _checked_milp
+    keep = solve(bw.astype(np.int64), bv, limit)
+    chosen = {i for b in keep for i in members[b]}
+    assert sum(sizes[i] for i in chosen) <= limit * g
+    return chosen | free
+
+
+def _bundle(items, w, v):
+    """Identical items (same size and value) merged into bundles of 1, 2, 4, ... (binary splitting keeps
+    the 0/1 knapsack exact and turns thousands of equal layers into a dozen items)."""
+    groups = {}
+    for i in items:
+        groups.setdefault((w[i], v[i]), []).append(i)
+    members, bw, bv = [], [], []
+    for (wi, vi), idx in groups.items():
+        k, start = 1, 0
+        while start < len(idx):
+            take = min(k, len(idx) - start)
+            members.append(idx[start:start + take])
+            bw.append(wi * take)
+            bv.append(vi * take)
+            start += take
+            k *= 2
+    return members, np.array(bw, dtype=np.float64), np.array(bv, dtype=np.float64)
+
+
+def _checked_milp(w, v, limit) -> set:
+    """HiGHS, then verified in integers: its feasibility tolerance may overshoot, so tighten and retry."""
+    cap = limit
     for _ in range(4):
-        keep = _milp(w, v, limit)
-        used = sum(sizes[i] for i in keep)
-        if used <= limit * g:
-            return keep | free
-        limit -= max(1, (used - limit * g) // g)  # the solver's tolerance let it overshoot: tighten
-    return _dp(w.astype(np.int64), v, max(limit, 0)) | free
+        keep = _milp(w.astype(np.float64), v, cap)
+        used = int(sum(w[i] for i in keep))
+        if used <= limit:
+            return keep
+        cap -= max(1, used - limit)
+    return _dp(w, v, max(cap, 0))
 
 
 def _milp(w, v, limit) -> set:
@@ -122,7 +150,7 @@ def _milp(w, v, limit) -> set:
         raise BudgetError("partition: activation_memory_budget needs scipy.optimize.milp") from e
     res = milp(-v, constraints=LinearConstraint(w[None, :], -np.inf, limit), integrality=np.ones_like(w),
                bounds=Bounds(0, 1), options={"mip_rel_gap": 0.0, "presolve": True})
-    if res.x is None:
+    if res.x is None:  # pragma: no cover
         raise BudgetError(f"partition: knapsack solver failed: {res.message}")
     return {i for i, x in enumerate(res.x) if x > 0.5}
 

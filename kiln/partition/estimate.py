@@ -117,7 +117,11 @@ def _flops_key(node: fx.Node):
             v = a.meta.get("val")
             if not isinstance(v, torch.Tensor):
                 return None
-            parts.append(_hinted(v))
+            shape = tuple(v.shape)
+            if all(type(d) is int for d in shape):
+                parts.append((shape, v.dtype))
+            else:
+                parts.append(_hinted(v))
         elif isinstance(a, (int, float, bool, str)) or a is None:
             parts.append(a)
         else:

@@ -84,6 +84,7 @@ class JointInfo(GraphIndex):
             GraphIndex.__init__(self, joint_gm, num_fwd_outputs)
         N, idx, tang, fwd_out = len(self.nodes), self.index, self.tang_l, self.fwd_out
         self.is_tang = np.array(tang, dtype=bool)
+        self.is_call = np.array([n.op == "call_function" for n in self.nodes], dtype=bool)
         fw_ids = [i for i in range(N) if not tang[i]]
         self.fw: List[fx.Node] = [self.nodes[i] for i in fw_ids]
         self.fw_ids = np.array(fw_ids, dtype=np.int64)
@@ -102,9 +103,13 @@ class JointInfo(GraphIndex):
     def user_edges(self):
         """(producer, user) node-number arrays, one entry per distinct pair."""
         if not hasattr(self, "_edges"):
-            pairs = {(i, u) for i, us in enumerate(self.users_of) for u in us}
-            arr = np.array(sorted(pairs), dtype=np.int64).reshape(-1, 2)
-            self._edges = (arr[:, 0], arr[:, 1])
+            import itertools
+            n = len(self.users_of)
+            counts = np.fromiter((len(u) for u in self.users_of), dtype=np.int64, count=n)
+            src = np.repeat(np.arange(n, dtype=np.int64), counts)
+            dst = np.fromiter(itertools.chain.from_iterable(self.users_of), dtype=np.int64, count=int(counts.sum()))
+            key = np.unique(src * max(n, 1) + dst)
+            self._edges = (key // max(n, 1), key % max(n, 1))
         return self._edges
 
     def _ancestors(self, roots) -> np.ndarray:
@@ -132,22 +137,28 @@ class JointInfo(GraphIndex):
         f = np.array(facts, dtype=bool).reshape(-1, 7)
         self.view, random_, self.heavy, self.cheap, self.fusible_op, self.is_cat, reduction = f.T
         self.static_reason: Dict[int, str] = {}
-        self.must_recompute = np.zeros(len(self.nodes), dtype=bool)
-        self.big_reduction = np.zeros(len(self.nodes), dtype=bool)
-        for i in self.fw_ids:
-            n = self.nodes[i]
-            reason = self._static_reason(n, random_[i], self.view[i])
-            if reason:
-                self.static_reason[int(i)] = reason
-                continue
-            rec = n.meta.get("recompute") if n.meta else None
-            if rec is not None:
-                self.must_recompute[i] = "MUST_RECOMPUTE" in str(rec)
-            if reduction[i]:
-                self.big_reduction[i] = ops.is_big_reduction(n, lambda x: self.size.get(x) or size_bytes(x))
+        N = len(self.nodes)
+        must_rec, big_red, mat = [False] * N, [False] * N, [False] * N
+        rnd_l, red_l = random_.tolist(), reduction.tolist()
         self._fus, self._cat, self._view_l = self.fusible_op.tolist(), self.is_cat.tolist(), self.view.tolist()
         self._tang_l, self._req_l = self.is_tang.tolist(), self.fwd_required.tolist()
-        self.materialized = np.array([self._materialized(i) for i in range(len(self.nodes))], dtype=bool)
+        for i in self.fw_ids.tolist():
+            n = self.nodes[i]
+            reason = self._static_reason(n, rnd_l[i], self._view_l[i])
+            if reason:
+                self.static_reason[i] = reason
+                continue
+            if n.op != "call_function" or self._view_l[i]:
+                continue
+            rec = n.meta.get("recompute")
+            if rec is not None:
+                must_rec[i] = "MUST_RECOMPUTE" in str(rec)
+            if red_l[i]:
+                big_red[i] = ops.is_big_reduction(n, lambda x: self.size.get(x) or size_bytes(x))
+            mat[i] = self._materialized(i)
+        self.must_recompute = np.array(must_rec, dtype=bool)
+        self.big_reduction = np.array(big_red, dtype=bool)
+        self.materialized = np.array(mat, dtype=bool)
 
     @staticmethod
     def _static_reason(n: fx.Node, random_: bool, view: bool) -> Optional[str]:
@@ -197,8 +208,7 @@ class JointInfo(GraphIndex):
         kind = np.zeros(k, dtype=np.int8)  # 0 tensor, 1 placeholder, 2 sym, 3 never
         fuse_all = np.zeros(k, dtype=bool)
         view, fus, cat = self._view_l, self._fus, self._cat
-        for j, n in enumerate(self.fw):
-            i = self.index[n]
+        for j, (n, i) in enumerate(zip(self.fw, self.fw_ids.tolist())):
             size[j] = self.size[n]
             if n.op == "placeholder":
                 kind[j] = 1
@@ -208,7 +218,8 @@ class JointInfo(GraphIndex):
                 kind[j] = 3
             else:
                 us = self.users_of[i]
-                fuse_all[j] = bool(us) and len(us) == len(n.users) and all(cat[u] or (fus[i] and fus[u]) for u in us)
+                if us and len(us) == len(n.users):
+                    fuse_all[j] = all(cat[u] or fus[u] for u in us) if fus[i] else all(cat[u] for u in us)
         w = size * np.power(1.1, np.minimum(self.dist[self.fw_ids], MAX_DIST)) * np.where(fuse_all, 2.0, 1.0)
         if self.mutated is None:
             inputs = size

@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Dict, FrozenSet, List, Optional
+from typing import FrozenSet, List, Optional
 
 import numpy as np
-import torch
 import torch.fx as fx
 
 from kiln.debug import log
@@ -69,8 +68,7 @@ def ban_mask(info: JointInfo, policy: Policy) -> np.ndarray:
     optional &= ~info.view & ~lift
     static = np.zeros(N, dtype=bool)
     static[list(info.static_reason)] = True
-    only_ops = np.array([n.op == "call_function" for n in info.nodes], dtype=bool) if N else static
-    return static | (optional & only_ops)
+    return static | (optional & info.is_call)
 
 
 def ban_reason(info: JointInfo, n: fx.Node, policy: Policy) -> Optional[str]:

@@ -48,3 +48,15 @@ def test_budget_plot(tmp_path):
     assert [os.path.basename(p) for p in paths] == ["budget_gpt_cpu.png"]
     with open(paths[0], "rb") as fh:
         assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_from_json_records_and_plots(tmp_path):
+    from kiln.bench.cli import main
+    saved = report.write_json(str(tmp_path / "run.json"), META, ROWS)
+    rec = tmp_path / "rec"
+    assert main(["--from-json", saved, "--record-dir", str(rec), "--md", str(tmp_path / "x.md")]) == 0
+    text = (rec / "RESULTS.md").read_text()
+    assert "(from " in text and "| gpt | fp32 | 0.5 |" in text
+    assert (rec / "budget_gpt_cpu.png").exists()
+    assert len(os.listdir(rec / "results")) == 1
+    assert (tmp_path / "x.md").read_text().startswith("## 2026-01-01")

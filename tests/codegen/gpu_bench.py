@@ -8,8 +8,8 @@ from tests.codegen.test_reduction import layer_norm, rms_norm
 from tests.codegen.util import fused
 
 
-def bench(name, fn, *args):
-    gm, n = fused(fn, *args)
+def bench(name, fn, *args, **opts):
+    gm, n = fused(fn, *args, **opts)
     gm(*args)
     t_eager = do_bench(lambda: fn(*args))
     t_kiln = do_bench(lambda: gm(*args))
@@ -31,4 +31,11 @@ if __name__ == "__main__":
     bench("cross_entropy 4096x32000", lambda x, t: F.cross_entropy(x, t), x32, t)
     bench("layer_norm 64x65536 fp32 (looped)", layer_norm, torch.randn(64, 65536, device=d),
           torch.randn(65536, device=d), torch.randn(65536, device=d))
-    bench("column sum 65536x512", lambda g: g.sum(0), torch.randn(65536, 512, device=d))
+    g = torch.randn(65536, 512, device=d)
+    bench("column sum 65536x512", lambda g: g.sum(0), g)
+    bench("column sum (autotuned)", lambda g: g.sum(0), g, max_autotune=True)
+    bench("sum of 64M", lambda g: g.sum(), torch.randn(1 << 26, device=d))
+    bench("ln bwd 16384x1024 (w, b grads)", lambda g, x: ((g * x).sum(0), g.sum(0)), torch.randn(16384, 1024, device=d),
+          torch.randn(16384, 1024, device=d))
+    from kiln.codegen import launch
+    print("autotuned:", launch._TUNED)

@@ -118,8 +118,11 @@ def test_split_reductions(monkeypatch):
     check(lambda x: x.sum(), torch.randn(1000), n_kernels=2, atol=1e-4, rtol=1e-5)
     check(lambda x: (x * 2).sum(0), torch.randn(300, 5), n_kernels=2, atol=1e-4, rtol=1e-5)
     check(lambda x: x.amax(), torch.randn(7, 131), n_kernels=2)
+    # the weight and bias gradients of a norm: both partials in one kernel, both finals in another
+    check(lambda g, x: ((g * x).sum(0), g.sum(0)), torch.randn(512, 16), torch.randn(512, 16), n_kernels=2,
+          atol=1e-4, rtol=1e-4)
     monkeypatch.undo()
-    assert lr.split_count((4, 1000000), [1]) > 1 and lr.split_count((4096, 1000000), [1]) == 1
+    assert lr.split_count((4, 1000000), [1]) > 1 and lr.split_count((64, 100000), [1]) == 1
     assert lr.split_count((65536, 512), [0]) > 1 and lr.split_count((64, 512), [0]) == 1
 
 

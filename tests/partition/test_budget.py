@@ -15,13 +15,13 @@ from kiln.partition.mincut import activation_bytes
 
 
 def _brute(sizes, values, cap):
-    best, best_set = -1.0, set()
+    best = -1.0
     for r in range(len(sizes) + 1):
         for combo in itertools.combinations(range(len(sizes)), r):
             if sum(sizes[i] for i in combo) <= cap:
                 v = sum(values[i] for i in combo)
                 if v > best + 1e-12:
-                    best, best_set = v, set(combo)
+                    best = v
     return best
 
 

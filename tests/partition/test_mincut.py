@@ -122,6 +122,7 @@ def test_op_classes():
 def _choose_time(layers, **opts):
     """CPU seconds to choose the saved set (JointInfo + cuts + knapsack) of a synthetic joint graph."""
     import gc
+    choose_saved(chain_joint(8), num_fwd_outputs=1, opts=current(**opts))  # warm up: imports, op caches
     gm = chain_joint(layers)
     gc.collect()
     t0 = time.process_time()
