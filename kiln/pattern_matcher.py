@@ -1,4 +1,4 @@
-"""``kiln.pattern_matcher``: the pattern-matching API in one import (mirrors torch._inductor's names).
+"""``kiln.pattern_matcher``: the pattern-matching API in one import (the names Inductor's users know).
 
 Patterns: ``Arg, Ignored, KeywordArg, ExclusiveKeywordArg, CallFunction, CallMethod, CallModule,
 ListOf, MultiOutputPattern, MULTIPLE``. Passes: ``PatternMatcherPass``. Registration:

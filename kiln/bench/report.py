@@ -101,6 +101,9 @@ def markdown(meta: dict, rows: list) -> str:
     ratios = [(n, d) for n, d in (("kiln", "eager"), ("kiln", "inductor")) if n in backends and d in backends]
     head = ["case", "dtype", "budget"] + [f"{b} ms" for b in backends] + [f"{n}/{d}" for n, d in ratios]
     head += [f"{b} compile s cold/warm" for b in compiled] + [f"mem MiB {'/'.join(backends)}"]
+    has_saved = any(r.get("peak_bytes") is not None and r.get("saved_bytes") is not None for r in rows)
+    if has_saved:
+        head.append(f"saved MiB {'/'.join(backends)}")
     has_bw = any(r.get("gbps") for r in rows)
     if has_bw:
         head.append(f"GB/s {'/'.join(backends)}")
@@ -127,6 +130,9 @@ def markdown(meta: dict, rows: list) -> str:
             line.append(f"{_num(c.get('compile_s'))}/{_num(c.get('warm_compile_s'))}" if c.get("status") == "ok"
                         else "-")
         line.append("/".join(mem_cell(cells[b]) if b in cells else "-" for b in backends))
+        if has_saved:
+            line.append("/".join(_num(cells[b]["saved_bytes"] / 2**20) if cells.get(b, {}).get("saved_bytes")
+                                 is not None else "-" for b in backends))
         if has_bw:
             line.append("/".join(_num(cells[b].get("gbps"), 4) if b in cells else "-" for b in backends))
         line.append("/".join(_check(cells.get(b)) for b in (compiled or backends)))

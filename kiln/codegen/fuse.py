@@ -16,7 +16,7 @@ import torch
 import torch.fx
 
 from kiln.codegen.kernel import PLACEHOLDER, kernel_for
-from kiln.codegen.loops import Unsupported
+from kiln.codegen.loops import Unsupported, release_indirect
 from kiln.codegen.lower import Lowering, is_tensor
 from kiln.codegen.schedule import loads, schedule
 from kiln.debug import counters, log
@@ -56,6 +56,8 @@ def fuse_graph(gm: torch.fx.GraphModule, example_inputs, opts, strict: bool = Fa
         counters["codegen"]["fallback"] += 1
         log(1, f"codegen: graph stays ATen ({type(e).__name__}: {e})")
         return 0
+    finally:
+        release_indirect()
     n = _rewrite(gm, *plan)
     counters["codegen"]["kernels"] += n
     return n

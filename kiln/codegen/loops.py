@@ -23,14 +23,15 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import sympy
 import torch
 
-from kiln.codegen.indexing import ZERO, contiguous_strides, flat_index, size_expr
+from kiln.codegen.indexing import contiguous_strides, flat_index, size_expr
 
 UNARY = {"neg", "abs", "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sqrt", "rsqrt",
          "sin", "cos", "tan", "asin", "acos", "atan", "sinh", "cosh", "tanh", "asinh", "acosh",
@@ -149,28 +150,41 @@ class ops:
         return Expr(op, (a, b), torch.bool if op in COMPARE else a.dtype)
 
 
-_INDIRECT: dict = {}     # symbol name -> Expr (kept alive: loads refer to the symbol by name)
-_SYMBOL_OF: dict = {}    # Expr -> symbol
 _ind_names = itertools.count()
+_local = threading.local()   # per compiling thread: symbol name -> Expr and Expr -> symbol
+
+
+def _tables():
+    if not hasattr(_local, "indirect"):
+        _local.indirect, _local.symbol_of = {}, {}
+    return _local.indirect, _local.symbol_of
 
 
 def indirect_symbol(value: Expr) -> sympy.Symbol:
     """An index symbol standing for the (int64, non-negative) runtime value ``value``."""
-    sym = _SYMBOL_OF.get(value)
+    indirect, symbol_of = _tables()
+    sym = symbol_of.get(value)
     if sym is None:
         sym = sympy.Symbol(f"ind{next(_ind_names)}", integer=True, nonnegative=True)
-        _SYMBOL_OF[value] = sym
-        _INDIRECT[sym.name] = value
+        symbol_of[value] = sym
+        indirect[sym.name] = value
     return sym
 
 
 def binds_of(index) -> tuple:
     """((symbol, Expr), ...) for the indirect symbols in an index expression."""
+    indirect, _ = _tables()
     out = []
     for s in sorted(getattr(index, "free_symbols", ()), key=str):
         if s.name.startswith("ind"):
-            out.append((s, _INDIRECT[s.name]))
+            out.append((s, indirect[s.name]))
     return tuple(out)
+
+
+def release_indirect():
+    """Forget this thread's indirect symbols (after a graph's kernels are emitted)."""
+    _local.__dict__.pop("indirect", None)
+    _local.__dict__.pop("symbol_of", None)
 
 
 class Unsupported(Exception):
@@ -305,5 +319,5 @@ def contiguous_buffer(shape, dtype, device, kind, compute=None, node=None) -> Bu
 
 
 __all__ = ["Expr", "ops", "Pointwise", "Reduction", "Scatter", "Buffer", "Unsupported", "upcast",
-           "UNARY", "BINARY", "COMPARE", "meta_layout", "contiguous_buffer", "new_name", "ZERO", "field",
+           "UNARY", "BINARY", "COMPARE", "meta_layout", "contiguous_buffer", "new_name",
            "indirect_symbol", "binds_of"]

@@ -9,7 +9,7 @@ import torch._prims  # noqa: F401  (registers the prims namespace)
 
 from kiln.codegen.indexing import ZERO, size_expr
 from kiln.codegen.lower import register
-from kiln.codegen.lower_pointwise import E, _binary, _compare, _unary, elementwise, un
+from kiln.codegen.lower_pointwise import E, _binary, _compare, _unary, elementwise
 from kiln.codegen.lower_reduce import reduce, variance
 from kiln.codegen.lower_view import _remap, _view
 
@@ -106,6 +106,3 @@ def _slice(ctx, a, start_indices, limit_indices, strides=None):
 def _rev(ctx, a, dims):
     dims = set(dims)
     return ctx.pointwise(lambda idx: a([a.shape[i] - 1 - v if i in dims else v for i, v in enumerate(idx)]))
-
-
-__all__ = ["un"]

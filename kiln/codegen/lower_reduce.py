@@ -7,7 +7,6 @@ Variance is two-pass (mean, then sum of squared deviations) within that kernel.
 """
 from __future__ import annotations
 
-import math
 
 import sympy
 import torch
@@ -415,6 +414,3 @@ def _nll_loss_backward(ctx, grad, x, target, weight, reduction, ignore_index, to
         return ops.where(hit, ops.unary("neg", mul(w, g)), ops.const(0, acc))
     del shape
     return ctx.pointwise(fn)
-
-
-__all__ = ["reduce", "variance", "keep_index", "math"]

@@ -10,6 +10,11 @@ requested bytes (1 unit = one 512x512 fp32 block = 1 MiB) and FLOPs of the backw
   ``FlopCounterMode`` over the backward (the seed's ``get_bw_flops``), with kiln's formulas for the CPU
   attention kernel (PyTorch has none for it);
 - ``cuda`` (``-m gpu``): the seed's 512 blocks and CUDA ``requested_bytes`` measurement.
+
+Every case of the seed is here; the default suite runs a subset (each case compiles for ~2 s on two
+cores) and ``-m "slow and not gpu"`` runs the rest (all 11 even-chain budgets, the three uneven-chain
+configs, all 7 attention shapes). tests/partition/test_budget.py checks the uneven chain's exact subset
+sums quickly, on the partitioner alone.
 """
 import random
 

@@ -156,3 +156,16 @@ def test_partition_50k_nodes_under_2s(budget):
     fw, bw = extract(gm, saved, num_fwd_outputs=1)
     n_mm = sum(1 for x in bw.graph.nodes if x.target is torch.ops.aten.mm.default)
     assert n_mm == (11200 if budget == 1.0 else 11200 + 5600 - len([s for s in saved if s.name.startswith("mm")]))
+
+
+def test_remat_decisions_logged_at_debug_3(capsys):
+    import kiln
+
+    def f(x, w):
+        return torch.mm(x.cos(), w).sin().sum()
+    with kiln.config.patch(debug=3):
+        check_grads(f, (torch.randn(8, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)),
+                    activation_memory_budget=0.0)
+    err = capsys.readouterr().err
+    assert "remat[budget=0]: save primals_1" in err
+    assert "remat[budget=0]: recompute mm" in err and "recompute cos" in err
