@@ -25,17 +25,18 @@ FUSION_EXTRA = [
     aten._softmax_backward_data, aten._log_softmax_backward_data, aten.gelu, aten.gelu_backward,
     aten.native_dropout, aten.embedding, aten.embedding_dense_backward, aten.nll_loss_forward,
     aten.nll_loss_backward, aten._native_batch_norm_legit_functional,
-    aten._native_batch_norm_legit_no_training, aten.native_batch_norm_backward,
+    aten.native_batch_norm_backward,
     aten.native_group_norm, aten.native_group_norm_backward, aten.mean, aten.var_mean, aten.addcmul,
 ]
 
-# native_batch_norm is left out on purpose: on torch 2.11 its decomposition goes through the mutating
+# native_batch_norm (and eval BN, kept whole below) are left out on purpose: on torch 2.11 its decomposition goes through the mutating
 # _native_batch_norm_legit, which AOTAutograd rejects in a functional graph.
 
 # Ops that must stay whole everywhere: library calls that no decomposition beats.
 KEEP = [aten.convolution, aten.convolution_backward, aten.mm, aten.addmm, aten.bmm, aten.baddbmm,
         aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_efficient_attention,
-        aten._scaled_dot_product_cudnn_attention]
+        aten._scaled_dot_product_cudnn_attention, aten._scaled_dot_product_flash_attention_for_cpu,
+        aten._native_batch_norm_legit_no_training]
 
 
 @functools.lru_cache(maxsize=None)

@@ -61,6 +61,7 @@ class _Emitter:
         self.w = Wrapper(name=name, source="")
         self.names: dict[fx.Node, str] = {}
         self.global_ids: dict[int, str] = {}
+        self.local_names = {self._fresh(n.name) for n in gm.graph.nodes}
 
     # -- naming ---------------------------------------------------------------------------------
     def bind(self, obj, hint: str) -> str:
@@ -72,7 +73,7 @@ class _Emitter:
         if base[0].isdigit() or keyword.iskeyword(base) or hasattr(builtins, base):
             base = "k_" + base
         name, i = base, 0
-        while name in self.w.globals:
+        while name in self.w.globals or name in self.local_names:
             i += 1
             name = f"{base}_{i}"
         self.w.globals[name] = obj

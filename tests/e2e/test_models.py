@@ -75,3 +75,11 @@ def test_inference_no_grad():
         out = kiln.compile(m)(x)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     assert not out.requires_grad
+
+
+def test_triton_codegen_on_cpu_block_and_eval_cnn():
+    """The fusing target (Triton under the interpreter on CPU) agrees with eager too."""
+    check_train(Block(), [torch.randn(2, 8, 32, requires_grad=True)], rtol=1e-4, atol=1e-4,
+                codegen="triton")
+    check_train(CNN().eval(), [torch.randn(2, 3, 8, 8, requires_grad=True)], rtol=1e-4, atol=1e-4,
+                codegen="triton")
