@@ -16,12 +16,17 @@ from kiln import compat, passes
 from kiln.capture.decomp import decomposition_table
 from kiln.codegen.wrapper import emit_wrapper
 from kiln.debug import Trace, log
-from kiln.options import Options
+from kiln.options import Options, using
 from kiln.runtime import load
 
 
 def compile_graph(gm: fx.GraphModule, example_inputs: list, opts: Options):
     """Compile one Dynamo graph; returns a callable taking the same inputs."""
+    with using(opts):
+        return _compile_graph(gm, example_inputs, opts)
+
+
+def _compile_graph(gm: fx.GraphModule, example_inputs: list, opts: Options):
     trace = Trace(opts)
     if opts.cpp_wrapper and not (opts.freezing and not torch.is_grad_enabled()):
         log(1, "cpp_wrapper=True: kiln has no C++ wrapper yet; running the Python wrapper")
@@ -45,7 +50,7 @@ def _aot(gm: fx.GraphModule, example_inputs: list, opts: Options, trace: Trace):
     def fw_compiler(g, inputs):
         return lower(g, inputs, opts, trace, "forward", target)
 
-    def bw_compiler(g, inputs):
+    def bw_compiler(g, inputs):  # runs lazily at the first backward, maybe on another thread
         return lower(g, inputs, opts, trace, "backward", target)
 
     def inference_compiler(g, inputs):
@@ -66,6 +71,11 @@ def _aot(gm: fx.GraphModule, example_inputs: list, opts: Options, trace: Trace):
 
 def lower(gm: fx.GraphModule, inputs: list, opts: Options, trace: Trace, kind: str, target: str):
     """Post-grad passes, fusion and wrapper generation for one forward/backward/inference graph."""
+    with using(opts):
+        return _lower(gm, inputs, opts, trace, kind, target)
+
+
+def _lower(gm: fx.GraphModule, inputs: list, opts: Options, trace: Trace, kind: str, target: str):
     trace.stage(f"post_grad_{kind}", passes.post_grad, gm, opts)
     if target == "triton":
         from kiln.codegen.fuse import fuse_graph

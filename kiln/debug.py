@@ -16,7 +16,7 @@ def level() -> int:
     """The debug level in force (options scope first, then KILN_DEBUG)."""
     from kiln import options
     try:
-        return options.current().debug
+        return options.active().debug
     except Exception:  # bad env must not break logging
         return int(os.environ.get("KILN_DEBUG", "0") or 0)
 

@@ -12,7 +12,7 @@ import functools
 import torch
 
 from kiln.debug import Trace
-from kiln.options import current
+from kiln.options import current, using
 
 
 def _signature(args) -> tuple:
@@ -36,6 +36,10 @@ def _aot_kwargs(opts, target, trace):
     from kiln.compile import lower
 
     def partition_fn(joint, joint_inputs, *, num_fwd_outputs, **kw):
+        with using(opts):
+            return _partition(joint, joint_inputs, num_fwd_outputs, **kw)
+
+    def _partition(joint, joint_inputs, num_fwd_outputs, **kw):
         trace.stage("joint", passes.joint, joint, opts)
         return trace.stage("partition", partition.partition_joint, joint, joint_inputs,
                            num_fwd_outputs=num_fwd_outputs, opts=opts, **kw)

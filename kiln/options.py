@@ -181,6 +181,25 @@ def _from_env() -> dict:
 _OVERRIDES: contextvars.ContextVar[dict] = contextvars.ContextVar("kiln_options", default={})
 
 
+_ACTIVE: contextvars.ContextVar[Optional[Options]] = contextvars.ContextVar("kiln_active", default=None)
+
+
+@contextlib.contextmanager
+def using(opts: Options):
+    """Mark ``opts`` as the options of the compile running in this scope (read by kiln.debug)."""
+    token = _ACTIVE.set(opts)
+    try:
+        yield opts
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active() -> Options:
+    """The options of the compile in progress, else ``current()``."""
+    opts = _ACTIVE.get()
+    return opts if opts is not None else current()
+
+
 def current(**extra) -> Options:
     """The options in force here: defaults < environment < config.patch scopes < extra."""
     merged = {**_from_env(), **_OVERRIDES.get(), **extra}

@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_json:
         from kiln.bench import report
         loaded = [report.read_json(p) for p in args.from_json]
-        meta = dict(loaded[0][0], command=loaded[0][0]["command"] + "  (from " + ", ".join(args.from_json) + ")")
+        meta = dict(loaded[0][0], recorded_from=list(args.from_json))
         return _finish(args, meta, [r for _, rs in loaded for r in rs], console)
     import torch
     from kiln.bench import backends as B

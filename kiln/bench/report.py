@@ -110,7 +110,8 @@ def markdown(meta: dict, rows: list) -> str:
     head.append(f"check {'/'.join(compiled)}" if compiled else "check")
     lines = [f"## {meta['date']} · {meta['device_name']} · torch {meta['torch']} · triton {meta['triton']}"
              f" · kiln {meta['kiln']}", "",
-             f"`{meta['command']}`  ", f"suite {meta['suite']}, size {meta['size']}, caches {meta['caches']}, "
+             f"`{meta['command']}`" + (f" (recorded from {', '.join(meta['recorded_from'])})"
+                                       if meta.get("recorded_from") else "") + "  ", f"suite {meta['suite']}, size {meta['size']}, caches {meta['caches']}, "
              f"threads {meta['threads']}, {meta['elapsed_s']:.0f} s. Step time = median ±half IQR; "
              f"ratios are of median step times (< 1: kiln faster). Memory: {meta['mem_kind']}. "
              f"Check: max error relative to eager's max, or ok~fp64 when a float64 run shows the backend "
@@ -193,5 +194,6 @@ def record(meta: dict, rows: list, record_dir: str) -> tuple:
         fh.write(markdown(meta, rows) + "\n")
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(meta.get("t0", time.time())))
     json_path = os.path.join(record_dir, "results", f"{stamp}_{meta['device']}_{meta['suite']}.json")
-    write_json(json_path, meta, rows)
+    if os.path.abspath(json_path) not in [os.path.abspath(p) for p in meta.get("recorded_from", [])]:
+        write_json(json_path, meta, rows)
     return md_path, json_path

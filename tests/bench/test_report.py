@@ -56,7 +56,7 @@ def test_from_json_records_and_plots(tmp_path):
     rec = tmp_path / "rec"
     assert main(["--from-json", saved, "--record-dir", str(rec), "--md", str(tmp_path / "x.md")]) == 0
     text = (rec / "RESULTS.md").read_text()
-    assert "(from " in text and "| gpt | fp32 | 0.5 |" in text
+    assert "(recorded from " in text and "| gpt | fp32 | 0.5 |" in text
     assert (rec / "budget_gpt_cpu.png").exists()
     assert len(os.listdir(rec / "results")) == 1
     assert (tmp_path / "x.md").read_text().startswith("## 2026-01-01")
