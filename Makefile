@@ -32,9 +32,13 @@ test-gpu:
 	PYTHONPATH=. python3 -m pytest -q -m gpu
 
 bench: $(STAMP)
-	$(PY) -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)" \
-	  && $(VENV)/bin/kiln bench --suite all --device cuda \
-	  || $(VENV)/bin/kiln bench --suite micro --device cpu
+	@if $(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
+	  $(VENV)/bin/kiln bench --suite micro --device cuda && \
+	  $(VENV)/bin/kiln bench --suite models --device cuda --budget 1.0,0.5,0.1; \
+	else \
+	  $(VENV)/bin/kiln bench --suite micro --device cpu && \
+	  $(VENV)/bin/kiln bench --suite models --cases gpt --device cpu --budget 1.0,0.5,0.1; \
+	fi
 
 lines:
 	@for d in kiln/*/ ; do printf "%-20s %6s\n" $$d $$(cat $$d*.py $$d*/*.py 2>/dev/null | wc -l); done

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import tempfile
 
@@ -114,6 +115,16 @@ def save_template(root) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _default_inductor_cache() -> str:
+    """Inductor's default cache folder (its documented default), without importing Inductor."""
+    import getpass
+    env = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if env:
+        return env
+    user = re.sub(r"[\\/:*?\"<>|]", "_", getpass.getuser())
+    return os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")
+
+
 @contextlib.contextmanager
 def fresh_caches(enabled: bool = True):
     """Point TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR and KILN_CACHE_DIR at a new temp dir.
@@ -132,8 +143,7 @@ def fresh_caches(enabled: bool = True):
         if os.path.isdir(_template_dir()):
             shutil.copytree(_template_dir(), ind, symlinks=True)
         else:
-            from torch._inductor.runtime.cache_dir_utils import cache_dir
-            pch = os.path.join(cache_dir(), "precompiled_headers")
+            pch = os.path.join(_default_inductor_cache(), "precompiled_headers")
             os.makedirs(pch, exist_ok=True)
             os.makedirs(ind)
             os.symlink(pch, os.path.join(ind, "precompiled_headers"))

@@ -74,13 +74,25 @@ class Workload:
     dtype: str = "fp32"
     min_bytes: Optional[int] = None
 
+    device = None  # set by park(): where fresh copies of a parked model go
+
     def fresh(self) -> "Workload":
         """A copy whose model (parameters, buffers) is a deep copy; inputs are shared."""
         new = copy.copy(self)
         if isinstance(self.model, torch.nn.Module):
             new.model = copy.deepcopy(self.model)
+            if self.device is not None:
+                new.model.to(self.device)
         new._opt = None
         return new
+
+    def park(self) -> None:
+        """Keep the pristine model in CPU memory so it never counts in a backend's GPU peak."""
+        if isinstance(self.model, torch.nn.Module) and self.device is None:
+            param = next(iter(self.model.parameters()), None)
+            if param is not None and param.device.type != "cpu":
+                self.device = param.device
+                self.model.to("cpu")
 
     def state(self) -> list:
         """Tensors that count as inputs (never as saved activations): inputs, parameters, buffers."""

@@ -42,7 +42,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--backends", type=_csv, default=["eager", "inductor", "kiln"])
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
     p.add_argument("--dtype", type=_csv, default=None,
-                   help="micro dtypes: fp32,bf16,fp16 (default: fp32,bf16 on cuda, fp32 on cpu)")
+                   help="micro dtypes: fp32,bf16,fp16 (default: fp32,bf16 on cuda, fp32 on cpu); "
+                        "models use their own precision")
     p.add_argument("--budget", type=_floats, default=None,
                    help="sweep activation_memory_budget on training cases, e.g. 1.0,0.5,0.1")
     p.add_argument("--size", choices=["tiny", "cpu", "gpu"], default=None, help="default: by device")

@@ -129,7 +129,7 @@ def compare(ref: list, got: list, tol: float, ref64=None) -> dict:
         if g is None or r is None or tuple(r.shape) != tuple(g.shape):
             return {"ok": False, "err": None, "check": f"tensor {i}: shape {getattr(g, 'shape', None)} "
                                                       f"vs eager {getattr(r, 'shape', None)}"}
-        r32, g32 = r.detach().float(), g.detach().float()
+        r32, g32 = r.detach().float(), g.detach().float().to(r.device)
         if r32.numel() == 0:
             continue
         finite = torch.isfinite(r32)
@@ -150,6 +150,8 @@ def compare(ref: list, got: list, tol: float, ref64=None) -> dict:
         return {"ok": False, "err": worst, "check": failed}
     truth = ref64()
     for i, (r, g, t) in enumerate(zip(ref, got, truth)):
+        g = g.detach().to(t.device)
+        r = r.detach().to(t.device)
         fin = torch.isfinite(t)
         if not fin.all():
             r, g, t = r[fin], g[fin], t[fin]

@@ -119,6 +119,8 @@ def markdown(meta: dict, rows: list) -> str:
              f"Cold compile = first call (compile + one step) with empty caches; warm = the same after "
              f"torch._dynamo.reset().", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    if meta.get("note"):
+        lines.insert(-2, f"Note: {meta['note']}\n")
     per_ratio = {rt: [] for rt in ratios}
     for (case, dtype, budget), cells in pivot(rows):
         line = [case, dtype, budget_cell(budget)] + [step_cell(cells[b]) if b in cells else "-" for b in backends]

@@ -54,6 +54,10 @@ def _error(e: BaseException) -> str:
     return f"{prefix}{type(e).__name__}: {text}"
 
 
+def _host(ts) -> list:
+    return [t.detach().cpu() if isinstance(t, torch.Tensor) else t for t in ts]
+
+
 def _dynamo_counts():
     from torch._dynamo.utils import counters
     return counters["stats"].get("unique_graphs", 0), sum(counters["graph_break"].values())
@@ -119,8 +123,9 @@ def run_case(case, dtype: str, backend_names, budgets, cfg: RunConfig, on_start=
         torch.manual_seed(0)
         pristine = case.build(cfg.device, dtype, cfg.size)
         eager = pristine.fresh()
-        ref = eager.check(eager.model)
+        ref = _host(eager.check(eager.model))  # references live in CPU memory: GPU peaks stay clean
         del eager
+        pristine.park()
         base["dtype"] = pristine.dtype
         if pristine.min_bytes and case.memory_bound:
             base["min_bytes"] = pristine.min_bytes
@@ -134,7 +139,7 @@ def run_case(case, dtype: str, backend_names, budgets, cfg: RunConfig, on_start=
 
     def ref64():  # float64 referee, computed at most once per case and only when a check fails
         if not truth:
-            truth.append(pristine.reference64())
+            truth.append(_host(pristine.reference64()))
         return truth[0]
 
     for backend, budget in pairs:

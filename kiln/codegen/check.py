@@ -47,6 +47,8 @@ def _sig(v):
         return "*" + _TL[v.dtype]
     if isinstance(v, bool):
         return "i1"
+    if isinstance(v, torch.SymInt):   # a dynamic size: typed by its example value
+        v = int(v.node.hint) if v.node.hint is not None else 1
     if isinstance(v, int):
         return "i32" if -2 ** 31 <= v < 2 ** 31 else "i64"
     if isinstance(v, float):

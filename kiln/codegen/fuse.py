@@ -15,6 +15,7 @@ import sympy
 import torch
 import torch.fx
 
+from kiln.codegen.fallback import KernelCall, NoFallback, extract
 from kiln.codegen.kernel import PLACEHOLDER, kernel_for
 from kiln.codegen.loops import Unsupported, release_indirect
 from kiln.codegen.lower import Lowering, is_tensor
@@ -183,14 +184,15 @@ def _rewrite(gm, lw, groups, kernels):
     output = next(n for n in graph.nodes if n.op == "output")
     position = {n: i for i, n in enumerate(graph.nodes)}
     produced, new_nodes, priority = {}, [], {}
-    for g, (kernel, src, sym_nodes, vals) in zip(groups, kernels):
+    calls = [_kernel_call(lw, *k) for k in kernels]
+    for g, call, (kernel, src, sym_nodes, vals) in zip(groups, calls, kernels):
         args = []
         for name in src.inputs:
             buf = lw.buffers[name]
             args.append(produced[name] if buf.compute is not None else buf.node)
         args += sym_nodes
         with graph.inserting_before(output):   # node names must not shadow the kernel's name
-            node = graph.create_node("call_function", kernel, tuple(args), {}, name=f"fused_{src.outputs[0]}")
+            node = graph.create_node("call_function", call, tuple(args), {}, name=f"fused_{src.outputs[0]}")
         first = min((position[b.node] for b in g.nodes if b.node in position), default=len(position))
         priority[node] = first
         new_nodes.append(node)
@@ -220,6 +222,19 @@ def _rewrite(gm, lw, groups, kernels):
     graph.lint()
     gm.recompile()
     return len(new_nodes)
+
+
+def _kernel_call(lw, kernel, src, sym_nodes, vals):
+    """The node target for one kernel: the kernel plus its group's original ATen nodes, which run
+    if the kernel fails on its first call (``fallback.KernelCall``)."""
+    ins = [lw.buffers[name].node for name in src.inputs] + list(sym_nodes)
+    outs = [lw.buffers[name].node for name in src.outputs]
+    try:
+        fb = extract(ins, outs, len(vals) > 1)
+    except NoFallback as e:
+        log(4, f"codegen: kernel {kernel.name} has no ATen fallback ({e})")
+        fb = None
+    return KernelCall(kernel, fb)
 
 
 def _stable_toposort(graph, position, priority):

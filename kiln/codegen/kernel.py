@@ -61,6 +61,8 @@ class Kernel:
         self.name, self.source, self.interpret, self.n_outputs = name, source, interpret, n_outputs
         self.__name__ = name
         self._call = None
+        self.ran = False      # has completed a call (later errors are real errors)
+        self.failed = None    # the exception of a failed first call (see fallback.KernelCall)
 
     def load(self):
         if self._call is None:

@@ -203,3 +203,20 @@ HF_SHAPES = [(50257, 32), (64, 32), (32,), (32,), (32, 96), (96,), (32, 32), (32
 def test_hf_gpt2_like():
     _compile_all(lambda ids, labels, *p: _hf_gpt2(ids, labels, *p), [], n_diff=0,
                  int_args=[((2, 16), 50257), ((2, 16), 50257)], extra=HF_SHAPES)
+
+
+def test_integer_and_bool_reductions():
+    def f(x, i):
+        return (x.argmax(-1), x.argmin(0), i.amax(-1), i.amin(-1), (x > 0).any(-1), (x > 0).all(-1),
+                x.prod(-1), i.sum(-1), torch.where(i > 50, i, torch.iinfo(torch.int64).min).amax(-1))
+    _compile_all(f, [(16, 40)], int_args=[((16, 40), 100)])
+
+
+@pytest.mark.parametrize("cols", [64, 3000])
+def test_scalar_load_in_masked_region(cols):
+    """The GPT-2 crash: a load at a constant address (the loss normaliser) inside a padded
+    (masked) region got the block mask on a scalar pointer, which Triton rejects at compile time."""
+    def f(x, s):
+        y = F.pad(x / s, (0, 1, 0, 1))
+        return y, y.sum(-1)
+    _compile_all(f, [(8, cols), ()])

@@ -1,0 +1,87 @@
+"""Runtime fallback: a kernel call site that can run its group's original ATen nodes instead.
+
+``fuse_graph`` targets each kernel node at a ``KernelCall``: the shared ``kernel.Kernel`` plus a
+small ``fx.GraphModule`` (``extract``) that computes the same outputs from the same arguments with
+the ATen nodes the group replaced. If the kernel raises on its first call (Triton's
+``CompilationError``, ``OutOfResources``, a module that does not import, ...) kiln logs the reason,
+counts ``counters['codegen']['runtime_fallback']``, marks the kernel failed and runs the fallback
+from then on, at every call site of that kernel. Errors after a kernel has run once propagate.
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from kiln.debug import counters, log
+
+
+class NoFallback(Exception):
+    """The group's outputs cannot be recomputed from its arguments with the original nodes (an
+    output has no graph node, or needs a graph input that is not a kernel argument)."""
+
+
+def extract(inputs, outputs, multi: bool) -> fx.GraphModule:
+    """A GraphModule computing original nodes ``outputs`` from original nodes ``inputs`` (its
+    placeholders, in order), copying every node in between; a tuple when ``multi``."""
+    if any(o is None for o in outputs) or any(i is None for i in inputs):
+        raise NoFallback("a kernel buffer has no graph node")
+    env = {}
+    graph = fx.Graph()
+    for i, n in enumerate(inputs):
+        if n not in env:
+            env[n] = graph.placeholder(f"arg{i}")
+        else:   # the same node passed twice: a second placeholder, unused
+            graph.placeholder(f"arg{i}")
+    needed, stack = set(), list(outputs)
+    while stack:
+        n = stack.pop()
+        if n in env or n in needed:
+            continue
+        if n.op != "call_function":
+            raise NoFallback(f"{n.name} ({n.op}) is needed but is not a kernel argument")
+        needed.add(n)
+        stack.extend(n.all_input_nodes)
+    for n in outputs[0].graph.nodes:   # graph order is a topological order
+        if n in needed:
+            env[n] = graph.node_copy(n, lambda a: env[a])
+    vals = [env[o] for o in outputs]
+    graph.output(tuple(vals) if multi else vals[0])
+    graph.lint()
+    return fx.GraphModule({}, graph, class_name="KilnFallback")
+
+
+class KernelCall:
+    """The FX target of one kernel node: calls ``kernel``, or ``fallback`` once the kernel failed
+    on its first call. Attributes of the kernel (``name``, ``source``...) read through."""
+
+    def __init__(self, kernel, fallback):
+        self.kernel, self.fallback = kernel, fallback
+        self.__name__ = kernel.name
+
+    def __getattr__(self, attr):
+        if attr == "kernel":   # not set yet (unpickling, copying)
+            raise AttributeError(attr)
+        return getattr(self.kernel, attr)
+
+    def __call__(self, *args):
+        k = self.kernel
+        if k.ran:
+            return k(*args)
+        if k.failed is not None and self.fallback is not None:
+            return self.fallback(*args)
+        try:
+            out = k(*args)
+        except Exception as e:
+            if self.fallback is None:
+                raise
+            if k.failed is None:
+                k.failed = e
+                first = (str(e).strip().splitlines() or [""])[0]
+                counters["codegen"]["runtime_fallback"] += 1
+                log(1, f"codegen: kernel {k.name} failed on its first call, running its ATen nodes "
+                       f"instead ({type(e).__name__}: {first})")
+            return self.fallback(*args)
+        k.ran = True
+        return out
+
+    def __repr__(self):
+        return f"<kiln kernel call {self.kernel.name}{'' if self.fallback is not None else ' (no fallback)'}>"

@@ -1,0 +1,139 @@
+"""Runtime fallback: a kernel that fails on its first call runs its group's ATen nodes instead."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from triton.runtime.errors import OutOfResources
+
+from kiln import options
+from kiln.codegen.fallback import KernelCall
+from kiln.debug import counters
+from tests.codegen.util import assert_close, fused
+
+
+def _sites(gm):
+    return [n.target for n in gm.graph.nodes if isinstance(n.target, KernelCall)]
+
+
+def _break(monkeypatch, site, exc=None):
+    """Make ``site``'s kernel raise on every call as if it were fresh; returns a call counter."""
+    calls = []
+
+    def boom(*args):
+        calls.append(1)
+        raise exc or OutOfResources(300000, 232448, "shared memory")
+    k = site.kernel
+    monkeypatch.setattr(k, "_call", boom)
+    monkeypatch.setattr(k, "ran", False)
+    monkeypatch.setattr(k, "failed", None)
+    return calls
+
+
+def _fresh(monkeypatch, site):
+    monkeypatch.setattr(site.kernel, "ran", False)
+    monkeypatch.setattr(site.kernel, "failed", None)
+
+
+def _ln_block(x, w, b):
+    y = F.layer_norm(x * 2 + 1, (x.shape[-1],), w, b)
+    return torch.relu(y).view(-1), y.sum(-1), torch.softmax(y, -1).transpose(0, 1)
+
+
+ARGS = lambda: (torch.randn(6, 32), torch.randn(32), torch.randn(32))  # noqa: E731
+
+
+def test_all_kernels_fail_results_match_eager(monkeypatch, capsys):
+    args = ARGS()
+    gm, n = fused(_ln_block, *args)
+    sites = _sites(gm)
+    assert n == len(sites) > 0
+    assert all(s.fallback is not None for s in sites)
+    calls = [_break(monkeypatch, s) for s in sites]
+    before = counters["codegen"]["runtime_fallback"]
+    with options.patch(debug=1):
+        out = gm(*args)
+    assert_close(out, _ln_block(*args))
+    assert counters["codegen"]["runtime_fallback"] - before == len({s.kernel.name for s in sites})
+    err = capsys.readouterr().err
+    for s in sites:
+        assert f"kernel {s.kernel.name} failed on its first call" in err
+    assert "OutOfResources: out of resource: shared memory" in err
+    # later calls go straight to the ATen nodes: the kernel is not tried again
+    out2 = gm(*args)
+    assert_close(out2, _ln_block(*args))
+    assert all(len(c) == 1 for c in calls)
+    assert counters["codegen"]["runtime_fallback"] - before == len({s.kernel.name for s in sites})
+
+
+def test_one_kernel_fails_others_run(monkeypatch):
+    args = ARGS()
+    gm, n = fused(_ln_block, *args)
+    sites = _sites(gm)
+    for s in sites:
+        _fresh(monkeypatch, s)
+    calls = _break(monkeypatch, sites[-1], RuntimeError("at 9:18:\nMask argument cannot be block type"))
+    out = gm(*args)
+    assert_close(out, _ln_block(*args))
+    assert len(calls) == 1
+    assert all(s.kernel.ran for s in sites[:-1])
+    assert sites[-1].kernel.failed is not None
+
+
+def test_multi_output_kernel_and_views(monkeypatch):
+    def f(x):
+        y = x.exp()
+        return y.t(), (y * 2).view(4, -1), y.amax(-1), y.sum(0)[1:]
+    x = torch.randn(8, 6)
+    gm, _ = fused(f, x)
+    sites = _sites(gm)
+    multi = [s for s in sites if s.kernel.n_outputs > 1]
+    assert multi, "expected a kernel with several outputs"
+    for s in sites:
+        _break(monkeypatch, s)
+    assert_close(gm(x), f(x))
+
+
+def test_shared_kernel_two_call_sites(monkeypatch):
+    def f(x, y):
+        return torch.sigmoid(x) * 3 + 1, torch.sigmoid(y) * 3 + 1
+    x, y = torch.randn(5, 7), torch.randn(5, 7)
+    gm, _ = fused(f, x, y)
+    sites = _sites(gm)
+    assert len(sites) == 2 and sites[0] is not sites[1] and sites[0].kernel is sites[1].kernel
+    calls = _break(monkeypatch, sites[0])
+    before = counters["codegen"]["runtime_fallback"]
+    assert_close(gm(x, y), f(x, y))
+    assert len(calls) == 1
+    assert counters["codegen"]["runtime_fallback"] - before == 1
+
+
+def test_error_after_a_good_call_propagates(monkeypatch):
+    args = ARGS()
+    gm, _ = fused(_ln_block, *args)
+    sites = _sites(gm)
+    for s in sites:
+        _fresh(monkeypatch, s)
+    assert_close(gm(*args), _ln_block(*args))
+    assert all(s.kernel.ran for s in sites)
+
+    def boom(*a):
+        raise RuntimeError("illegal memory access")
+    monkeypatch.setattr(sites[0].kernel, "_call", boom)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        gm(*args)
+
+
+def test_real_broken_source_falls_back(monkeypatch):
+    """A kernel module that does not compile (here: does not even import) takes the fallback."""
+    from kiln.codegen.kernel import Kernel
+    x = torch.randn(4, 9)
+    gm, _ = fused(lambda x: torch.tanh(x) + x, x)
+    site = _sites(gm)[0]
+    bad = Kernel(site.kernel.name + "_bad", site.kernel.source.replace("@triton.jit", "@triton.jit\n)"),
+                 True, 1)
+    monkeypatch.setattr(site, "kernel", bad)
+    before = counters["codegen"]["runtime_fallback"]
+    assert_close(gm(x), torch.tanh(x) + x)
+    assert counters["codegen"]["runtime_fallback"] - before == 1
+    assert bad.failed is not None
