@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import tempfile
 
 import torch
 
@@ -30,11 +29,14 @@ class TargetCompileError(RuntimeError):
 
 def _exec_compiled(kernel):
     """The kernel's module executed with ``@triton.jit`` building compiled (not interpreted) kernels."""
-    from kiln.codegen.kernel import interpret_mode
-    d = tempfile.mkdtemp(prefix="kiln_check_")
+    from kiln.codegen.kernel import cache_dir, interpret_mode
+    d = os.path.join(cache_dir(), "check")   # @triton.jit reads the source back from the file
+    os.makedirs(d, exist_ok=True)
     path = os.path.join(d, f"{kernel.name}.py")
-    with open(path, "w") as f:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
         f.write(kernel.source)
+    os.replace(tmp, path)
     spec = importlib.util.spec_from_file_location(f"kiln_check.{kernel.name}", path)
     mod = importlib.util.module_from_spec(spec)
     with interpret_mode(False):

@@ -19,18 +19,20 @@ class NoFallback(Exception):
     output has no graph node, or needs a graph input that is not a kernel argument)."""
 
 
-def extract(inputs, outputs, multi: bool) -> fx.GraphModule:
+def extract(inputs, outputs, multi: bool, position=None) -> fx.GraphModule:
     """A GraphModule computing original nodes ``outputs`` from original nodes ``inputs`` (its
-    placeholders, in order), copying every node in between; a tuple when ``multi``."""
-    if any(o is None for o in outputs) or any(i is None for i in inputs):
-        raise NoFallback("a kernel buffer has no graph node")
+    placeholders, in order), copying every node in between; a tuple when ``multi``.
+    ``position``: node -> index in the graph, to order the copies without walking the graph."""
+    if any(o is None for o in outputs):
+        raise NoFallback("a kernel output is a buffer without a graph node")
     env = {}
     graph = fx.Graph()
     for i, n in enumerate(inputs):
-        if n not in env:
-            env[n] = graph.placeholder(f"arg{i}")
-        else:   # the same node passed twice: a second placeholder, unused
-            graph.placeholder(f"arg{i}")
+        p = graph.placeholder(f"arg{i}")
+        # an input without a graph node (a buffer internal to the lowering) stays unused: the
+        # walk below recomputes what it needs from graph nodes, or finds it cannot
+        if n is not None and n not in env:
+            env[n] = p
     needed, stack = set(), list(outputs)
     while stack:
         n = stack.pop()
@@ -40,9 +42,10 @@ def extract(inputs, outputs, multi: bool) -> fx.GraphModule:
             raise NoFallback(f"{n.name} ({n.op}) is needed but is not a kernel argument")
         needed.add(n)
         stack.extend(n.all_input_nodes)
-    for n in outputs[0].graph.nodes:   # graph order is a topological order
-        if n in needed:
-            env[n] = graph.node_copy(n, lambda a: env[a])
+    if position is None:
+        position = {n: i for i, n in enumerate(outputs[0].graph.nodes)}
+    for n in sorted(needed, key=position.__getitem__):   # graph order is a topological order
+        env[n] = graph.node_copy(n, lambda a: env[a])
     vals = [env[o] for o in outputs]
     graph.output(tuple(vals) if multi else vals[0])
     graph.lint()

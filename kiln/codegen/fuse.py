@@ -184,7 +184,7 @@ def _rewrite(gm, lw, groups, kernels):
     output = next(n for n in graph.nodes if n.op == "output")
     position = {n: i for i, n in enumerate(graph.nodes)}
     produced, new_nodes, priority = {}, [], {}
-    calls = [_kernel_call(lw, *k) for k in kernels]
+    calls = [_kernel_call(lw, position, *k) for k in kernels]
     for g, call, (kernel, src, sym_nodes, vals) in zip(groups, calls, kernels):
         args = []
         for name in src.inputs:
@@ -224,15 +224,16 @@ def _rewrite(gm, lw, groups, kernels):
     return len(new_nodes)
 
 
-def _kernel_call(lw, kernel, src, sym_nodes, vals):
+def _kernel_call(lw, position, kernel, src, sym_nodes, vals):
     """The node target for one kernel: the kernel plus its group's original ATen nodes, which run
     if the kernel fails on its first call (``fallback.KernelCall``)."""
     ins = [lw.buffers[name].node for name in src.inputs] + list(sym_nodes)
     outs = [lw.buffers[name].node for name in src.outputs]
     try:
-        fb = extract(ins, outs, len(vals) > 1)
-    except NoFallback as e:
-        log(4, f"codegen: kernel {kernel.name} has no ATen fallback ({e})")
+        fb = extract(ins, outs, len(vals) > 1, position)
+    except Exception as e:   # NoFallback, or any surprise: the kernel just runs without one
+        log(4 if isinstance(e, NoFallback) else 1,
+            f"codegen: kernel {kernel.name} has no ATen fallback ({type(e).__name__}: {e})")
         fb = None
     return KernelCall(kernel, fb)
 

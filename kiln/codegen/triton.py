@@ -181,7 +181,7 @@ class TritonKernel:
             ptr = self.arg_for(a[0])
             idx = self.index(a[1], a[2], scope, mask)
             m = self._mask(lv, mask)
-            if False:
+            if m and lv in ("x", "xr") and self.level(e) == "c":
                 # a scalar address under a block mask (a constant-index load inside a masked
                 # region): Triton rejects a block mask on a scalar pointer, so make the address a block
                 shape = "[XBLOCK]" if not self.red else ("[XBLOCK, RBLOCK]" if lv == "xr" else "[XBLOCK, 1]")

@@ -32,6 +32,8 @@ class ScatterKernel(TritonKernel):
         t = self.index(target.args[0], target.args[2], self.top, None)
         if self.level(value) == "c":
             v = f"tl.broadcast_to({self._tensor(v, value)}, [XBLOCK])"
+        if self.level(target) == "c":   # one target address: a block of pointers for the xmask
+            t = f"({t}) + tl.zeros([XBLOCK], tl.int32)"
         fn = "tl.atomic_add" if s.mode == "add" else "tl.store"
         self.top.lines.append(f"{fn}(out_ptr0 + ({t}), {v}, xmask)")
 

@@ -78,8 +78,8 @@ class _Emitter:
             name = f"{base}_{i}"
         self.w.globals[name] = obj
         self.global_ids[key] = name
-        if hasattr(obj, "source") and isinstance(getattr(obj, "source"), str):
-            self.w.kernels.append(obj)
+        if isinstance(getattr(obj, "source", None), str) and obj.name not in {k.name for k in self.w.kernels}:
+            self.w.kernels.append(obj)  # one entry per kernel, however many call sites share it
         return name
 
     def target_name(self, target) -> str:
