@@ -94,6 +94,11 @@ def geomean(xs):
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
 
 
+def _elapsed(meta) -> str:
+    """'84 s', or 'partial run' for a JSON written before the run finished (a timed-out command)."""
+    return f"{meta['elapsed_s']:.0f} s" if "elapsed_s" in meta else "partial run (stopped before the end)"
+
+
 def markdown(meta: dict, rows: list) -> str:
     """The RESULTS.md section: header with versions, the pivot table, geometric means, errors."""
     backends = meta.get("backends") or sorted({r["backend"] for r in rows})
@@ -112,7 +117,7 @@ def markdown(meta: dict, rows: list) -> str:
              f" · kiln {meta['kiln']}", "",
              f"`{meta['command']}`" + (f" (recorded from {', '.join(meta['recorded_from'])})"
                                        if meta.get("recorded_from") else "") + "  ", f"suite {meta['suite']}, size {meta['size']}, caches {meta['caches']}, "
-             f"threads {meta['threads']}, {meta['elapsed_s']:.0f} s. Step time = median ±half IQR; "
+             f"threads {meta['threads']}, {_elapsed(meta)}. Step time = median ±half IQR; "
              f"ratios are of median step times (< 1: kiln faster). Memory: {meta['mem_kind']}. "
              f"Check: max error relative to eager's max, or ok~fp64 when a float64 run shows the backend "
              f"no less accurate than eager. "
