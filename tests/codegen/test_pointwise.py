@@ -6,29 +6,7 @@ import torch.nn.functional as F
 from tests.codegen.util import aten_ops, check, fused, kernels
 
 
-def gelu_bias(bias, y):
-    x = bias + y
-    return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
-
-
-def swish(x):
-    return x * torch.sigmoid(x)
-
-
-def mish(x):
-    return x.mul(torch.tanh(F.softplus(x)))
-
-
-def hard_sigmoid(x):
-    return (x + 3.0).clamp(min=0.0, max=6.0).div(6.0)
-
-
-def hard_swish(x):
-    return x * (x + 3.0).clamp(min=0.0, max=6.0).div(6.0)
-
-
-def hard_mish(x):
-    return 0.5 * x * (x + 2.0).clamp(min=0.0, max=2.0)
+from kiln.bench.suites.micro import gelu_bias, hard_mish, hard_sigmoid, hard_swish, mish, swish  # noqa: E402
 
 
 MICRO = [gelu_bias, swish, mish, hard_sigmoid, hard_swish, hard_mish]

@@ -2,56 +2,12 @@
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import kiln
 
 
-def gelu_bias(bias, y):
-    x = bias + y
-    return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
-
-
-def swish(x):
-    return x * torch.sigmoid(x)
-
-
-def mish(x):
-    return x.mul(torch.tanh(F.softplus(x)))
-
-
-def hard_sigmoid(x):
-    return (x + 3.0).clamp(min=0.0, max=6.0).div(6.0)
-
-
-def hard_swish(x):
-    return x * (x + 3.0).clamp(min=0.0, max=6.0).div(6.0)
-
-
-def hard_mish(x):
-    return 0.5 * x * (x + 2.0).clamp(min=0.0, max=2.0)
-
-
-def layer_norm(x, weight, bias):
-    mean = torch.mean(x, -1, keepdim=True)
-    centered = x - mean
-    var = torch.sum(centered * centered, -1, keepdim=True) / x.size(-1)
-    rvar = 1.0 / torch.sqrt(var + 1e-5)
-    return (x - mean) * rvar * weight + bias
-
-
-class T5LayerNorm(nn.Module):
-    def __init__(self, hidden_size, eps=1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.variance_epsilon = eps
-
-    def forward(self, hidden_states):
-        variance = hidden_states.to(torch.float32).pow(2).mean(-1, keepdim=True)
-        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        if self.weight.dtype in [torch.float16, torch.bfloat16]:
-            hidden_states = hidden_states.to(self.weight.dtype)
-        return self.weight * hidden_states
+from kiln.bench.suites.micro import (  # the seed's functions, defined once for bench and tests
+    T5LayerNorm, gelu_bias, hard_mish, hard_sigmoid, hard_swish, layer_norm, mish, swish)
 
 
 CASES = {
