@@ -9,12 +9,11 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import functools
 import hashlib
 import inspect
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 
 class OptionError(ValueError):

@@ -12,7 +12,6 @@ under a progress bar. At the end the markdown summary is printed, appended to
 from __future__ import annotations
 
 import argparse
-import os
 import platform
 import sys
 import time

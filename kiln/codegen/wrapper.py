@@ -147,7 +147,7 @@ class _Emitter:
                 body.append("del " + ", ".join(dead))
         header = (f"# kiln wrapper: {self.w.name} ({len(nodes)} nodes)\n"
                   f"# globals: targets, constants and kernels bound at load time\n")
-        src = header + f"def call(args):\n" + "\n".join("    " + b for b in body) + "\n"
+        src = header + "def call(args):\n" + "\n".join("    " + b for b in body) + "\n"
         self.w.source = src
         return self.w
 

@@ -48,25 +48,10 @@ def test_run_and_get_code_shows_triton_kernels():
     torch.testing.assert_close(out, fn(x, w), atol=1e-5, rtol=1e-5)
 
 
-class Attention(nn.Module):
-    """A pre-norm transformer block with attention written out (softmax over masked scores)."""
-
-    def __init__(self, d=32, heads=4):
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        s = (q @ k.transpose(-1, -2)) / (d // self.heads) ** 0.5
-        s = s.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
-        y = torch.softmax(s, -1) @ v
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+def Attention():
+    """The e2e transformer block with its attention written out, so the softmax is fused."""
+    from tests.e2e.test_models import Block
+    return Block(sdpa=False)
 
 
 def test_transformer_block_forward_backward():

@@ -32,11 +32,11 @@ class CNN(nn.Module):
 
 
 class Block(nn.Module):
-    """A pre-norm transformer block with scaled_dot_product_attention."""
+    """A pre-norm transformer block, attention through SDPA or written out (``sdpa=False``)."""
 
-    def __init__(self, d=32, heads=4):
+    def __init__(self, d=32, heads=4, sdpa=True):
         super().__init__()
-        self.heads = heads
+        self.heads, self.sdpa = heads, sdpa
         self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
         self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
         self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
@@ -45,7 +45,12 @@ class Block(nn.Module):
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
         q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.sdpa:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:  # written out: masked scores, softmax, weighted sum
+            s = (q @ k.transpose(-1, -2)) / (d // self.heads) ** 0.5
+            s = s.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+            y = torch.softmax(s, -1) @ v
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
