@@ -93,16 +93,22 @@ def _foldable_conv(gm: fx.GraphModule, conv, bn: fx.Node):
     return w, b
 
 
+def _constant_bns(gm: fx.GraphModule):
+    """Yield ``(bn, parts, outs)`` for each eval BatchNorm with constant statistics whose only used
+    output is the normalised tensor (the ones both rewrites below can replace)."""
+    for bn in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in BATCH_NORMS]:
+        parts = _bn_parts(gm, bn)
+        outs = _only_output_zero(bn)
+        if parts is not None and outs is not None:
+            yield bn, parts, outs
+
+
 def fold_conv_bn(gm: fx.GraphModule, fake_mode=None) -> int:
     """Fold each eval BatchNorm that follows a convolution into it; edits ``gm``, returns the fold count."""
     fake_mode = fake_mode or fake_mode_of(gm)
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     folded = 0
-    for bn in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in BATCH_NORMS]:
-        parts = _bn_parts(gm, bn)
-        outs = _only_output_zero(bn)
-        if parts is None or outs is None:
-            continue
+    for bn, parts, outs in _constant_bns(gm):
         conv, gamma, beta, mean, var, eps = parts
         wb = _foldable_conv(gm, conv, bn)
         if wb is None:
@@ -138,11 +144,9 @@ def bn_to_affine(gm: fx.GraphModule, fake_mode=None) -> int:
     fake_mode = fake_mode or fake_mode_of(gm)
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     changed = 0
-    for bn in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in BATCH_NORMS]:
-        parts = _bn_parts(gm, bn)
-        outs = _only_output_zero(bn)
+    for bn, parts, outs in _constant_bns(gm):
         xv = bn.args[0].meta.get("val") if isinstance(bn.args[0], fx.Node) else None
-        if parts is None or outs is None or xv is None or xv.dim() < 2:
+        if xv is None or xv.dim() < 2:
             continue
         x, gamma, beta, mean, var, eps = parts
         dt = compute_dtype(xv.dtype)

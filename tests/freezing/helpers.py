@@ -100,6 +100,14 @@ def seed_config(**extra):
         yield
 
 
+@pytest.fixture(autouse=True)
+def seed_scope():
+    """Autouse in the seed test modules (imported there): fresh counters, the seed's config."""
+    kiln.counters.clear()
+    with seed_config():
+        yield
+
+
 def wrapper_code(code):
     """The inference wrapper among ``run_and_get_code``'s sources."""
     wrappers = [c for c in code if c.startswith("# kiln wrapper: inference")]

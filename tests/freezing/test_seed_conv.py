@@ -12,16 +12,9 @@ from torch import nn
 
 import kiln
 from tests.freezing.helpers import (DEVICES, ConvBN, ConvFunctionalBN, ConvMultiBN, ConvMultiFunctionalBN, calls,
-                                    compiled, cuda_ok, randomize_bn, seed_config, wrapper_code)
+                                    compiled, cuda_ok, randomize_bn, seed_scope, wrapper_code)  # noqa: F401
 
 aten = torch.ops.aten
-
-
-@pytest.fixture(autouse=True)
-def _seed_config():
-    kiln.counters.clear()
-    with seed_config():
-        yield
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -10,14 +10,7 @@ import torch
 from torch import nn
 
 import kiln
-from tests.freezing.helpers import DEVICES, ConvBN, compiled, cuda_ok, randomize_bn, seed_config
-
-
-@pytest.fixture(autouse=True)
-def _seed_config():
-    kiln.counters.clear()
-    with seed_config():
-        yield
+from tests.freezing.helpers import DEVICES, ConvBN, compiled, cuda_ok, randomize_bn, seed_scope  # noqa: F401
 
 
 @pytest.mark.parametrize("device", DEVICES)
