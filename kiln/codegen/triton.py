@@ -444,9 +444,13 @@ def red_ref(buf):
     return Expr("red", (buf.name,), torch.int64 if kind in ("argmax", "argmin") else buf.compute.acc_dtype)
 
 
+# kiln.bench.offline sets this to read, on a CPU-only machine, the kernels a GPU would get
+EMIT_FOR_GPU = False
+
+
 def emit(group, buffers, device, name="kernel", autotune=False) -> Source:
     """Generate the Triton module for one group (see ``launch.assemble`` for the launcher)."""
-    interpret = device.type != "cuda"
+    interpret = device.type != "cuda" and not EMIT_FOR_GPU
     if group.kind == "scatter":
         from kiln.codegen.triton_scatter import emit_scatter
         return emit_scatter(group, buffers, interpret, name)

@@ -24,7 +24,7 @@ def _precision(device, train):
 
 
 def _size(device, size):
-    return size if size == "tiny" else ("gpu" if device == "cuda" else "cpu")
+    return size or ("gpu" if device == "cuda" else "cpu")
 
 
 def _adamw(device):

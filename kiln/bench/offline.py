@@ -1,0 +1,98 @@
+"""Compile a bench case for CUDA on a machine without a GPU, to read the kernels kiln would launch.
+
+``python -m kiln.bench.offline gpt2 --dump DIR`` captures the case's Dynamo graphs on meta tensors,
+moves them to fake CPU tensors and runs kiln's whole pipeline (partition, fusion, Triton emitter)
+with the backward compiled eagerly. Nothing runs: the forward and backward wrappers and every kernel
+land in ``DIR`` (as ``KILN_DUMP`` writes them), and a table lists each kernel with its kind, sizes
+and the ATen ops it fuses, so profiles taken on the GPU machine can be read here by kernel name.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+
+def capture(model, call, inputs, autocast=None):
+    """[(gm, example_inputs)] of every Dynamo graph of ``call(model, inputs)`` on meta tensors."""
+    graphs = []
+
+    def grab(gm, example_inputs):
+        graphs.append((gm, list(example_inputs)))
+        return gm.forward
+
+    torch._dynamo.reset()
+    f = torch.compile(model, backend=grab)
+    ctx = torch.autocast("cpu", dtype=autocast) if autocast is not None else torch.autocast("cpu", enabled=False)
+    with ctx:
+        out = call(f, inputs)
+    return graphs, out
+
+
+def _to_cpu(gm):
+    def fix(a):
+        if isinstance(a, torch.device) and a.type == "meta":
+            return torch.device("cpu")
+        return "cpu" if a == "meta" else a
+    for n in gm.graph.nodes:
+        n.kwargs = {k: fix(v) for k, v in n.kwargs.items()}
+        n.args = tuple(fix(a) for a in n.args)
+    gm.recompile()
+    return gm
+
+
+def compile_for_gpu(gm, example_inputs, **options):
+    """Run kiln's pipeline on ``gm`` over fake CPU inputs, emitting the kernels a GPU would get
+    (compiled-mode Triton, not interpreter kernels) and lowering the backward at once.
+
+    Autograd cannot run on fake CUDA tensors without a CUDA runtime, so the graph is traced on
+    the CPU, under CPU autocast: its op lists differ slightly from CUDA's (a few ops may differ).
+    """
+    import torch._functorch.config as fconfig
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from kiln.codegen import triton as emitter
+    from kiln.compile import compile_graph
+    from kiln.options import Options
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        args = []
+        for a in example_inputs:
+            if isinstance(a, torch.Tensor):
+                t = torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="cpu")
+                args.append(t.requires_grad_(a.requires_grad))
+            else:
+                args.append(a)
+    saved, emitter.EMIT_FOR_GPU = emitter.EMIT_FOR_GPU, True
+    try:
+        with fconfig.patch(force_non_lazy_backward_lowering=True):
+            return compile_graph(_to_cpu(gm), args, Options(codegen="triton", **options))
+    finally:
+        emitter.EMIT_FOR_GPU = saved
+
+
+def main(argv=None):
+    from kiln.bench.profile import _case
+    p = argparse.ArgumentParser(prog="python -m kiln.bench.offline", description=__doc__.splitlines()[0])
+    p.add_argument("case")
+    p.add_argument("--dump", required=True, help="directory for wrappers and kernels")
+    p.add_argument("--budget", type=float, default=None)
+    a = p.parse_args(argv)
+    case = _case(a.case)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        wl = case.build("meta", "fp32", "gpu")
+    autocast, wl.autocast = wl.autocast, None   # autocast for CUDA is entered by capture()
+    graphs, _ = capture(wl.model, lambda f, b: (wl._loss(f) if wl.train else wl.call(f, b)), wl.inputs, autocast)
+    os.makedirs(a.dump, exist_ok=True)
+    opts = {"dump_dir": a.dump}
+    if a.budget is not None:
+        opts["activation_memory_budget"] = a.budget
+    for gm, ins in graphs:
+        compile_for_gpu(gm, ins, **opts)
+    print(f"{len(graphs)} graph(s) compiled; wrappers and kernels under {a.dump}")
+
+
+if __name__ == "__main__":
+    main()
