@@ -79,8 +79,11 @@ def domain_vars(dims):
     return [next(ri) if r else next(xi) for _, r in dims]
 
 
-def place(shape, dims):
-    """Index (one expr per dim of ``shape``) of the element computed at (xindex, rindex), or None."""
+def place(shape, dims, stride=None):
+    """Index (one expr per dim of ``shape``) of the element computed at (xindex, rindex), or None.
+
+    A buffer with the domain's elements in another shape is walked in its memory order (``stride``):
+    a transposed copy stored from a row-major domain then writes consecutive addresses."""
     sq = squeeze(shape)
     full = [s for s, _ in dims]
     xs = [s for s, r in dims if not r]
@@ -88,14 +91,34 @@ def place(shape, dims):
         vs = iter(domain_vars(dims))
     elif len(xs) < len(full) and _same(sq, xs):
         vs = iter(unflatten(XINDEX, xs))
-    elif _same([prod(sq)], [prod(full)]):   # same elements, another shape: walk both row-major
+    elif _same([prod(sq)], [prod(full)]):   # same elements, another shape: walk both in memory order
         flat = sum((v * st for v, st in zip(domain_vars(dims), contiguous_strides(full))), ZERO)
-        return unflatten(flat, list(shape))
+        return memory_unflatten(flat, list(shape), stride)
     elif len(xs) < len(full) and _same([prod(sq)], [prod(xs)]):
-        return unflatten(XINDEX, list(shape))
+        return memory_unflatten(XINDEX, list(shape), stride)
     else:
         return None
     return [ZERO if s == 1 else next(vs) for s in shape]
+
+
+def memory_unflatten(flat, shape, stride=None):
+    """Per-dimension indices of flat position ``flat`` in the memory order of a dense layout
+    ``stride`` (a permutation of row-major strides); row-major when the layout is not one."""
+    if stride is None or not all(sympy.sympify(x).is_Integer for x in list(shape) + list(stride)):
+        return unflatten(flat, shape)
+    dims = [d for d in range(len(shape)) if int(shape[d]) != 1]
+    order = sorted(dims, key=lambda d: -int(stride[d]))
+    expect = 1
+    for d in reversed(order):
+        if int(stride[d]) != expect:
+            return unflatten(flat, shape)
+        expect *= int(shape[d])
+    if order == dims:
+        return unflatten(flat, shape)
+    out = [ZERO] * len(shape)
+    for d, v in zip(order, unflatten(flat, [shape[d] for d in order])):
+        out[d] = v
+    return out
 
 
 def _same(a, b):
@@ -117,7 +140,7 @@ def body(buf, dims, role="row"):
             return None
         vs = iter(domain_vars(dims))
         return c.fn([ZERO if s == 1 else next(vs) for s in c.ranges])
-    idx = place(buf.shape, dims)
+    idx = place(buf.shape, dims, buf.stride)
     return None if idx is None else c.compute(idx)
 
 
@@ -129,7 +152,7 @@ def current(buf, dims, role="row"):
     """Flat index of the element of ``buf`` computed at (xindex, rindex)."""
     if role in ("outer", "scalar"):
         return buf.index([ZERO] * len(buf.shape))
-    return buf.index(place(buf.shape, dims))
+    return buf.index(place(buf.shape, dims, buf.stride))
 
 
 def loads(expr):
