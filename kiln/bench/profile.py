@@ -37,7 +37,26 @@ def _host_ms(step, n=5):
     return host
 
 
-def profile_backend(case, dtype, backend, steps=3, top=25):
+def host_profile(step, n=5, top=30):
+    """cProfile of ``n`` steps: the host functions with the most own time (text)."""
+    import cProfile
+    import io
+    import pstats
+    M.sync("cuda")
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        step()
+    prof.disable()
+    M.sync("cuda")
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
+    return out.getvalue()
+
+
+def profile_backend(case, dtype, backend, steps=3, top=25, host=False):
     torch.manual_seed(0)
     wl = case.build("cuda", dtype, "gpu").fresh()
     with B.scope(backend):
@@ -50,6 +69,7 @@ def profile_backend(case, dtype, backend, steps=3, top=25):
         for _ in range(3):
             wl.step(f)
         wall = M.summarize(M.step_times(lambda: wl.step(f), "cuda", 2, 10, 30, 1.0))["ms"]
+        host_text = host_profile(lambda: wl.step(f)) if host else None
         host = _host_ms(lambda: wl.step(f))
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -69,7 +89,8 @@ def profile_backend(case, dtype, backend, steps=3, top=25):
     n_kernels = sum(c for c, _ in kernels.values()) / steps
     return {"case": case.name, "backend": backend, "compile_s": round(compile_s, 2), "wall_ms": round(wall, 3),
             "host_ms": round(host, 3), "gpu_ms": round(gpu_us / steps / 1e3, 3), "kernels_per_step": n_kernels,
-            "top": [(name[:110], c / steps, round(us / steps / 1e3, 4)) for name, (c, us) in rows]}
+            "top": [(name[:110], c / steps, round(us / steps / 1e3, 4)) for name, (c, us) in rows],
+            "host_profile": host_text}
 
 
 def launch_probe(backends, n=2000):
@@ -100,6 +121,8 @@ def main(argv=None):
     p.add_argument("--dtype", default="fp32", help="micro cases: fp32 or bf16; models ignore it")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--launch", action="store_true", help="also run the per-call overhead probe")
+    p.add_argument("--host", action="store_true", help="also cProfile the host side of a few steps")
+    p.add_argument("--sources", help="write every kiln kernel's source into this directory")
     p.add_argument("--json")
     a = p.parse_args(argv)
     backends = B.check_names(a.backends.split(","))
@@ -112,7 +135,7 @@ def main(argv=None):
             continue
         for backend in backends:
             try:
-                r = profile_backend(_case(name), a.dtype, backend, top=a.top)
+                r = profile_backend(_case(name), a.dtype, backend, top=a.top, host=a.host)
             except Exception as e:
                 r = {"case": name, "backend": backend, "error": f"{type(e).__name__}: {e}"[:500]}
                 print(r, flush=True)
@@ -122,7 +145,17 @@ def main(argv=None):
                   f"{r['kernels_per_step']:.0f} kernels/step, compile {r['compile_s']} s", flush=True)
             for kname, c, ms in r["top"]:
                 print(f"  {ms:8.3f} ms  x{c:5.1f}  {kname}", flush=True)
+            if r.get("host_profile"):
+                print(r["host_profile"], flush=True)
             torch.cuda.empty_cache()
+    if a.sources:   # the text of every kiln kernel, to read the top ones by name
+        import os
+
+        from kiln.codegen.kernel import _CACHE
+        os.makedirs(a.sources, exist_ok=True)
+        for name, k in list(_CACHE.items()):
+            with open(os.path.join(a.sources, f"{name}.py"), "w") as fh:
+                fh.write(k.source)
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(results, fh, indent=1)

@@ -2,7 +2,8 @@
 
 Order (the hook contract PyTorch's users know):
   pre_grad : pre_grad_custom_pass (and registered 'pre_grad' passes) on Dynamo's torch-level graph
-  joint    : joint_custom_pre_pass, CSE, built-in patterns, joint_custom_post_pass (before partitioning)
+  joint    : joint_custom_pre_pass, CSE, one-hot scatters as compares, built-in patterns,
+             joint_custom_post_pass (before partitioning)
   post_grad: DCE, post_grad_custom_pre_pass, built-in patterns, post_grad_custom_post_pass
 Hooks receive a ``torch.fx.Graph`` and may edit it in place. ``pattern_matcher=False`` turns off
 kiln's built-in patterns, never user hooks.
@@ -37,6 +38,7 @@ def joint(gm: fx.GraphModule, opts) -> int:
     if opts.cse:
         _cse(gm)
     if opts.pattern_matcher:
+        _onehot(gm)
         _builtin("joint", gm)
     _run("joint_post", gm, opts.joint_custom_post_pass)
     return _delta(gm, before)
@@ -58,6 +60,13 @@ def _cse(gm: fx.GraphModule) -> None:
     from kiln.passes.cse import cse
     removed = cse(gm)
     log(2, f"cse: {removed} nodes removed")
+
+
+def _onehot(gm: fx.GraphModule) -> None:
+    from kiln.passes.onehot import scatter_to_where
+    n = scatter_to_where(gm)
+    if n:
+        log(2, f"onehot: {n} scatters became compares")
 
 
 def _builtin(stage: str, gm: fx.GraphModule) -> None:
