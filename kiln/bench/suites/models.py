@@ -37,6 +37,14 @@ def _sgd(params):
     return torch.optim.SGD(params, lr=0.01, momentum=0.9)
 
 
+def _anchor_sgd(params):   # the anchor's ResNet-50 train step: plain SGD, no momentum
+    return torch.optim.SGD(params, lr=0.01)
+
+
+def _sum_loss(out, batch):   # ... and the sum of the fp32 logits as the loss
+    return out.float().sum()
+
+
 def _xent(out, batch):
     return F.cross_entropy(out.float(), batch[1])
 
@@ -103,7 +111,8 @@ def _resnet(arch, train, device, dtype, size):
     x = torch.randn(bs, 3, hw, hw, device=device)
     y = torch.randint(0, 1000, (bs,), device=device)
     batch = (x, y) if train else (x,)
-    return _finish(model, batch, device, train, _xent if train else None, _sgd if train else None, call=_images)
+    return _finish(model, batch, device, train, _sum_loss if train else None, _anchor_sgd if train else None,
+                   call=_images)
 
 
 def _resnet_cases(arch, devices_infer):
@@ -112,7 +121,7 @@ def _resnet_cases(arch, devices_infer):
     infer = functools.partial(_resnet, arch, False)
     return [
         Case(f"{arch}_train", "models", train, ("auto",), ("cuda",), True, needs=tv,
-             about=f"torchvision {arch} train step, bf16 autocast, SGD, bs 64"),
+             about=f"torchvision {arch} train step, bf16 autocast, sum loss, SGD, bs 64 (as the anchor)"),
         Case(f"{arch}_infer", "models", infer, ("auto",), devices_infer, False, needs=tv,
              about=f"torchvision {arch} inference, fp16 (gpu) / fp32 bs 8 (cpu)"),
         Case(f"{arch}_infer_freezing", "models", infer, ("auto",), devices_infer, False,
