@@ -122,11 +122,16 @@ def _stream():
     return stream(device())
 
 
+def _hooked(hook) -> bool:
+    """Whether a Triton launch hook is installed (Triton 3.6 keeps an empty ``HookChain``)."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 def _launch(kernel, grid, args, consts, warps):
     import triton
     knobs = getattr(triton, "knobs", None)
-    if knobs is None or knobs.runtime.launch_enter_hook is not None:   # hooks want Triton's path
-        return _jit_launch(kernel, grid, args, consts, warps)
+    if knobs is None or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
+        return _jit_launch(kernel, grid, args, consts, warps)   # launch hooks want Triton's metadata
     key = (kernel, grid, consts, warps, _spec(args))
     ck = _COMPILED.get(key)
     if ck is None:
@@ -165,7 +170,8 @@ def _autotune(kernel, args, xnumel, rnumel, meta):
 
 def restride(t: torch.Tensor, shape, stride):
     """``t`` with the strides a kernel was compiled for (a copy only when they differ)."""
-    if all(a == b for s, a, b in zip(shape, t.stride(), stride) if s != 1):
+    st = t.stride()
+    if st == stride or all(a == b for s, a, b in zip(shape, st, stride) if s != 1):
         return t
     out = torch.empty_strided(shape, stride, dtype=t.dtype, device=t.device)
     out.copy_(t)

@@ -28,6 +28,19 @@ _PY_OPS = {
 }
 
 
+def broadcast_in_dim(a, shape, broadcast_dimensions):
+    """``prims.broadcast_in_dim`` as views: prims run their Python reference at every call (about
+    60 us each on an H100 host, GPT-2's backward has 25), unsqueeze + expand does not."""
+    for d in range(len(shape)):
+        if d not in broadcast_dimensions:
+            a = a.unsqueeze(d)
+    return a.expand(shape)
+
+
+# ops whose eager entry point is slow Python, replaced by an equal fast function at run time
+RUNTIME = {torch.ops.prims.broadcast_in_dim.default: broadcast_in_dim}
+
+
 @dataclass
 class Wrapper:
     """Generated wrapper source plus the globals it needs."""
@@ -83,6 +96,7 @@ class _Emitter:
         return name
 
     def target_name(self, target) -> str:
+        target = RUNTIME.get(target, target)
         if isinstance(target, torch._ops.OpOverload):
             return self.bind(target, f"{target.namespace}_{target._opname}_{target._overloadname}")
         return self.bind(target, getattr(target, "name", None) or getattr(target, "__name__", "fn"))
