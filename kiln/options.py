@@ -32,6 +32,8 @@ class Options:
     # graph passes
     pattern_matcher: bool = _opt(True, "run kiln's built-in pattern rewrites (user hooks always run)")
     cse: bool = _opt(True, "common-subexpression elimination on the joint and inference graphs")
+    pad_matmuls: str = _opt("auto", "pad misaligned large matmuls to tensor-core alignment: 'auto' (CUDA only), "
+                            "'always' (any device), 'never'", ("auto", "always", "never"))
     pre_grad_custom_pass: Any = _opt(None, "callable(graph) run on Dynamo's torch-level graph", HOOK, env=False)
     joint_custom_pre_pass: Any = _opt(None, "callable(graph) run first on the joint graph", HOOK, env=False)
     joint_custom_post_pass: Any = _opt(None, "callable(graph) run last on the joint graph", HOOK, env=False)

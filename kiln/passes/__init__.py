@@ -4,7 +4,8 @@ Order (the hook contract PyTorch's users know):
   pre_grad : pre_grad_custom_pass (and registered 'pre_grad' passes) on Dynamo's torch-level graph
   joint    : joint_custom_pre_pass, CSE, one-hot scatters as compares, built-in patterns,
              joint_custom_post_pass (before partitioning)
-  post_grad: DCE, post_grad_custom_pre_pass, built-in patterns, post_grad_custom_post_pass
+  post_grad: DCE, post_grad_custom_pre_pass, built-in patterns, pad_matmuls (option pad_matmuls),
+             post_grad_custom_post_pass
 Hooks receive a ``torch.fx.Graph`` and may edit it in place. ``pattern_matcher=False`` turns off
 kiln's built-in patterns, never user hooks.
 """
@@ -52,6 +53,8 @@ def post_grad(gm: fx.GraphModule, opts) -> int:
     _run("post_grad_pre", gm, opts.post_grad_custom_pre_pass)
     if opts.pattern_matcher:
         _builtin("post_grad", gm)
+    if opts.pad_matmuls != "never":
+        _pad_matmuls(gm, opts)
     _run("post_grad_post", gm, opts.post_grad_custom_post_pass)
     return _delta(gm, before)
 
@@ -67,6 +70,15 @@ def _onehot(gm: fx.GraphModule) -> None:
     n = scatter_to_where(gm)
     if n:
         log(2, f"onehot: {n} scatters became compares")
+
+
+def _pad_matmuls(gm: fx.GraphModule, opts) -> None:
+    from kiln.debug import counters
+    from kiln.passes.pad_mm import pad_matmuls
+    padded = pad_matmuls(gm, devices=None if opts.pad_matmuls == "always" else ("cuda",))
+    if padded:
+        counters["kiln"]["pad_mm"] += padded
+        log(2, f"pad_mm: {padded} matmuls padded to tensor-core alignment")
 
 
 def _builtin(stage: str, gm: fx.GraphModule) -> None:

@@ -1,0 +1,233 @@
+"""Pad matmul dimensions that break tensor-core alignment.
+
+cuBLAS picks its fast tensor-core kernels only when every leading dimension (and K) is a multiple of
+16 bytes: 8 elements for fp16/bf16, 4 for fp32. GPT-2's vocabulary (50257) misses that, and its
+three lm_head matmuls then run as ``align1`` kernels about 2.5x slower. This pass rewrites
+
+    mm(a[M, K], b[K, N])  ->  mm(pad(a)[M', K'], pad(b)[K', N'])[:M, :N]
+
+(and the same for ``addmm``, whose bias is padded along, and for ``bmm`` over its last two dims),
+padding with zeros, so the values are exactly those of the original matmul: zero rows and columns
+of K add nothing, and the padded rows of M and columns of N are sliced away.
+
+Which dims are padded: K and N when misaligned (N is the output's leading dimension); M only when
+``a`` is stored column-major (``a`` is a transposed view), the one layout in which M is a leading
+dimension. An output sliced along N (or a bmm output sliced along M) is not contiguous, so it is
+copied back to the original contiguous layout (``clone``): every later node, and the backward graph
+reading saved tensors, keeps the strides recorded in its meta. On the Triton target that copy fuses
+into the consumers unless the value is materialized anyway (a graph output, such as GPT-2's logits).
+
+A padded operand that is a transposed view is padded in its storage order and transposed back, so
+the pad copies memory in order and one padded tensor serves every matmul that reads it (GPT-2's
+backward pads the logits' gradient once for both lm_head matmuls).
+
+When it pays (both must hold; the constants are module-level so tests can lower them):
+  MIN_FLOPS          1e9  - at 1e9 FLOPs a misaligned H100 matmul takes ~8 us and padding saves ~5 us,
+                            about the cost of one extra kernel launch: smaller matmuls cannot pay.
+  MIN_FLOPS_PER_BYTE 80   - FLOPs per byte copied by the padding (padded operands read and written,
+                            plus the output copy when N is padded). Aligned bf16 cuBLAS runs ~300
+                            TFLOP/s and misaligned ~2.5x slower (GPT-2 lm_head: 15.5 ms vs ~6 ms), so
+                            padding saves 1.5 / 300e12 s per FLOP and costs 1 / 2.5e12 s per byte
+                            (HBM): it pays above 300e12 / (1.5 * 2.5e12) = 80 FLOPs per byte. This
+                            rejects memory-bound shapes (decode-time logits with M = 8).
+GPT-2 small (bs 8, seq 1024) lm_head matmuls: 6.3e11 FLOPs each, 350-380 FLOPs per byte in bf16.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor
+
+from kiln.debug import log
+from kiln.passes.fold import fake_mode_of, infer_val
+
+aten = torch.ops.aten
+
+MIN_FLOPS = 1e9
+MIN_FLOPS_PER_BYTE = 80.0
+ALIGN = {torch.float16: 8, torch.bfloat16: 8, torch.float32: 4}
+MATMULS = (aten.mm.default, aten.addmm.default, aten.bmm.default)
+_PERMUTES = (aten.permute.default, aten.t.default, aten.transpose.int)
+
+
+def _round_up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def _static(v) -> bool:
+    return all(isinstance(s, int) for s in (*v.shape, *v.stride()))
+
+
+def _column_major(v) -> bool:
+    """The last two dims are stored transposed: stride 1 on dim -2 (and not on dim -1)."""
+    return v.shape[-2] > 1 and v.stride(-2) == 1 and v.stride(-1) != 1
+
+
+def _operands(node):
+    """(a, b, bias-or-None) of a matmul node."""
+    if node.target is aten.addmm.default:
+        return node.args[1], node.args[2], node.args[0]
+    return node.args[0], node.args[1], None
+
+
+def _vals(*nodes):
+    return [n.meta.get("val") if isinstance(n, fx.Node) else None for n in nodes]
+
+
+def plan(node: fx.Node, devices=("cuda",)):
+    """(pad_m, pad_k, pad_n) for a matmul worth padding, else None (``devices=None``: any device)."""
+    if node.op != "call_function" or node.target not in MATMULS:
+        return None
+    a, b, bias = _operands(node)
+    av, bv, biasv = _vals(a, b, bias)
+    out = node.meta.get("val")
+    tensors = [v for v in (av, bv, out) if isinstance(v, torch.Tensor)]
+    if len(tensors) != 3 or (bias is not None and not isinstance(biasv, torch.Tensor)):
+        return None
+    every = tensors + ([biasv] if bias is not None else [])
+    if any(not isinstance(v, FakeTensor) or not _static(v) for v in every):   # real constants: skip
+        return None
+    align = ALIGN.get(av.dtype)
+    if align is None or bv.dtype != av.dtype or out.dtype != av.dtype:
+        return None
+    if devices is not None and any(v.device.type not in devices for v in tensors):
+        return None
+    batch = av.shape[0] if av.dim() == 3 else 1
+    m, k = av.shape[-2:]
+    n = bv.shape[-1]
+    pad_m = _round_up(m, align) - m if _column_major(av) else 0
+    pad_k = _round_up(k, align) - k
+    pad_n = _round_up(n, align) - n
+    if not (pad_m or pad_k or pad_n):
+        return None
+    flops = 2 * batch * m * n * k
+    size = av.element_size()
+    copied = 0
+    if pad_m or pad_k:
+        copied += batch * (m * k + (m + pad_m) * (k + pad_k)) * size
+    if pad_k or pad_n:
+        copied += batch * (k * n + (k + pad_k) * (n + pad_n)) * size
+    if pad_n or (pad_m and av.dim() == 3):
+        copied += 2 * batch * m * n * size   # the copy of a sliced output that is not contiguous
+    if flops < MIN_FLOPS or flops < MIN_FLOPS_PER_BYTE * copied:
+        log(5, f"pad_mm: {node.name} misaligned but too small to pay ({flops:.3g} FLOPs, "
+               f"{copied} bytes copied)")
+        return None
+    return pad_m, pad_k, pad_n
+
+
+class _Builder:
+    """Creates nodes before ``anchor`` with their meta['val'] and shares padded tensors."""
+
+    def __init__(self, gm: fx.GraphModule, fake_mode):
+        self.g, self.fake_mode = gm.graph, fake_mode
+        self.memo: dict = {}
+        self.anchor = None
+
+    def call(self, target, args, kwargs=None, like=None):
+        with self.g.inserting_before(self.anchor):
+            n = self.g.call_function(target, tuple(args), kwargs or {})
+        if like is not None and "stack_trace" in like.meta:
+            n.meta["stack_trace"] = like.meta["stack_trace"]
+        infer_val(n, self.fake_mode)
+        return n
+
+    def padded(self, x: fx.Node, pads) -> fx.Node:
+        """``x`` with ``pads[d]`` zeros appended on each dim d, padded in storage order."""
+        if not any(pads):
+            return x
+        src, perm = _strip_permutes(x)
+        sv = src.meta["val"]
+        src_pads = [0] * sv.dim()
+        for i, p in enumerate(perm):
+            src_pads[p] = pads[i]
+        phys = sorted(range(sv.dim()), key=lambda d: -sv.stride(d))   # outermost first, stable
+        key = (src, tuple(phys), tuple(src_pads[d] for d in phys))
+        if key not in self.memo:
+            y = src if phys == sorted(phys) else self.call(aten.permute.default, (src, phys), like=x)
+            flat = []
+            for d in reversed(range(len(phys))):
+                flat += [0, src_pads[phys[d]]]
+            while flat and flat[-1] == 0:
+                flat = flat[:-2]
+            self.memo[key] = self.call(aten.constant_pad_nd.default, (y, flat, 0.0), like=x)
+        q = [phys.index(p) for p in perm]
+        padded = self.memo[key]
+        return padded if q == sorted(q) else self.call(aten.permute.default, (padded, q), like=x)
+
+
+def _strip_permutes(x: fx.Node):
+    """(src, perm) with ``x == src.permute(perm)``, looking through permute / t / transpose nodes."""
+    perm = list(range(x.meta["val"].dim()))
+    while isinstance(x, fx.Node) and x.op == "call_function" and x.target in _PERMUTES and not x.kwargs:
+        y = x.args[0]
+        if not isinstance(y, fx.Node) or not isinstance(y.meta.get("val"), torch.Tensor):
+            break
+        nd = y.meta["val"].dim()
+        if nd != len(perm):
+            break
+        if x.target is aten.permute.default:
+            p = [d % nd for d in x.args[1]]
+        else:
+            p = list(range(nd))
+            d0, d1 = (0, 1) if x.target is aten.t.default else (x.args[1] % nd, x.args[2] % nd)
+            if nd >= 2:
+                p[d0], p[d1] = p[d1], p[d0]
+        perm = [p[i] for i in perm]
+        x = y
+    return x, perm
+
+
+def _bias_pads(biasv, out_shape, pad_m, pad_n):
+    """Pads for an addmm bias broadcast to ``out_shape`` [M, N]: only dims that are not 1."""
+    pads = [0] * biasv.dim()
+    for i in range(1, biasv.dim() + 1):
+        if biasv.shape[-i] != 1:
+            pads[-i] = pad_n if i == 1 else pad_m
+    return pads
+
+
+def _rewrite(b: _Builder, node: fx.Node, pads) -> None:
+    pad_m, pad_k, pad_n = pads
+    a, bmat, bias = _operands(node)
+    lead = [0] if node.target is aten.bmm.default else []
+    b.anchor = node
+    new_a = b.padded(a, lead + [pad_m, pad_k])
+    new_b = b.padded(bmat, lead + [pad_k, pad_n])
+    if bias is not None:
+        new_bias = b.padded(bias, _bias_pads(bias.meta["val"], node.meta["val"].shape, pad_m, pad_n))
+        args = (new_bias, new_a, new_b)
+    else:
+        args = (new_a, new_b)
+    out = b.call(node.target, args, dict(node.kwargs), like=node)
+    m, n = node.meta["val"].shape[-2:]
+    if pad_m:
+        out = b.call(aten.slice.Tensor, (out, -2, 0, m), like=node)
+    if pad_n:
+        out = b.call(aten.slice.Tensor, (out, -1, 0, n), like=node)
+    old = node.meta["val"]
+    if out.meta["val"].stride() != old.stride():
+        out = b.call(aten.clone.default, (out,), {"memory_format": torch.contiguous_format}, like=node)
+    new = out.meta["val"]
+    assert (old.shape, old.stride(), old.dtype) == (new.shape, new.stride(), new.dtype), (old, new)
+    node.replace_all_uses_with(out)
+    b.g.erase_node(node)
+
+
+def pad_matmuls(gm: fx.GraphModule, devices=("cuda",)) -> int:
+    """Pad misaligned mm / addmm / bmm nodes of ``gm`` in place (operands on ``devices``, or any
+    device when None); returns how many matmuls were rewritten. Needs fake values in meta['val']."""
+    fake_mode = fake_mode_of(gm)
+    if fake_mode is None:
+        return 0
+    todo = [(n, p) for n in gm.graph.nodes if (p := plan(n, devices)) is not None]
+    if not todo:
+        return 0
+    builder = _Builder(gm, fake_mode)
+    for node, pads in todo:
+        log(5, f"pad_mm: {node.name} {tuple(node.meta['val'].shape)} padded by (M, K, N) = {pads}")
+        _rewrite(builder, node, pads)
+    gm.graph.eliminate_dead_code()   # views the old matmuls read
+    gm.graph.lint()
+    gm.recompile()
+    return len(todo)

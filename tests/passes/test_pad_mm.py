@@ -1,0 +1,224 @@
+"""pad_matmuls: misaligned mm / addmm / bmm padded to tensor-core alignment, same values as eager."""
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import kiln  # noqa: F401  (registers the backend)
+from kiln.debug import counters
+from kiln.passes import pad_mm
+from kiln.passes.pad_mm import pad_matmuls
+
+aten = torch.ops.aten
+
+
+@pytest.fixture
+def small(monkeypatch):
+    """Pad even the small matmuls of these tests."""
+    monkeypatch.setattr(pad_mm, "MIN_FLOPS", 0)
+    monkeypatch.setattr(pad_mm, "MIN_FLOPS_PER_BYTE", 0)
+
+
+def traced(fn, *args):
+    return make_fx(fn, tracing_mode="fake")(*args)
+
+
+def count(gm, target):
+    return sum(n.target is target for n in gm.graph.nodes)
+
+
+class CheckMeta(torch.fx.Interpreter):
+    """Runs the graph and checks every tensor's shape, strides and dtype against its meta['val']."""
+
+    def run_node(self, n):
+        out = super().run_node(n)
+        val = n.meta.get("val")
+        if isinstance(out, torch.Tensor) and isinstance(val, torch.Tensor):
+            assert (out.shape, out.stride(), out.dtype) == (val.shape, val.stride(), val.dtype), n.format_node()
+        return out
+
+
+def run_checked(gm, *args):
+    return CheckMeta(gm).run(*args)
+
+
+def test_pads_misaligned_n_and_keeps_values(small):
+    a, b = torch.randn(64, 96), torch.randn(96, 1001)
+    gm = traced(torch.mm, a, b)
+    assert pad_matmuls(gm, devices=None) == 1
+    pads = [n for n in gm.graph.nodes if n.target is aten.constant_pad_nd.default]
+    assert len(pads) == 1 and pads[0].meta["val"].shape == (96, 1004)   # fp32: multiple of 4
+    assert count(gm, aten.slice.Tensor) == 1 and count(gm, aten.clone.default) == 1
+    out = run_checked(gm, a, b)
+    assert out.stride() == (1001, 1)
+    torch.testing.assert_close(out, a @ b, rtol=0, atol=0)
+
+
+def test_aligned_or_tiny_left_alone(small):
+    gm = traced(torch.mm, torch.randn(64, 96), torch.randn(96, 1000))
+    assert pad_matmuls(gm, devices=None) == 0
+    assert count(gm, aten.constant_pad_nd.default) == 0
+
+
+def test_default_thresholds():
+    tiny = traced(torch.mm, torch.randn(64, 96), torch.randn(96, 1001))
+    assert pad_matmuls(tiny, devices=None) == 0                      # 1.2e7 FLOPs
+    mode = torch._subclasses.fake_tensor.FakeTensorMode()
+    with mode:   # GPT-2's lm_head: fake tensors, nothing is computed
+        x, w = torch.empty(8192, 768, dtype=torch.bfloat16), torch.empty(50257, 768, dtype=torch.bfloat16)
+        g = torch.empty(8192, 50257, dtype=torch.bfloat16)
+    lm_head = make_fx(lambda x, w: x @ w.t(), tracing_mode="fake")(x, w)
+    grads = make_fx(lambda g, x, w: (g.t() @ x, g @ w), tracing_mode="fake")(g, x, w)
+    assert pad_matmuls(lm_head, devices=None) == 1
+    assert pad_matmuls(grads, devices=None) == 2
+    with mode:   # decode-time logits (M = 8, d 4096): 3.3e9 FLOPs but 4 FLOPs per byte the pad copies
+        x8, w8 = torch.empty(8, 4096, dtype=torch.bfloat16), torch.empty(50257, 4096, dtype=torch.bfloat16)
+    assert pad_matmuls(make_fx(lambda x, w: x @ w.t(), tracing_mode="fake")(x8, w8), devices=None) == 0
+    with mode:   # the same d 4096 with 2048 tokens: 8.4e11 FLOPs, ~680 FLOPs per byte
+        x2k = torch.empty(2048, 4096, dtype=torch.bfloat16)
+    assert pad_matmuls(make_fx(lambda x, w: x @ w.t(), tracing_mode="fake")(x2k, w8), devices=None) == 1
+
+
+def test_devices_filter(small):
+    gm = traced(torch.mm, torch.randn(64, 96), torch.randn(96, 1001))
+    assert pad_matmuls(gm) == 0          # default: CUDA operands only
+
+
+def test_gpt2_backward_shares_one_pad(small):
+    """g.t() @ x pads M (g.t() is column-major), g @ w pads K: both read one padded g, in g's layout."""
+    g, x, w = torch.randn(32, 1001), torch.randn(32, 24), torch.randn(1001, 24)
+    gm = traced(lambda g, x, w: (g.t() @ x, g @ w), g, x, w)
+    assert pad_matmuls(gm, devices=None) == 2
+    pads = [n for n in gm.graph.nodes if n.target is aten.constant_pad_nd.default]
+    assert sorted(tuple(p.meta["val"].shape) for p in pads) == [(32, 1004), (1004, 24)]
+    assert all(p.meta["val"].is_contiguous() for p in pads)
+    dw, dx = run_checked(gm, g, x, w)
+    torch.testing.assert_close(dw, g.t() @ x, rtol=0, atol=0)
+    torch.testing.assert_close(dx, g @ w, rtol=0, atol=0)
+
+
+def test_row_major_m_not_padded(small):
+    gm = traced(torch.mm, torch.randn(1001, 96), torch.randn(96, 64))
+    assert pad_matmuls(gm, devices=None) == 0
+
+
+@pytest.mark.parametrize("bias_shape", [(1001,), (1, 1001), (66, 1001), (66, 1)])
+def test_addmm_bias_padded(small, bias_shape):
+    bias, a, b = torch.randn(bias_shape), torch.randn(66, 98), torch.randn(98, 1001)
+    fn = lambda bias, a, b: torch.addmm(bias, a, b, beta=0.5, alpha=2.0)  # noqa: E731
+    gm = traced(fn, bias, a, b)
+    assert pad_matmuls(gm, devices=None) == 1
+    assert count(gm, aten.addmm.default) == 1 and count(gm, aten.mm.default) == 0
+    torch.testing.assert_close(run_checked(gm, bias, a, b), fn(bias, a, b))
+
+
+def test_bmm_m_k_n(small):
+    a, b = torch.randn(3, 50, 37).transpose(1, 2), torch.randn(3, 50, 23)   # a column-major, M = 37
+    fn = lambda a, b: torch.bmm(a, b)  # noqa: E731
+    gm = traced(fn, a, b)
+    assert pad_matmuls(gm, devices=None) == 1
+    out = run_checked(gm, a, b)
+    assert out.is_contiguous()
+    torch.testing.assert_close(out, fn(a, b))
+    gm = traced(fn, torch.randn(3, 37, 52), torch.randn(3, 52, 24))           # row-major, all aligned but M
+    assert pad_matmuls(gm, devices=None) == 0
+
+
+# -- through torch.compile ----------------------------------------------------------------------------
+
+def compiled_grads(model, x, **options):
+    ref_model = model
+    out_ref = ref_model(x)
+    out_ref.square().sum().backward()
+    ref = [out_ref.detach()] + [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+    model.zero_grad()
+    x.grad = None
+    f = torch.compile(model, backend="kiln", options=options)
+    out = f(x)
+    out.square().sum().backward()
+    got = [out.detach()] + [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+    return got, ref
+
+
+@pytest.mark.parametrize("m,k,n,bias", [(64, 96, 1001, True), (61, 96, 64, False), (64, 97, 64, True),
+                                        (63, 98, 1001, False)], ids=["N", "M", "K", "MKN"])
+def test_compiled_linear_values_and_grads(small, m, k, n, bias):
+    counters.clear()
+    lin = torch.nn.Linear(k, n, bias=bias)
+    x = torch.randn(m, k, requires_grad=True)
+    got, ref = compiled_grads(lin, x, pad_matmuls="always")
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
+    assert counters["kiln"]["pad_mm"] >= 1   # a misaligned M is K of the weight gradient
+
+
+def test_compiled_bmm(small):
+    counters.clear()
+
+    def fn(a, b):
+        return torch.bmm(a, b).relu()
+    a = torch.randn(2, 33, 45, requires_grad=True)
+    b = torch.randn(2, 45, 70, requires_grad=True)
+    out = torch.compile(fn, backend="kiln", options={"pad_matmuls": "always"})(a, b)
+    out.sum().backward()
+    ga, gb = a.grad, b.grad
+    a2, b2 = a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
+    ref = fn(a2, b2)
+    ref.sum().backward()
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(ga, a2.grad)
+    torch.testing.assert_close(gb, b2.grad)
+    assert counters["kiln"]["pad_mm"] >= 2
+
+
+def test_compiled_linear_triton_target(small):
+    """Through fusion (Triton interpreter on the CPU): pads, slices and the copy lowered as kernels."""
+    counters.clear()
+    lin = torch.nn.Linear(36, 101)
+    x = torch.randn(27, 36, requires_grad=True)
+    got, ref = compiled_grads(lin, x, pad_matmuls="always", codegen="triton")
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-4)
+    assert counters["kiln"]["pad_mm"] == 3
+
+
+@pytest.mark.parametrize("mode", ["never", "auto"])
+def test_never_and_auto_on_cpu_leave_graph(small, mode):
+    counters.clear()
+    seen = []
+    lin = torch.nn.Linear(96, 1001)
+    x = torch.randn(64, 96, requires_grad=True)
+    got, ref = compiled_grads(lin, x, pad_matmuls=mode, post_grad_custom_post_pass=lambda g: seen.append(
+        sum(n.target is aten.constant_pad_nd.default for n in g.nodes)))
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g, r)
+    assert counters["kiln"]["pad_mm"] == 0
+    assert seen and not any(seen)
+
+
+def test_always_reaches_post_grad_hook(small):
+    seen = []
+    lin = torch.nn.Linear(96, 1001)
+    x = torch.randn(64, 96, requires_grad=True)
+    compiled_grads(lin, x, pad_matmuls="always", post_grad_custom_post_pass=lambda g: seen.append(
+        sum(n.target is aten.constant_pad_nd.default for n in g.nodes)))
+    assert seen and all(seen)     # forward and backward both padded
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(512, 768, 1001), (333, 257, 515)])
+def test_cuda_bf16_against_fp64(small, shape):
+    m, k, n = shape
+    counters.clear()
+    lin = torch.nn.Linear(k, n, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    got, _ = compiled_grads(lin, x)     # 'auto' pads on CUDA
+    assert counters["kiln"]["pad_mm"] >= 2
+    lin64 = torch.nn.Linear(k, n, device="cuda", dtype=torch.float64)
+    lin64.load_state_dict({k_: v.double() for k_, v in lin.state_dict().items()})
+    x64 = x.detach().double().requires_grad_()
+    out64 = lin64(x64)
+    out64.square().sum().backward()
+    ref = [out64.detach()] + [p.grad for p in lin64.parameters()] + [x64.grad]
+    for g, r in zip(got, ref):
+        err = (g.double() - r).abs().max() / r.abs().max()
+        assert err < 2e-2, err
