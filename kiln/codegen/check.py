@@ -3,7 +3,7 @@
 Triton's frontend (Python AST -> TTIR), its MLIR passes and ``ptxas`` (shipped in the wheel) all
 run on the CPU, so a kernel that would fail with ``CompilationError`` at its first launch on an
 H100/H200 fails here too. The check executes the kernel module in compiled (not interpreter) mode,
-runs its ``call`` launcher on fake/meta ``example_args`` with ``launch.run`` replaced by a recorder,
+runs its ``call`` launcher on fake/meta ``example_args`` with ``launch.run``/``launch.launch`` replaced by a recorder,
 and hands every recorded launch (kernel, argument types, block sizes, warps) to ``triton.compile``
 for ``GPUTarget('cuda', arch, 32)``.
 """
@@ -68,8 +68,11 @@ def _record(mod, example_args):
             cfg = launch.config(meta["kind"], max(xnumel, 1), int(rnumel), meta["persistent"], meta["inner"], False)
         launches.append((fn, args, cfg, meta))
 
-    saved = launch.run, launch.seed
-    launch.run, launch.seed = fake_run, (lambda: 12345)
+    def fake_launch(fn, args, grid, consts, warps):   # a launch fixed at generation time
+        launches.append((fn, args, (consts[0], consts[-1] if len(consts) > 1 else 1, warps), {}))
+
+    saved = launch.run, launch.launch, launch.seed
+    launch.run, launch.launch, launch.seed = fake_run, fake_launch, (lambda: 12345)
     try:
         mode = next((a.fake_mode for a in example_args if hasattr(a, "fake_mode")), None)
         if mode is None:   # a kernel without tensor inputs still allocates CUDA outputs
@@ -78,7 +81,7 @@ def _record(mod, example_args):
         with mode:
             mod.call(*example_args)
     finally:
-        launch.run, launch.seed = saved
+        launch.run, launch.launch, launch.seed = saved
     return launches
 
 

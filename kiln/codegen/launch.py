@@ -122,6 +122,30 @@ def _stream():
     return stream(device())
 
 
+def launch(kernel, args, grid, consts, warps):
+    """A launch whose grid and block sizes were fixed when the module was generated: the cached
+    compiled kernel when the arguments specialize as before, else Triton's JIT path."""
+    ck = _COMPILED.get((kernel, grid, consts, warps, _spec(args)))
+    if ck is not None and not _hooks_on():
+        ck.run(grid[0], 1, 1, _stream(), ck.function, ck.packed_metadata, None, None, None, *args, *consts)
+        return
+    _launch(kernel, grid, args, consts, warps)
+
+
+def _hooks_on() -> bool:
+    rt = _RUNTIME[0] if _RUNTIME else _runtime()
+    return rt is None or _hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook)
+
+
+_RUNTIME: list = []
+
+
+def _runtime():
+    import triton
+    _RUNTIME.append(getattr(getattr(triton, "knobs", None), "runtime", None))
+    return _RUNTIME[0]
+
+
 def _hooked(hook) -> bool:
     """Whether a Triton launch hook is installed (Triton 3.6 keeps an empty ``HookChain``)."""
     return hook is not None and bool(getattr(hook, "calls", True))
@@ -321,6 +345,13 @@ def launch_line(k, name, args, names):
         cfg = config(kind, int(k.xnumel), int(k.rnumel), k.persistent, inner, k.interpret)
     meta = dict(kind=kind, persistent=k.persistent, inner=inner, interpret=k.interpret, autotune=k.autotune,
                 outer=k.outer)
+    if cfg is not None and not k.interpret and "xnumel" not in args and "rnumel" not in args:
+        xb, rb, warps = cfg   # all static: grid and block sizes are constants of the module
+        if int(k.xnumel) <= 0:
+            return []
+        grid = (1,) if k.outer else ((int(k.xnumel) + xb - 1) // xb,)
+        consts = (xb,) if kind == "pointwise" else (xb, rb)
+        return [f"launch.launch({name}, ({', '.join(args)},), {grid}, {consts}, {warps})"]
     return [f"xnumel, rnumel = {pyexpr(k.xnumel, names)}, {pyexpr(k.rnumel, names)}",
             f"launch.run({name}, ({', '.join(args)},), xnumel, rnumel, {cfg}, {meta!r})"]
 
