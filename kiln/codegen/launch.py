@@ -123,18 +123,47 @@ def _stream():
 
 
 def launch(kernel, args, grid, consts, warps):
-    """A launch whose grid and block sizes were fixed when the module was generated: the cached
-    compiled kernel when the arguments specialize as before, else Triton's JIT path."""
-    ck = _COMPILED.get((kernel, grid, consts, warps, _spec(args)))
-    if ck is not None and not _hooks_on():
-        ck.run(grid[0], 1, 1, _stream(), ck.function, ck.packed_metadata, None, None, None, *args, *consts)
-        return
-    _launch(kernel, grid, args, consts, warps)
+    """A launch whose grid and block sizes were fixed when the module was generated.
+
+    The common case costs one dict lookup, one ``data_ptr`` per tensor and the launcher call: a
+    site remembers the kernel compiled for 16-byte aligned tensors and integers that Triton does
+    not specialize (not 1, not a multiple of 16, 32-bit: the philox seeds); any other arguments,
+    or an installed launch hook, take the general path (``_launch``)."""
+    site = _SITES.get(kernel)
+    if site is not None:
+        ck, nt = site
+        p = 0
+        for a in args[:nt]:
+            p |= a.data_ptr()
+        if not p & 15 and _generic_ints(args, nt) and not _hooks_on():
+            ck.run(grid[0], 1, 1, _stream(), ck.function, ck.packed_metadata, None, None, None, *args, *consts)
+            return
+    ck = _launch(kernel, grid, args, consts, warps)
+    nt = 0
+    while nt < len(args) and isinstance(args[nt], torch.Tensor):
+        nt += 1
+    if ck is not None and site is None and all(isinstance(a, int) and not isinstance(a, bool) for a in args[nt:]) \
+            and _generic_ints(args, nt) and all(a.data_ptr() & 15 == 0 for a in args[:nt]):
+        _SITES[kernel] = (ck, nt)
+
+
+_SITES: dict = {}
+
+
+def _generic_ints(args, nt) -> bool:
+    for v in args[nt:]:
+        if v == 1 or not v & 15 or not -2 ** 31 <= v < 2 ** 31:
+            return False
+    return True
 
 
 def _hooks_on() -> bool:
     rt = _RUNTIME[0] if _RUNTIME else _runtime()
-    return rt is None or _hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook)
+    if rt is None:
+        return True
+    enter, leave = rt.launch_enter_hook, rt.launch_exit_hook
+    return (enter is not None and bool(getattr(enter, "calls", True))) or \
+        (leave is not None and bool(getattr(leave, "calls", True)))
 
 
 _RUNTIME: list = []
@@ -359,7 +388,10 @@ def launch_line(k, name, args, names):
 def module(kernels, defs, inputs, buffers, body_fn):
     """Module text: imports, helpers, kernel ``defs`` and ``call`` (body from ``body_fn(names)``)."""
     names, bind_lines, scalars = bind_sizes(kernels, inputs, buffers)
-    lines = [HEADER, "import torch", "import triton", "import triton.language as tl"]
+    # the input dtypes are part of the text: equal text then means an equal kernel for every
+    # argument, which lets a launch site reuse its compiled kernel (``launch``) without re-checking
+    dtypes = ", ".join(str(buffers[b].dtype).replace("torch.", "") for b in inputs)
+    lines = [HEADER + f"# inputs: {dtypes}", "import torch", "import triton", "import triton.language as tl"]
     if any(k.libdevice for k in kernels):
         lines.append("from triton.language.extra import libdevice")
     lines += ["from kiln.codegen import launch", ""]
