@@ -76,6 +76,9 @@ def lower(gm: fx.GraphModule, inputs: list, opts: Options, trace: Trace, kind: s
 
 
 def _lower(gm: fx.GraphModule, inputs: list, opts: Options, trace: Trace, kind: str, target: str):
+    if kind == "inference" and target == "triton" and opts.layout_optimization:
+        from kiln.passes.channels_last import to_channels_last
+        trace.stage("channels_last", to_channels_last, gm)
     trace.stage(f"post_grad_{kind}", passes.post_grad, gm, opts)
     if target == "triton":
         from kiln.codegen.fuse import fuse_graph

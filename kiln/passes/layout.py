@@ -1,11 +1,9 @@
 """Layout hand-off for freezing: where convolution weights become channels-last constants.
 
-Layout optimization (channels-last for convolution nets) is a later stage. Freezing calls
-``convert_conv_weights`` on the ATen inference graph right after the parameters became constants and
-before any folding, so that a later implementation only has to fill this function in:
-
-    for each aten.convolution whose weight is a 4-D constant and layout_optimization picks channels-last:
-        insert ``w2 = aten.clone(w, memory_format=torch.channels_last)`` and make the convolution read it
+Freezing calls ``convert_conv_weights`` on the ATen inference graph right after the parameters became
+constants and before any folding: for each aten.convolution whose weight is a 4-D constant on a device
+where ``passes.channels_last`` makes activations channels-last, it inserts
+``w2 = aten.clone(w, memory_format=torch.channels_last)`` and makes the convolution read it.
 
 Constant folding then turns each ``clone`` into a channels-last constant (and conv-BN / binary folding
 keep the layout, see ``fold.like``), so the compiled graph reads prepared weights at no runtime cost.
@@ -16,11 +14,33 @@ import torch.fx as fx
 
 
 def convert_conv_weights(gm: fx.GraphModule, opts) -> int:
-    """Make convolution weights channels-last constants (in place); returns how many changed.
+    """Make 4-D constant convolution weights channels-last (in place); returns how many changed.
 
-    Not implemented yet: the hook returns 0 and leaves ``gm`` as it is.
+    Only where ``passes.channels_last`` will make the activations channels-last too (the GPU: its
+    ``DEVICES``), so that cuDNN sees one layout and no convolution converts its weight per call.
     """
-    return 0
+    import torch
+    from kiln.passes import channels_last
+    from kiln.passes.fold import fake_mode_of, infer_val
+    if not opts.layout_optimization:
+        return 0
+    fake, changed = fake_mode_of(gm), 0
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function" or n.target is not torch.ops.aten.convolution.default:
+            continue
+        w = n.args[1]
+        val = w.meta.get("val") if isinstance(w, fx.Node) else None
+        devices = channels_last.DEVICES
+        if w.op != "get_attr" or val is None or val.dim() != 4 or (devices is not None and val.device.type not in devices):
+            continue
+        with gm.graph.inserting_before(n):
+            c = gm.graph.call_function(torch.ops.aten.clone.default, (w,), {"memory_format": torch.channels_last})
+        infer_val(c, fake)
+        n.replace_input_with(w, c)
+        changed += 1
+    if changed:
+        gm.recompile()
+    return changed
 
 
 # Producers whose runtime output layout is the library's choice, not the eager strides in meta['val']
