@@ -68,8 +68,24 @@ def node_dims(buf):
     if isinstance(c, Reduction):
         return tuple((s, d in c.reduced) for d, s in enumerate(c.ranges) if s != 1)
     if isinstance(c, Pointwise):
-        return tuple((s, False) for s in squeeze(buf.shape))
+        return tuple((s, False) for s in squeeze(memory_order(buf.shape, buf.stride)))
     return None
+
+
+def memory_order(shape, stride):
+    """``shape`` listed from the largest stride to the smallest when ``stride`` is a dense permuted
+    layout (a channels-last tensor: N, H, W, C), else as it is: a kernel over this domain walks
+    memory in address order (``place`` maps it back through ``memory_unflatten``)."""
+    if not all(sympy.sympify(x).is_Integer for x in list(shape) + list(stride)):
+        return list(shape)
+    dims = [d for d in range(len(shape)) if int(shape[d]) != 1]
+    order = sorted(dims, key=lambda d: -int(stride[d]))
+    expect = 1
+    for d in reversed(order):
+        if int(stride[d]) != expect:
+            return list(shape)
+        expect *= int(shape[d])
+    return [shape[d] for d in order]
 
 
 def domain_vars(dims):

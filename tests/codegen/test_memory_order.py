@@ -42,3 +42,13 @@ def test_long_column_sum_loops_over_a_tile_of_columns():
     gm = check(lambda a: (a * 2).sum(0), x, atol=1e-4, rtol=1e-4)
     (k,) = kernels(gm)
     assert "for roffset in range" in k.source
+
+
+def test_channels_last_pointwise_walks_memory_in_order():
+    x = torch.randn(2, 6, 4, 5).to(memory_format=torch.channels_last)
+    b = torch.randn(1, 6, 1, 1)
+    gm = check(lambda a, c: torch.relu(a * 2 + c), x, b, atol=1e-5, rtol=1e-5)
+    (k,) = kernels(gm)
+    body = k.source.split("def call")[0]
+    # the NHWC input is read and the NHWC output written at xindex itself (consecutive addresses)
+    assert "tl.load(in_ptr0 + (xindex)" in body and "tl.store(out_ptr0 + (xindex)" in body, body
