@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 
 import torch
 
@@ -64,19 +65,28 @@ def compile_for_gpu(gm, example_inputs, **options):
                 args.append(t.requires_grad_(a.requires_grad))
             else:
                 args.append(a)
+    from torch.fx._lazy_graph_module import _use_lazy_graph_module
     saved, emitter.EMIT_FOR_GPU = emitter.EMIT_FOR_GPU, True
     try:
-        with fconfig.patch(force_non_lazy_backward_lowering=True):
+        # Dynamo calls its backend with lazy GraphModules on (recompiles deferred until the code is
+        # needed); do the same, so that the compile time measured here is the one torch.compile sees
+        with fconfig.patch(force_non_lazy_backward_lowering=True), _use_lazy_graph_module(True):
             return compile_graph(_to_cpu(gm), args, Options(codegen="triton", **options))
     finally:
         emitter.EMIT_FOR_GPU = saved
 
 
 def main(argv=None):
+    start, cstart = time.perf_counter(), time.process_time()
     from kiln.bench.profile import _case
     p = argparse.ArgumentParser(prog="python -m kiln.bench.offline", description=__doc__.splitlines()[0])
     p.add_argument("case")
-    p.add_argument("--dump", required=True, help="directory for wrappers and kernels")
+    p.add_argument("--dump", default=None, help="directory for every stage's graph, wrappers and kernels")
+    p.add_argument("--sources", default=None,
+                   help="directory for the generated wrappers and kernels only, written after compiling "
+                        "(so that profiles of the compile do not count file writes)")
+    p.add_argument("--debug", type=int, default=0, help="kiln debug level (1 prints stage times)")
+    p.add_argument("--profile", default=None, help="write a cProfile of the compile (not the capture) here")
     p.add_argument("--budget", type=float, default=None)
     a = p.parse_args(argv)
     case = _case(a.case)
@@ -85,13 +95,49 @@ def main(argv=None):
         wl = case.build("meta", "fp32", "gpu")
     autocast, wl.autocast = wl.autocast, None   # autocast for CUDA is entered by capture()
     graphs, _ = capture(wl.model, lambda f, b: (wl._loss(f) if wl.train else wl.call(f, b)), wl.inputs, autocast)
-    os.makedirs(a.dump, exist_ok=True)
-    opts = {"dump_dir": a.dump}
+    opts = {"debug": a.debug}
+    if a.dump:
+        os.makedirs(a.dump, exist_ok=True)
+        opts["dump_dir"] = a.dump
     if a.budget is not None:
         opts["activation_memory_budget"] = a.budget
-    for gm, ins in graphs:
-        compile_for_gpu(gm, ins, **opts)
-    print(f"{len(graphs)} graph(s) compiled; wrappers and kernels under {a.dump}")
+    from kiln.runtime.load import collect_sources
+    prof = None
+    if a.profile:
+        import cProfile
+        prof = cProfile.Profile()
+    t0, c0 = time.perf_counter(), time.process_time()
+    with collect_sources() as sources:
+        if prof:
+            prof.enable()
+        for gm, ins in graphs:
+            compile_for_gpu(gm, ins, **opts)
+        if prof:
+            prof.disable()
+    t1, c1 = time.perf_counter(), time.process_time()
+    if prof:
+        prof.dump_stats(a.profile)
+    print(f"{len(graphs)} graph(s) compiled in {t1 - t0:.1f} s, cpu {c1 - c0:.1f} s (after {t0 - start:.1f} s, "
+          f"cpu {c0 - cstart:.1f} s, of imports, model building and capture)"
+          + (f"; wrappers and kernels under {a.dump}" if a.dump else ""))
+    if a.sources:
+        write_sources(a.sources, sources)
+
+
+def write_sources(directory: str, sources: list) -> None:
+    """Write each generated source once as ``<sha256[:12]>.py`` plus ``order.txt`` listing them in
+    generation order, so that two compiles can be compared with ``diff -r``."""
+    import hashlib
+    os.makedirs(directory, exist_ok=True)
+    order = []
+    for src in sources:
+        name = hashlib.sha256(src.encode()).hexdigest()[:12]
+        order.append(name)
+        with open(os.path.join(directory, f"{name}.py"), "w") as f:
+            f.write(src)
+    with open(os.path.join(directory, "order.txt"), "w") as f:
+        f.write("\n".join(order) + "\n")
+    print(f"{len(set(order))} distinct sources ({len(order)} in all) under {directory}")
 
 
 if __name__ == "__main__":

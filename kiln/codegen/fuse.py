@@ -59,6 +59,8 @@ def fuse_graph(gm: torch.fx.GraphModule, example_inputs, opts, strict: bool = Fa
         return 0
     finally:
         release_indirect()
+        from kiln.codegen.triton import forget_buffers
+        forget_buffers()
     n = _rewrite(gm, *plan)
     counters["codegen"]["kernels"] += n
     return n
@@ -73,13 +75,14 @@ def _plan(gm, opts):
         "max-autotune", "max-autotune-no-cudagraphs")
     kernels = []
     graph = gm.graph
+    fakes = _FakeMaker(graph)
     for g in groups:
         device = g.nodes[0].device
         src = emit(g, lw.buffers, device, PLACEHOLDER, autotune)
         k = kernel_for(src.text, src.kind, device.type != "cuda", len(src.outputs))
         log(4, f"codegen: kernel {k.name} ({len(g.nodes)} buffers, {g.kind})\n{k.source}")
         sym_nodes = [_symbol_node(graph, s) for s in src.scalars]
-        vals = [_fake(lw, lw.buffers[name], graph) for name in src.outputs]
+        vals = [fakes(lw.buffers[name]) for name in src.outputs]
         kernels.append((k, src, sym_nodes, vals))
     _check_replaceable(gm, lw, groups)
     return lw, groups, kernels
@@ -125,27 +128,36 @@ def _toposort_groups(groups, lw):
     return order
 
 
-def _fake(lw, buf, graph):
-    """A FakeTensor for a kernel-internal buffer that crosses kernels."""
-    if buf.fake is not None:
-        return buf.fake
-    mode = None
-    table = {}
-    for n in graph.nodes:
-        v = n.meta.get("val")
-        if is_tensor(v) and hasattr(v, "fake_mode"):
-            mode = v.fake_mode
-            for s in list(v.shape) + list(v.stride()):
-                if isinstance(s, torch.SymInt):
-                    table.setdefault(sympy.sympify(s.node.expr), s)
-        elif isinstance(v, torch.SymInt):
-            table.setdefault(sympy.sympify(v.node.expr), v)
-    conv = lambda e: _to_symint(sympy.sympify(e), table)  # noqa: E731
-    shape, stride = [conv(s) for s in buf.shape], [conv(s) for s in buf.stride]
-    if mode is None:
-        return torch.empty_strided(shape, stride, dtype=buf.dtype, device="meta")
-    with mode:
-        return torch.empty_strided(shape, stride, dtype=buf.dtype, device=buf.device)
+class _FakeMaker:
+    """``maker(buf)``: a FakeTensor for a kernel-internal buffer that crosses kernels. The graph's
+    fake mode and its SymInts by expression are gathered on the first call, once per graph."""
+
+    def __init__(self, graph):
+        self.graph, self.mode, self.table = graph, None, None
+
+    def _scan(self):
+        self.table = {}
+        for n in self.graph.nodes:
+            v = n.meta.get("val")
+            if is_tensor(v) and hasattr(v, "fake_mode"):
+                self.mode = v.fake_mode
+                for s in list(v.shape) + list(v.stride()):
+                    if isinstance(s, torch.SymInt):
+                        self.table.setdefault(sympy.sympify(s.node.expr), s)
+            elif isinstance(v, torch.SymInt):
+                self.table.setdefault(sympy.sympify(v.node.expr), v)
+
+    def __call__(self, buf):
+        if buf.fake is not None:
+            return buf.fake
+        if self.table is None:
+            self._scan()
+        conv = lambda e: _to_symint(sympy.sympify(e), self.table)  # noqa: E731
+        shape, stride = [conv(s) for s in buf.shape], [conv(s) for s in buf.stride]
+        if self.mode is None:
+            return torch.empty_strided(shape, stride, dtype=buf.dtype, device="meta")
+        with self.mode:
+            return torch.empty_strided(shape, stride, dtype=buf.dtype, device=buf.device)
 
 
 def _to_symint(e, table):

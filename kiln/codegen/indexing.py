@@ -9,11 +9,34 @@ All indices are non-negative, which every rule here relies on.
 """
 from __future__ import annotations
 
+import functools
+
 import sympy
 
 XINDEX = sympy.Symbol("xindex", integer=True, nonnegative=True)
 RINDEX = sympy.Symbol("rindex", integer=True, nonnegative=True)
 ZERO, ONE = sympy.Integer(0), sympy.Integer(1)
+
+
+# Memo of the pure functions below (unflatten, flat_index, simplify, equal) by their arguments:
+# the same index expressions recur in every layer of a model and in the scheduler's and emitter's
+# calls. Sympy objects compare structurally, so a hit is the result the call would compute.
+# Cleared when it grows large.
+_MEMO: dict = {}
+_MEMO_MAX = 1 << 16
+
+
+def memo_put(key, value):
+    """Remember ``value`` for ``key`` in the shared index memo; returns ``value``."""
+    if len(_MEMO) >= _MEMO_MAX:
+        _MEMO.clear()
+    _MEMO[key] = value
+    return value
+
+
+def memo_get(key):
+    """The value ``memo_put`` remembered for ``key``, or None."""
+    return _MEMO.get(key)
 
 
 class FloorDiv(sympy.Function):
@@ -79,6 +102,14 @@ def contiguous_strides(shape):
 
 def unflatten(flat, sizes):
     """Per-dimension indices of a row-major flat position over ``sizes``."""
+    key = ("u", flat, tuple(sizes))
+    hit = _MEMO.get(key)
+    if hit is None:
+        hit = memo_put(key, tuple(_unflatten(flat, sizes)))
+    return list(hit)
+
+
+def _unflatten(flat, sizes):
     out, stride = [], ONE
     for i in reversed(range(len(sizes))):
         if sizes[i] == 1:
@@ -92,9 +123,14 @@ def unflatten(flat, sizes):
 
 
 def flat_index(index, strides, offset=ZERO):
-    return offset + sum((i * s for i, s in zip(index, strides) if s != 0), ZERO)
+    key = ("f", tuple(index), tuple(strides), offset)
+    hit = _MEMO.get(key)
+    if hit is None:
+        hit = memo_put(key, offset + sum((i * s for i, s in zip(index, strides) if s != 0), ZERO))
+    return hit
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def _is_multiple(term, d) -> bool:
     q = sympy.cancel(term / d)
     return q.as_numer_denom()[1] == 1 and q.is_integer is not False
@@ -113,6 +149,7 @@ class Ranges:
 
     def __init__(self, bounds: dict):
         self.bounds = {k: sympy.sympify(v) for k, v in bounds.items()}
+        self.key = frozenset(self.bounds.items())   # what simplify's results depend on
 
     def max(self, e):
         """An upper bound (inclusive) of ``e``, or None when unknown."""
@@ -146,7 +183,12 @@ class Ranges:
 
 def simplify(e, ranges: Ranges):
     """Fold FloorDiv/ModIdx chains using variable ranges; the result equals ``e`` for in-range vars."""
-    return _simplify(sympy.expand(sympy.sympify(e)), ranges)
+    e = sympy.sympify(e)
+    key = ("s", e, ranges.key)
+    hit = _MEMO.get(key)
+    if hit is None:
+        hit = memo_put(key, _simplify(sympy.expand(e), ranges))
+    return hit
 
 
 def _simplify(e, r):
@@ -275,7 +317,18 @@ def _evaluate(x, env):
 
 def equal(a, b, ranges: Ranges, limit: int = 1 << 20) -> bool:
     """Whether two index expressions agree at every in-range point (proved or checked exhaustively)."""
+    a, b = sympy.sympify(a), sympy.sympify(b)
+    key = ("e", a, b, ranges.key, limit)
+    hit = _MEMO.get(key)
+    if hit is None:
+        hit = memo_put(key, _equal(a, b, ranges, limit))
+    return hit
+
+
+def _equal(a, b, ranges: Ranges, limit: int) -> bool:
     sa, sb = simplify(a, ranges), simplify(b, ranges)
+    if sa == sb:
+        return True
     if sympy.expand(sa - sb) == 0:
         return True
     syms = (sympy.sympify(a).free_symbols | sympy.sympify(b).free_symbols)

@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional
 import sympy
 import torch
 
-from kiln.codegen.indexing import contiguous_strides, flat_index, size_expr
+from kiln.codegen.indexing import contiguous_strides, flat_index, memo_get, memo_put, size_expr
 
 UNARY = {"neg", "abs", "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sqrt", "rsqrt",
          "sin", "cos", "tan", "asin", "acos", "atan", "sinh", "cosh", "tanh", "asinh", "acosh",
@@ -173,12 +173,15 @@ def indirect_symbol(value: Expr) -> sympy.Symbol:
 
 def binds_of(index) -> tuple:
     """((symbol, Expr), ...) for the indirect symbols in an index expression."""
+    key = ("ind", index)
+    syms = memo_get(key)
+    if syms is None:   # which symbols are indirect depends on the expression only (memoized)
+        syms = memo_put(key, tuple(s for s in sorted(getattr(index, "free_symbols", ()), key=str)
+                                   if s.name.startswith("ind")))
+    if not syms:
+        return ()
     indirect, _ = _tables()
-    out = []
-    for s in sorted(getattr(index, "free_symbols", ()), key=str):
-        if s.name.startswith("ind"):
-            out.append((s, indirect[s.name]))
-    return tuple(out)
+    return tuple((s, indirect[s.name]) for s in syms)
 
 
 def release_indirect():
@@ -213,9 +216,13 @@ class Buffer:
 
     @property
     def numel(self):
+        memo = self.__dict__.get("_numel")
+        if memo is not None and memo[0] is self.shape:   # recomputed if shape is reassigned
+            return memo[1]
         out = sympy.Integer(1)
         for s in self.shape:
             out = out * s
+        self.__dict__["_numel"] = (self.shape, out)
         return out
 
     def index(self, idx):

@@ -18,11 +18,13 @@ A buffer is stored when something outside its kernel reads it.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import sympy
 
-from kiln.codegen.indexing import RINDEX, XINDEX, ZERO, Ranges, contiguous_strides, equal, prod, unflatten
+from kiln.codegen.indexing import (RINDEX, XINDEX, ZERO, Ranges, contiguous_strides, equal, memo_get, memo_put,
+                                   prod, unflatten)
 from kiln.codegen.loops import Pointwise, Reduction, Scatter
 
 MAX_GROUP = 64          # buffers per kernel
@@ -89,6 +91,14 @@ def memory_order(shape, stride):
 
 
 def domain_vars(dims):
+    key = ("dv", dims)
+    hit = memo_get(key)
+    if hit is None:
+        hit = memo_put(key, tuple(_domain_vars(dims)))
+    return list(hit)
+
+
+def _domain_vars(dims):
     xs = unflatten(XINDEX, [s for s, r in dims if not r])
     rs = unflatten(RINDEX, [s for s, r in dims if r])
     xi, ri = iter(xs), iter(rs)
@@ -100,6 +110,15 @@ def place(shape, dims, stride=None):
 
     A buffer with the domain's elements in another shape is walked in its memory order (``stride``):
     a transposed copy stored from a row-major domain then writes consecutive addresses."""
+    key = ("pl", tuple(shape), dims, None if stride is None else tuple(stride))
+    hit = memo_get(key)
+    if hit is None:
+        hit = _place(shape, dims, stride)
+        hit = memo_put(key, False if hit is None else tuple(hit))
+    return None if hit is False else list(hit)
+
+
+def _place(shape, dims, stride=None):
     sq = squeeze(shape)
     full = [s for s, _ in dims]
     xs = [s for s, r in dims if not r]
@@ -171,8 +190,15 @@ def current(buf, dims, role="row"):
     return buf.index(place(buf.shape, dims, buf.stride))
 
 
+_LOADS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 def loads(expr):
-    return [(e.args[0], e.args[1]) for e in expr.walk() if e.op == "load"]
+    """[(buffer name, index)] of every load in ``expr`` (memoized: Exprs are immutable)."""
+    hit = _LOADS.get(expr)
+    if hit is None:
+        hit = _LOADS[expr] = tuple((e.args[0], e.args[1]) for e in expr.walk() if e.op == "load")
+    return list(hit)
 
 
 def scatter_exprs(buf):
@@ -194,6 +220,8 @@ class Scheduler:
         self.groups, self.group_of, self.reads = [], {}, {}
         self.readers = {}   # buffer name -> groups that read it (for sibling fusion)
         self._succ = None
+        self._rank = None          # unit -> position in a topological order of _succ
+        self._grouped_rank = -1    # at least the rank of every unit ever put in a group
 
     # -- dependency graph over units (computed buffers and kept FX nodes) ---------------------
     def _unit_of_node(self, node):
@@ -221,9 +249,16 @@ class Scheduler:
                 if u is not None:
                     succ.setdefault(u, set()).add(node)
         self._succ = succ
+        self._rank = _topological_rank(succ)
 
     def _cycle(self, members):
-        """Whether merging ``members`` into one kernel would create a dependency cycle."""
+        """Whether merging ``members`` into one kernel would create a dependency cycle.
+
+        Units are grouped in topological order, so every grouped unit ranks at most
+        ``_grouped_rank``: an ungrouped unit ranked above that and above every member leads only
+        to ungrouped units ranked higher still, never back to a member, and is not walked."""
+        rank = self._rank
+        top = max(self._grouped_rank, max(rank[m] for m in members))
         stack = [s for m in members for s in self._succ.get(m, ()) if s not in members]
         seen = set()
         while stack:
@@ -234,6 +269,8 @@ class Scheduler:
                 continue
             seen.add(id(u))
             g = self.group_of.get(u)
+            if g is None and rank[u] > top:
+                continue
             for m in (g.nodes if g is not None else [u]):
                 seen.add(id(m))
                 stack.extend(s for s in self._succ.get(m, ()) if s in members or id(s) not in seen)
@@ -294,6 +331,7 @@ class Scheduler:
     def _join(self, g, buf):
         g.nodes.append(buf)
         self.group_of[buf] = g
+        self._grouped_rank = max(self._grouped_rank, self._rank[buf])
         for name in self.reads[buf]:
             self.readers.setdefault(name, []).append(g)
 
@@ -397,6 +435,31 @@ class Scheduler:
             if self.group_of.get(other) is not g and buf.name in self.reads[other]:
                 return True
         return False
+
+
+def _topological_rank(succ) -> dict:
+    """unit -> the length of the longest path reaching it in the graph ``succ`` (unit ->
+    successors): a successor always ranks higher, and the ranks of the units grouped so far stay
+    close to those of the buffer being placed."""
+    indeg = {}
+    for u, ss in succ.items():
+        indeg.setdefault(u, 0)
+        for s in ss:
+            indeg[s] = indeg.get(s, 0) + 1
+    rank = dict.fromkeys(indeg, 0)
+    ready = [u for u, d in indeg.items() if d == 0]
+    done = 0
+    while ready:
+        u = ready.pop()
+        done += 1
+        for s in succ.get(u, ()):
+            rank[s] = max(rank[s], rank[u] + 1)
+            indeg[s] -= 1
+            if indeg[s] == 0:
+                ready.append(s)
+    if done != len(indeg):   # not a DAG (never expected): no pruning
+        return dict.fromkeys(indeg, -1)
+    return rank
 
 
 def _keys(dims):

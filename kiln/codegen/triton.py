@@ -43,6 +43,32 @@ class Scope:
         return None
 
 
+_summary = None   # (buffer ids, the buffers, summary) of the last call, replaced as one tuple
+
+
+def _numel_summary(buffers) -> tuple:
+    """(every buffer's numel is static, the largest static numel) over ``buffers``; every kernel of a
+    graph asks about the same buffers, so the last answer is kept (with the buffers, so the ids stay
+    theirs)."""
+    global _summary
+    values = list(buffers.values())
+    ids = tuple(map(id, values))
+    last = _summary
+    if last is not None and last[0] == ids:
+        return last[2]
+    numels = [b.numel for b in values]
+    static = all(n.is_Integer for n in numels)
+    summary = (static, max([int(n) for n in numels], default=0) if static else 0)
+    _summary = (ids, values, summary)
+    return summary
+
+
+def forget_buffers() -> None:
+    """Drop the buffers ``_numel_summary`` keeps (after a graph's kernels are emitted)."""
+    global _summary
+    _summary = None
+
+
 class TritonKernel:
     """Emit one group. ``interpret``: write for Triton's CPU interpreter (no libdevice)."""
 
@@ -67,10 +93,9 @@ class TritonKernel:
         inner = bool(self.dims) and self.dims[-1][1]
         self.persistent = self.red and self.rnumel.is_Integer and (
             int(self.rnumel) <= (PERSISTENT_MAX if inner else OUTER_PERSISTENT_MAX))
-        static = self.xnumel.is_Integer and self.rnumel.is_Integer and all(
-            b.numel.is_Integer for b in buffers.values())
-        self.i64 = not static or max([int(self.xnumel) * int(self.rnumel)] +
-                                     [int(b.numel) for b in buffers.values()]) >= 2 ** 31
+        all_static, largest = _numel_summary(buffers)
+        static = self.xnumel.is_Integer and self.rnumel.is_Integer and all_static
+        self.i64 = not static or max(int(self.xnumel) * int(self.rnumel), largest) >= 2 ** 31
 
     # -- resolution: loads of in-kernel buffers become register values -----------------------
     def resolve(self, e: Expr) -> Expr:
