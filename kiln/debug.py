@@ -49,10 +49,10 @@ class Trace:
     def stage(self, name: str, fn, *args, **kwargs):
         """Run one pipeline stage, time it, and show / verify / dump its result."""
         import time
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         result = fn(*args, **kwargs)
-        ms = (time.perf_counter() - t0) * 1e3
-        log(1, f"{self.kind}_{self.id} stage {name}: {ms:.1f} ms")
+        ms, cpu = (time.perf_counter() - t0) * 1e3, (time.process_time() - c0) * 1e3
+        log(1, f"{self.kind}_{self.id} stage {name}: {ms:.1f} ms (cpu {cpu:.1f} ms)")
         if isinstance(result, int) and args:  # an in-place pass returns its change count
             self.show(name, args[0], note=f"{result} changed")
         else:
@@ -65,8 +65,11 @@ class Trace:
                if isinstance(r, fx.GraphModule)]
         for i, gm in enumerate(gms):
             label = name if len(gms) == 1 else f"{name}_{'fw' if i == 0 else 'bw'}"
-            if self.opts.verify or level() >= 1:
+            lvl = level()
+            if self.opts.verify or lvl >= 1:
                 verify(gm, label)
+            if lvl < 2 and not _EXPLAIN_SINKS and self.dir is None:
+                continue   # nobody reads the text: printing a large graph costs seconds
             text = graph_text(gm, label, note)
             log(2, text)
             for sink in list(_EXPLAIN_SINKS):
