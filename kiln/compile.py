@@ -9,9 +9,6 @@ run on the inference graph and there is no backward.
 """
 from __future__ import annotations
 
-import contextlib
-import gc
-import threading
 
 import torch
 import torch.fx as fx
@@ -26,7 +23,7 @@ from kiln.runtime import load
 
 def compile_graph(gm: fx.GraphModule, example_inputs: list, opts: Options):
     """Compile one Dynamo graph; returns a callable taking the same inputs."""
-    with using(opts), gc_frozen():
+    with using(opts):
         return _compile_graph(gm, example_inputs, opts)
 
 
@@ -75,7 +72,7 @@ def _aot(gm: fx.GraphModule, example_inputs: list, opts: Options, trace: Trace):
 
 def lower(gm: fx.GraphModule, inputs: list, opts: Options, trace: Trace, kind: str, target: str):
     """Post-grad passes, fusion and wrapper generation for one forward/backward/inference graph."""
-    with using(opts), gc_frozen():
+    with using(opts):
         return _lower(gm, inputs, opts, trace, kind, target)
 
 
@@ -94,30 +91,6 @@ def _lower(gm: fx.GraphModule, inputs: list, opts: Options, trace: Trace, kind: 
         trace.dump(f"kernel_{k.name}.py", k.source)
     trace.dump(f"wrapper_{kind}.py", wrapper.source)
     return load(wrapper)
-
-
-_gc_lock = threading.Lock()
-_gc_depth = 0
-
-
-@contextlib.contextmanager
-def gc_frozen():
-    """Keep the objects that exist when a compile starts (the model, Dynamo's and torch's state) out of
-    the garbage collector's full collections until it ends: each full collection would otherwise walk
-    that whole heap (about a second per collection for a GPT-2). Garbage made by the compile is still
-    collected; nested and concurrent compiles (a lazy backward on autograd's thread) share one freeze."""
-    global _gc_depth
-    with _gc_lock:
-        _gc_depth += 1
-        if _gc_depth == 1:
-            gc.freeze()
-    try:
-        yield
-    finally:
-        with _gc_lock:
-            _gc_depth -= 1
-            if _gc_depth == 0:
-                gc.unfreeze()
 
 
 def resolve_target(opts: Options, example_inputs) -> str:

@@ -1,5 +1,4 @@
 """The compile-time shortcuts (index memo, pruned cycle walk, frozen GC) never change what kiln emits."""
-import gc
 
 import sympy
 import torch
@@ -7,7 +6,6 @@ import torch.nn.functional as F
 
 from kiln.codegen import indexing, schedule
 from kiln.codegen.indexing import RINDEX, XINDEX, FloorDiv, ModIdx, Ranges, equal, flat_index, simplify, unflatten
-from kiln.compile import gc_frozen
 from tests.codegen.util import check, kernels
 
 
@@ -83,14 +81,3 @@ def test_index_memo_returns_what_a_cold_call_computes():
     assert unflatten(XINDEX, [4, 6]) == [FloorDiv(XINDEX, 6), ModIdx(XINDEX, 1, 6)]
     assert flat_index([XINDEX, 2], [3, 1]) == 3 * XINDEX + 2
     assert flat_index([XINDEX, 2], [3, 0], offset=sympy.Integer(5)) == 3 * XINDEX + 5
-
-
-def test_gc_frozen_nests_and_thaws():
-    assert gc.get_freeze_count() == 0
-    with gc_frozen():
-        frozen = gc.get_freeze_count()
-        assert frozen > 0
-        with gc_frozen():
-            assert gc.get_freeze_count() == frozen
-        assert gc.get_freeze_count() == frozen
-    assert gc.get_freeze_count() == 0
