@@ -78,16 +78,8 @@ def memory_order(shape, stride):
     """``shape`` listed from the largest stride to the smallest when ``stride`` is a dense permuted
     layout (a channels-last tensor: N, H, W, C), else as it is: a kernel over this domain walks
     memory in address order (``place`` maps it back through ``memory_unflatten``)."""
-    if not all(sympy.sympify(x).is_Integer for x in list(shape) + list(stride)):
-        return list(shape)
-    dims = [d for d in range(len(shape)) if int(shape[d]) != 1]
-    order = sorted(dims, key=lambda d: -int(stride[d]))
-    expect = 1
-    for d in reversed(order):
-        if int(stride[d]) != expect:
-            return list(shape)
-        expect *= int(shape[d])
-    return [shape[d] for d in order]
+    order = _dense_order(shape, stride)
+    return list(shape) if order is None else [shape[d] for d in order]
 
 
 def domain_vars(dims):
@@ -139,21 +131,28 @@ def _place(shape, dims, stride=None):
 def memory_unflatten(flat, shape, stride=None):
     """Per-dimension indices of flat position ``flat`` in the memory order of a dense layout
     ``stride`` (a permutation of row-major strides); row-major when the layout is not one."""
-    if stride is None or not all(sympy.sympify(x).is_Integer for x in list(shape) + list(stride)):
-        return unflatten(flat, shape)
-    dims = [d for d in range(len(shape)) if int(shape[d]) != 1]
-    order = sorted(dims, key=lambda d: -int(stride[d]))
-    expect = 1
-    for d in reversed(order):
-        if int(stride[d]) != expect:
-            return unflatten(flat, shape)
-        expect *= int(shape[d])
-    if order == dims:
+    order = _dense_order(shape, stride)
+    if order is None or order == [d for d in range(len(shape)) if int(shape[d]) != 1]:
         return unflatten(flat, shape)
     out = [ZERO] * len(shape)
     for d, v in zip(order, unflatten(flat, [shape[d] for d in order])):
         out[d] = v
     return out
+
+
+def _dense_order(shape, stride):
+    """The non-size-1 dims of ``shape`` from the largest stride to the smallest when ``stride`` is a
+    dense permuted layout, else None."""
+    if stride is None or not all(sympy.sympify(x).is_Integer for x in list(shape) + list(stride)):
+        return None
+    dims = [d for d in range(len(shape)) if int(shape[d]) != 1]
+    order = sorted(dims, key=lambda d: -int(stride[d]))
+    expect = 1
+    for d in reversed(order):
+        if int(stride[d]) != expect:
+            return None
+        expect *= int(shape[d])
+    return order
 
 
 def _same(a, b):

@@ -45,7 +45,8 @@ def _convs(gm):
     return out
 
 
-def _copy(gm, before, x, fmt, fake):
+def copy_before(gm, before, x, fmt, fake):
+    """A new ``aten.clone(x, memory_format=fmt)`` node right before ``before``, with its fake value."""
     with gm.graph.inserting_before(before):
         c = gm.graph.call_function(aten.clone.default, (x,), {"memory_format": fmt})
     infer_val(c, fake)
@@ -73,10 +74,10 @@ def to_channels_last(gm: fx.GraphModule) -> int:
         if n.op != "call_function":
             continue
         if n in convs and not _is_cl(_val(n.args[0])):
-            n.replace_input_with(n.args[0], _copy(gm, n, n.args[0], CL, fake))
+            n.replace_input_with(n.args[0], copy_before(gm, n, n.args[0], CL, fake))
             changed += 1
         if n.target in VIEWS and _is_cl(_val(n.args[0])) and _view_breaks(n, _val(n.args[0])):
-            n.replace_input_with(n.args[0], _copy(gm, n, n.args[0], torch.contiguous_format, fake))
+            n.replace_input_with(n.args[0], copy_before(gm, n, n.args[0], torch.contiguous_format, fake))
         if n.target is operator.getitem or isinstance(n.target, torch._ops.OpOverload):
             infer_val(n, fake)
     if not changed:
@@ -87,6 +88,6 @@ def to_channels_last(gm: fx.GraphModule) -> int:
         if isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor) and old.stride() != new.stride():
             fmt = CL if _is_cl(old) else torch.contiguous_format
             if old.is_contiguous(memory_format=fmt):
-                out.replace_input_with(a, _copy(gm, out, a, fmt, fake))
+                out.replace_input_with(a, copy_before(gm, out, a, fmt, fake))
     gm.recompile()
     return changed

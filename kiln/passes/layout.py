@@ -21,7 +21,7 @@ def convert_conv_weights(gm: fx.GraphModule, opts) -> int:
     """
     import torch
     from kiln.passes import channels_last
-    from kiln.passes.fold import fake_mode_of, infer_val
+    from kiln.passes.fold import fake_mode_of
     if not opts.layout_optimization:
         return 0
     fake, changed = fake_mode_of(gm), 0
@@ -33,10 +33,7 @@ def convert_conv_weights(gm: fx.GraphModule, opts) -> int:
         devices = channels_last.DEVICES
         if w.op != "get_attr" or val is None or val.dim() != 4 or (devices is not None and val.device.type not in devices):
             continue
-        with gm.graph.inserting_before(n):
-            c = gm.graph.call_function(torch.ops.aten.clone.default, (w,), {"memory_format": torch.channels_last})
-        infer_val(c, fake)
-        n.replace_input_with(w, c)
+        n.replace_input_with(w, channels_last.copy_before(gm, n, w, torch.channels_last, fake))
         changed += 1
     if changed:
         gm.recompile()
