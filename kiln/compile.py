@@ -47,19 +47,22 @@ def _aot(gm: fx.GraphModule, example_inputs: list, opts: Options, trace: Trace):
     from torch._dynamo.backends.common import aot_autograd
 
     target = resolve_target(opts, example_inputs)
+    graphs = cudagraph_pool(opts, target)  # mode="reduce-overhead": one pool for fw and bw
+    n_user = {}
 
     def fw_compiler(g, inputs):
-        return lower(g, inputs, opts, trace, "forward", target)
+        return lower(g, inputs, opts, trace, "forward", target, graphs, n_user.get("n", 0))
 
     def bw_compiler(g, inputs):  # runs lazily at the first backward, maybe on another thread
-        return lower(g, inputs, opts, trace, "backward", target)
+        return lower(g, inputs, opts, trace, "backward", target, graphs)
 
     def inference_compiler(g, inputs):
         trace.stage("joint", passes.joint, g, opts)
-        return lower(g, inputs, opts, trace, "inference", target)
+        return lower(g, inputs, opts, trace, "inference", target, graphs)
 
     def partition_fn(joint, joint_inputs, *, num_fwd_outputs, **kw):
         from kiln import partition
+        n_user["n"] = num_fwd_outputs
         trace.stage("joint", passes.joint, joint, opts)
         return trace.stage("partition", partition.partition_joint, joint, joint_inputs,
                            num_fwd_outputs=num_fwd_outputs, opts=opts, **kw)
@@ -70,10 +73,28 @@ def _aot(gm: fx.GraphModule, example_inputs: list, opts: Options, trace: Trace):
     return aot(gm, example_inputs)
 
 
-def lower(gm: fx.GraphModule, inputs: list, opts: Options, trace: Trace, kind: str, target: str):
-    """Post-grad passes, fusion and wrapper generation for one forward/backward/inference graph."""
+def lower(gm: fx.GraphModule, inputs: list, opts: Options, trace: Trace, kind: str, target: str,
+          graphs=None, n_user: int = 0):
+    """Post-grad passes, fusion and wrapper generation for one forward/backward/inference graph;
+    with a CUDA-graph ``graphs`` pool the result replays as a CUDA graph (runtime/cudagraph.py)."""
     with using(opts):
-        return _lower(gm, inputs, opts, trace, kind, target)
+        if graphs is None:
+            return _lower(gm, inputs, opts, trace, kind, target)
+        from kiln.runtime import cudagraph
+        mutated = cudagraph.mutated_inputs(gm)  # before fusion hides the writes inside kernels
+        compiled = _lower(gm, inputs, opts, trace, kind, target)
+        return cudagraph.wrap(compiled, inputs, kind=kind, pool=graphs, n_user=n_user, mutated=mutated)
+
+
+def cudagraph_pool(opts: Options, target: str):
+    """A CUDA-graph pool when ``mode="reduce-overhead"`` applies (Triton target on CUDA), else None."""
+    if opts.mode != "reduce-overhead":
+        return None
+    if target != "triton" or not torch.cuda.is_available():
+        log(1, f"mode='reduce-overhead': CUDA graphs need the Triton target on CUDA (target {target})")
+        return None
+    from kiln.runtime.cudagraph import Pool
+    return Pool()
 
 
 def _lower(gm: fx.GraphModule, inputs: list, opts: Options, trace: Trace, kind: str, target: str):

@@ -4,6 +4,7 @@
 - ``inductor``: ``torch.compile(model, options=case_options)``; the budget is applied with
   ``torch._functorch.config.patch(activation_memory_budget=b)`` around every call.
 - ``kiln``: ``torch.compile(model, backend="kiln", options={**case_options, "activation_memory_budget": b})``.
+- ``kiln-cg`` / ``inductor-cg``: the same with ``mode="reduce-overhead"`` (CUDA graphs).
 
 ``fresh_caches()`` points Inductor, Triton and kiln at an empty temporary cache so that "cold"
 compile times are cold; it links Inductor's precompiled C++ headers from the user's cache, since
@@ -19,7 +20,7 @@ import tempfile
 
 import torch
 
-BACKENDS = ("eager", "inductor", "kiln")
+BACKENDS = ("eager", "inductor", "kiln", "inductor-cg", "kiln-cg")
 
 
 class UnknownBackendError(ValueError):
@@ -41,17 +42,22 @@ def compile_model(backend: str, model, options=None, budget=None):
         return model
     if backend == "inductor":
         return torch.compile(model, options=options or None)
-    if backend == "kiln":
+    if backend == "inductor-cg":
+        return torch.compile(model, mode="reduce-overhead") if not options else \
+            torch.compile(model, options={**options, "triton.cudagraphs": True})
+    if backend in ("kiln", "kiln-cg"):
         import kiln  # noqa: F401  registers the "kiln" backend with Dynamo
         if budget is not None:
             options["activation_memory_budget"] = budget
+        if backend == "kiln-cg":
+            options["mode"] = "reduce-overhead"
         return torch.compile(model, backend="kiln", options=options or None)
     raise UnknownBackendError(f"unknown backend {backend!r}; choose from {list(BACKENDS)}")
 
 
 def scope(backend: str, budget=None):
     """Context in force while ``backend`` compiles and runs (Inductor reads its budget from functorch)."""
-    if backend == "inductor" and budget is not None:
+    if backend.startswith("inductor") and budget is not None:
         import torch._functorch.config as fconfig
         return fconfig.patch(activation_memory_budget=budget)
     return contextlib.nullcontext()

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import os
 
-STYLE = {"kiln": ("tab:red", "o"), "inductor": ("tab:blue", "s")}
+STYLE = {"kiln": ("tab:red", "o"), "inductor": ("tab:blue", "s"), "kiln-cg": ("tab:orange", "^"),
+         "inductor-cg": ("tab:cyan", "v")}
 
 
 def sweeps(rows) -> dict:

@@ -103,7 +103,8 @@ def markdown(meta: dict, rows: list) -> str:
     """The RESULTS.md section: header with versions, the pivot table, geometric means, errors."""
     backends = meta.get("backends") or sorted({r["backend"] for r in rows})
     compiled = [b for b in backends if b != "eager"]
-    ratios = [(n, d) for n, d in (("kiln", "eager"), ("kiln", "inductor")) if n in backends and d in backends]
+    pairs = (("kiln", "eager"), ("kiln", "inductor"), ("kiln-cg", "inductor-cg"), ("kiln-cg", "inductor"))
+    ratios = [(n, d) for n, d in pairs if n in backends and d in backends]
     head = ["case", "dtype", "budget"] + [f"{b} ms" for b in backends] + [f"{n}/{d}" for n, d in ratios]
     head += [f"{b} compile s cold/warm" for b in compiled] + [f"mem MiB {'/'.join(backends)}"]
     has_saved = any(r.get("peak_bytes") is not None and r.get("saved_bytes") is not None for r in rows)

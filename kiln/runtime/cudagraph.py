@@ -1,0 +1,264 @@
+"""``mode="reduce-overhead"``: replay a compiled graph as one CUDA graph.
+
+A compiled wrapper launches hundreds of kernels from Python; a CUDA graph replays them all with one
+host call. Each compiled region (one Dynamo graph) gets one ``Pool``: a private CUDA memory pool that
+its forward and backward graphs share, so the backward's temporaries reuse the forward's.
+
+Lifecycle of a ``Graphed`` function: the first call runs the wrapper normally (kernels compile, lazy
+CUDA state is created); the second call captures the wrapper into a CUDA graph and replays it; later
+calls replay. Inputs:
+- *direct* inputs are read in place at their captured address: parameters and buffers (AOTAutograd's
+  ``static_input_indices``) and tensors that live in this pool (saved activations a captured forward
+  handed to the backward). If one moves, the call runs the wrapper normally instead.
+- every other tensor input is copied into a static buffer before each replay, and copied back after it
+  when the graph mutates that input.
+Outputs:
+- user-visible outputs (the forward's first ``n_user`` outputs, every inference output) are cloned, so
+  the next replay cannot overwrite what the user holds;
+- saved activations and gradients are handed out as aliases of the graph's static memory. Before each
+  replay, kiln checks that no alias this replay could overwrite is still alive (its own earlier
+  outputs, and the outputs of graphs captured after it in the same pool, which may sit in its
+  temporaries); if one is (``retain_graph=True``, gradients accumulated without ``zero_grad``), the
+  call runs the wrapper normally: slower, never wrong.
+
+Graphs are not captured when they draw philox seeds on the host (kiln's RNG kernels: the seed would be
+frozen into the graph), take non-tensor or CPU inputs (dynamic shapes), or when capture fails; the
+reason is logged (KILN_DEBUG=1) and the wrapper runs normally. The static memory of a captured graph
+(its outputs) stays reserved for the life of the compiled function.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+import torch.fx as fx
+
+from kiln.debug import counters, log
+
+_use_count = torch._C._storage_Use_Count
+
+
+class Pool:
+    """A CUDA memory pool shared by the graphs of one compiled region, in capture order."""
+
+    def __init__(self):
+        self.handle = None
+        self.graphs: List["Graphed"] = []
+
+    def ensure(self):
+        if self.handle is None:
+            self.handle = torch.cuda.graph_pool_handle()
+        return self.handle
+
+    def owns(self, t: torch.Tensor) -> bool:
+        """``t``'s storage is an output storage of a graph captured in this pool."""
+        ptr = t.untyped_storage().data_ptr()
+        return any(ptr in g.out_ptrs for g in self.graphs)
+
+
+def mutated_inputs(gm: fx.GraphModule) -> set:
+    """Positions of placeholders that ops in ``gm`` write to (through views as well)."""
+    from kiln.partition import ops
+    pos = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+    out = set()
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+            continue
+        for i, a in enumerate(n.target._schema.arguments):
+            if a.alias_info is None or not a.alias_info.is_write:
+                continue
+            v = n.args[i] if i < len(n.args) else n.kwargs.get(a.name)
+            while isinstance(v, fx.Node) and v not in pos and ops.is_view(v) and v.args:
+                v = v.args[0]
+            if isinstance(v, fx.Node) and v in pos:
+                out.add(pos[v])
+    return out
+
+
+def refusal(sources, example_inputs) -> Optional[str]:
+    """Why a wrapper whose generated ``sources`` (wrapper and kernel modules) take ``example_inputs``
+    cannot be captured (None: it can)."""
+    if any("launch.seed()" in s for s in sources):
+        return "its kernels draw philox seeds on the host (random ops)"
+    for x in example_inputs:
+        if x is None:
+            continue
+        if not isinstance(x, torch.Tensor):
+            return f"it takes a non-tensor input ({type(x).__name__}: dynamic shapes)"
+        if x.device.type != "cuda":
+            return f"it takes a {x.device.type} tensor"
+    return None
+
+
+class Graphed:
+    """A boxed compiled function replayed as a CUDA graph (see the module docstring)."""
+
+    def __init__(self, compiled, *, name: str, pool: Pool, static: set, mutated: set, n_clone: int):
+        self._boxed_call = True
+        self.compiled, self.name, self.pool = compiled, name, pool
+        self.static, self.mutated, self.n_clone = set(static), set(mutated), n_clone
+        self.calls = 0
+        self.graph = None
+        self.disabled: Optional[str] = None
+        self.prev_ptrs: list = []
+        self.out_ptrs: set = set()
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _eager(self, args, why: Optional[str] = None):
+        if why:
+            counters["cudagraph"]["eager_runs"] += 1
+            counters["cudagraph_eager"][f"{self.name}: {why}"] += 1
+            log(2, f"cudagraph {self.name}: running the wrapper ({why})")
+        return self.compiled(args)
+
+    def _disable(self, why: str):
+        self.disabled = why
+        counters["cudagraph"]["refused"] += 1
+        log(1, f"cudagraph {self.name}: not captured: {why}")
+
+    def __call__(self, args):
+        self.calls += 1
+        if self.disabled:
+            return self.compiled(args)
+        if self.graph is not None:
+            return self._replay(args)
+        if self.calls == 1:
+            self.prev_ptrs = [x.data_ptr() if isinstance(x, torch.Tensor) else None for x in args]
+            return self.compiled(args)
+        return self._capture(args)
+
+    # -- capture ------------------------------------------------------------------------------
+    def _capture(self, args):
+        why = refusal((), args)
+        if why:
+            self._disable(why)
+            return self.compiled(args)
+        direct, copies = {}, {}
+        for i, x in enumerate(args):
+            if x is None:
+                continue
+            if i in self.static or self.pool.owns(x):
+                direct[i] = x.data_ptr()
+            else:
+                copies[i] = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+                copies[i].copy_(x)
+        if self._aliasing_mutation(args):
+            self._disable("a mutated input shares memory with another input")
+            return self.compiled(args)
+        inputs = [copies.get(i, x) for i, x in enumerate(args)]
+        orig = list(args)
+        user_ptrs = {x.untyped_storage().data_ptr() for i, x in enumerate(orig)
+                     if isinstance(x, torch.Tensor) and i not in copies}
+        args.clear()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool.ensure()):
+                outs = self.compiled(inputs)
+        except Exception as e:  # capture-unsafe op (host sync, CPU copy, ...): run normally from now on
+            self._disable(f"capture failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            torch.cuda.synchronize()
+            return self.compiled(orig)
+        del inputs
+        keep = [(orig[i], copies[i]) for i in self.mutated if i in copies]
+        del orig
+        single = not isinstance(outs, (list, tuple))
+        outs = [outs] if single else list(outs)
+        self._record_outputs(outs, user_ptrs)
+        del outs
+        self._baseline()
+        self.graph, self.direct, self.copies, self.single = graph, direct, copies, single
+        self.pool.graphs.append(self)
+        counters["cudagraph"]["captured"] += 1
+        log(1, f"cudagraph {self.name}: captured ({len(direct)} inputs in place, {len(copies)} copied)")
+        graph.replay()
+        for user, buf in keep:
+            user.copy_(buf)
+        return self._outputs()
+
+    def _aliasing_mutation(self, args) -> bool:
+        if not self.mutated:
+            return False
+        ptrs = [x.untyped_storage().data_ptr() for x in args if isinstance(x, torch.Tensor)]
+        return len(set(ptrs)) != len(ptrs)
+
+    def _record_outputs(self, outs, user_ptrs: set):
+        """Remember each output as (kind, storage, offset, size, stride, dtype) and drop the tensors.
+
+        Outputs in the caller's memory (parameters, pool tensors of another graph) are handed out
+        as aliases but never checked for liveness: replay does not write there except as the
+        program's own mutation. Every other output storage is ours (graph memory or an input copy)
+        and is checked against the use count it has while only kiln holds it."""
+        self.specs, self.storages = [], {}
+        for j, o in enumerate(outs):
+            if not isinstance(o, torch.Tensor):
+                self.specs.append(("value", o))
+                continue
+            st = o.untyped_storage()
+            key = st.data_ptr()
+            self.storages.setdefault(key, st)
+            kind = "clone" if j < self.n_clone else "alias"
+            self.specs.append((kind, key, o.storage_offset(), tuple(o.shape), tuple(o.stride()), o.dtype))
+        self.out_ptrs = set(self.storages) - user_ptrs
+        self._watch = [k for k in {s[1] for s in self.specs if s[0] == "alias"} if k not in user_ptrs]
+
+    def _baseline(self):
+        """Use counts of watched storages while kiln alone holds them (call with no alias handed out)."""
+        self.alias_use = [(self.storages[k]._cdata, _use_count(self.storages[k]._cdata)) for k in self._watch]
+
+    def _outputs(self):
+        out = []
+        for s in self.specs:
+            if s[0] == "value":
+                out.append(s[1])
+                continue
+            kind, key, off, size, stride, dtype = s
+            t = torch.empty((0,), dtype=dtype, device="cuda").set_(self.storages[key], off, size, stride)
+            out.append(t.clone() if kind == "clone" else t)
+        return out[0] if self.single else out
+
+    # -- replay -------------------------------------------------------------------------------
+    def _alive(self) -> Optional[str]:
+        """An alias this replay would overwrite is still held by someone."""
+        graphs = self.pool.graphs
+        for g in graphs[graphs.index(self):]:
+            for c, base in g.alias_use:
+                if _use_count(c) > base:
+                    return f"an output of {g.name} from an earlier replay is alive"
+        return None
+
+    def _replay(self, args):
+        for i, ptr in self.direct.items():
+            x = args[i]
+            if x.data_ptr() != ptr:
+                return self._eager(args, f"input {i} {tuple(x.shape)} moved")
+        alive = self._alive()
+        if alive:
+            return self._eager(args, alive)
+        for i, buf in self.copies.items():
+            buf.copy_(args[i])
+        keep = [(args[i], self.copies[i]) for i in self.mutated if i in self.copies]
+        args.clear()
+        self.graph.replay()
+        for user, buf in keep:
+            user.copy_(buf)
+        counters["cudagraph"]["replays"] += 1
+        return self._outputs()
+
+
+def wrap(compiled, example_inputs, *, kind: str, pool: Pool, n_user: int, mutated: set):
+    """``compiled`` as a ``Graphed`` function, or unchanged (with the reason logged) if it cannot be."""
+    sources = [compiled.source] + [k.source for k in compiled.wrapper.kernels]
+    why = refusal(sources, example_inputs)
+    if why:
+        counters["cudagraph"]["refused"] += 1
+        log(1, f"cudagraph {compiled.name}: not captured: {why}")
+        return compiled
+    static = set()
+    if kind != "backward":
+        ctx = torch._guards.TracingContext.try_get()
+        meta = getattr(ctx, "fw_metadata", None) if ctx is not None else None
+        static = set(getattr(meta, "static_input_indices", None) or ())
+    n_clone = {"inference": 1 << 30, "forward": n_user, "backward": 0}[kind]
+    return Graphed(compiled, name=compiled.name, pool=pool, static=static,
+                   mutated=mutated, n_clone=n_clone)

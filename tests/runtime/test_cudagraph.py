@@ -1,0 +1,147 @@
+"""mode="reduce-overhead": CUDA-graph replay of compiled graphs (runtime/cudagraph.py).
+
+The CPU tests cover the decisions (which inputs a graph mutates, what refuses capture, that the mode is
+harmless off the GPU); the GPU tests train and infer with replayed graphs and compare with eager.
+"""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import kiln
+from kiln.debug import counters
+from kiln.runtime import cudagraph
+
+
+def _graph(fn, *args):
+    from torch.fx.experimental.proxy_tensor import make_fx
+    return make_fx(fn)(*args)
+
+
+def test_mutated_inputs_through_views():
+    def f(a, b, c):
+        a.add_(1)
+        b[0].mul_(2)
+        return c + 1
+
+    gm = _graph(f, torch.ones(3), torch.ones(2, 3), torch.ones(3))
+    assert cudagraph.mutated_inputs(gm) == {0, 1}
+
+
+def test_refusals():
+    assert "philox" in cudagraph.refusal(["call(x)", "seed0 = launch.seed()"], [])
+    assert "non-tensor" in cudagraph.refusal([], [3])
+    assert "cpu" in cudagraph.refusal([], [torch.ones(1)])
+    assert cudagraph.refusal(["call(x)"], [None]) is None
+
+
+def test_reduce_overhead_on_cpu_runs_normally():
+    m = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    x = torch.randn(4, 8)
+    ref = m(x)
+    out = kiln.compile(copy.deepcopy(m), mode="reduce-overhead")(x)
+    torch.testing.assert_close(out, ref)
+
+
+# ----------------------------------------------------------------------------------------- GPU
+gpu = pytest.mark.gpu
+
+
+def _train(model, steps, mode, make_batch):
+    model = copy.deepcopy(model)
+    f = kiln.compile(model, mode=mode) if mode != "eager" else model
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses = []
+    for i in range(steps):
+        x, y = make_batch(i)
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(f(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach().clone())
+    return model, losses
+
+
+@gpu
+def test_training_replays_and_matches_eager():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.LayerNorm(128), nn.Linear(128, 8)).cuda()
+    batches = [(torch.randn(32, 64, device="cuda"), torch.randn(32, 8, device="cuda")) for _ in range(6)]
+    counters.clear()
+    ref, ref_losses = _train(model, 6, "eager", lambda i: batches[i])
+    got, losses = _train(model, 6, "reduce-overhead", lambda i: batches[i])
+    assert counters["cudagraph"]["captured"] == 2          # forward and backward
+    assert counters["cudagraph"]["replays"] >= 8           # steps 3..6, both graphs
+    for a, b in zip(ref_losses, losses):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+    for p, q in zip(ref.parameters(), got.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-5)
+
+
+@gpu
+def test_batchnorm_buffers_update_in_place():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
+                          nn.LazyLinear(4)).cuda()
+    model(torch.randn(2, 3, 10, 10, device="cuda"))
+    batches = [(torch.randn(4, 3, 10, 10, device="cuda"), torch.randn(4, 4, device="cuda")) for _ in range(5)]
+    ref, _ = _train(model, 5, "eager", lambda i: batches[i])
+    got, _ = _train(model, 5, "reduce-overhead", lambda i: batches[i])
+    for (n, a), (_, b) in zip(ref.state_dict().items(), got.state_dict().items()):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=n)
+
+
+@gpu
+def test_inference_outputs_survive_the_next_replay():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh()).cuda().eval()
+    f = kiln.compile(copy.deepcopy(model), mode="reduce-overhead")
+    xs = [torch.randn(8, 16, device="cuda") for _ in range(5)]
+    with torch.no_grad():
+        outs = [f(x) for x in xs]                            # every output is kept
+        for x, o in zip(xs, outs):
+            torch.testing.assert_close(o, model(x))
+
+
+@gpu
+def test_input_mutation_reaches_the_caller():
+    def f(x, y):
+        x.mul_(2)
+        return (x + y).sum()
+
+    g = kiln.compile(f, mode="reduce-overhead")
+    for _ in range(4):
+        a, b = torch.randn(64, device="cuda"), torch.randn(64, device="cuda")
+        a0 = a.clone()
+        out = g(a, b)
+        torch.testing.assert_close(a, a0 * 2)
+        torch.testing.assert_close(out, (a0 * 2 + b).sum())
+
+
+@gpu
+def test_two_forwards_before_backward_fall_back_correctly():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1)).cuda()
+    ref = copy.deepcopy(model)
+    f = kiln.compile(model, mode="reduce-overhead")
+    for _ in range(4):
+        x1, x2 = torch.randn(8, 32, device="cuda"), torch.randn(8, 32, device="cuda")
+        for m in (ref, model):
+            m.zero_grad()
+        l1, l2 = f(x1).sum(), f(x2).sum()                   # both graphs alive at once
+        (l1 + l2).backward()
+        (ref(x1).sum() + ref(x2).sum()).backward()
+        for p, q in zip(ref.parameters(), model.parameters()):
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5)
+
+
+@gpu
+def test_dropout_is_not_captured():
+    counters.clear()
+    model = nn.Sequential(nn.Linear(32, 32), nn.Dropout(0.5)).cuda()
+    f = kiln.compile(model, mode="reduce-overhead")
+    x = torch.ones(64, 32, device="cuda")
+    outs = [f(x) for _ in range(4)]
+    assert not torch.equal(outs[2], outs[3])                 # fresh masks every call
+    assert counters["cudagraph"]["refused"] >= 1
