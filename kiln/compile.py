@@ -47,7 +47,7 @@ def _aot(gm: fx.GraphModule, example_inputs: list, opts: Options, trace: Trace):
     from torch._dynamo.backends.common import aot_autograd
 
     target = resolve_target(opts, example_inputs)
-    graphs = cudagraph_pool(opts, target)  # mode="reduce-overhead": one pool for fw and bw
+    graphs = cudagraphs_apply(opts, target)  # mode="reduce-overhead"
     n_user = {}
 
     def fw_compiler(g, inputs):
@@ -64,6 +64,9 @@ def _aot(gm: fx.GraphModule, example_inputs: list, opts: Options, trace: Trace):
         from kiln import partition
         n_user["n"] = num_fwd_outputs
         trace.stage("joint", passes.joint, joint, opts)
+        if target == "triton" and opts.layout_optimization:
+            from kiln.passes.channels_last import to_channels_last
+            trace.stage("channels_last", to_channels_last, joint)
         return trace.stage("partition", partition.partition_joint, joint, joint_inputs,
                            num_fwd_outputs=num_fwd_outputs, opts=opts, **kw)
 
@@ -74,27 +77,26 @@ def _aot(gm: fx.GraphModule, example_inputs: list, opts: Options, trace: Trace):
 
 
 def lower(gm: fx.GraphModule, inputs: list, opts: Options, trace: Trace, kind: str, target: str,
-          graphs=None, n_user: int = 0):
+          graphs: bool = False, n_user: int = 0):
     """Post-grad passes, fusion and wrapper generation for one forward/backward/inference graph;
-    with a CUDA-graph ``graphs`` pool the result replays as a CUDA graph (runtime/cudagraph.py)."""
+    with ``graphs`` the result replays as a CUDA graph (runtime/cudagraph.py)."""
     with using(opts):
-        if graphs is None:
+        if not graphs:
             return _lower(gm, inputs, opts, trace, kind, target)
         from kiln.runtime import cudagraph
         mutated = cudagraph.mutated_inputs(gm)  # before fusion hides the writes inside kernels
         compiled = _lower(gm, inputs, opts, trace, kind, target)
-        return cudagraph.wrap(compiled, inputs, kind=kind, pool=graphs, n_user=n_user, mutated=mutated)
+        return cudagraph.wrap(compiled, inputs, kind=kind, n_user=n_user, mutated=mutated)
 
 
-def cudagraph_pool(opts: Options, target: str):
-    """A CUDA-graph pool when ``mode="reduce-overhead"`` applies (Triton target on CUDA), else None."""
+def cudagraphs_apply(opts: Options, target: str) -> bool:
+    """Whether ``mode="reduce-overhead"`` applies: CUDA graphs need the Triton target on CUDA."""
     if opts.mode != "reduce-overhead":
-        return None
+        return False
     if target != "triton" or not torch.cuda.is_available():
         log(1, f"mode='reduce-overhead': CUDA graphs need the Triton target on CUDA (target {target})")
-        return None
-    from kiln.runtime.cudagraph import Pool
-    return Pool()
+        return False
+    return True
 
 
 def _lower(gm: fx.GraphModule, inputs: list, opts: Options, trace: Trace, kind: str, target: str):

@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -30,14 +31,44 @@ def timed(fn, device: str):
     return out, time.perf_counter() - t0
 
 
+class GcClock:
+    """Time spent in Python's cyclic garbage collector while the context is active (``.ms``, ``.runs``):
+    a host-bound step pays for collections over every object the process holds."""
+
+    def __enter__(self):
+        import gc
+        self.ms, self.runs, self._t0 = 0.0, 0, 0.0
+        gc.callbacks.append(self._cb)
+        return self
+
+    def _cb(self, phase, info):
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.ms += (time.perf_counter() - self._t0) * 1e3
+            self.runs += 1
+
+    def __exit__(self, *exc):
+        import gc
+        gc.callbacks.remove(self._cb)
+        return False
+
+
 def step_times(step, device: str, warmup: int = 3, min_iters: int = 5, max_iters: int = 100,
-               min_time: float = 0.5) -> list:
+               min_time: float = 0.5, clock: "GcClock | None" = None) -> list:
     """Milliseconds of each measured step: at least ``min_iters`` and until ``min_time`` seconds
-    of steps have run, at most ``max_iters``; ``warmup`` steps run first and are not recorded."""
+    of steps have run, at most ``max_iters``; ``warmup`` steps run first and are not recorded.
+    ``clock``: a GcClock to charge the measured steps' garbage-collection time to."""
     for _ in range(warmup):
         step()
     sync(device)
     times = []
+    with clock or contextlib.nullcontext():
+        _measure(step, device, times, min_iters, max_iters, min_time)
+    return times
+
+
+def _measure(step, device, times, min_iters, max_iters, min_time):
     if device == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     while len(times) < max_iters and (len(times) < min_iters or sum(times) < min_time * 1e3):

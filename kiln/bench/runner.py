@@ -95,9 +95,11 @@ def measure_backend(case, wl_pristine, ref, backend, budget, cfg: RunConfig, ref
                 f = B.compile_model(backend, wl.model, case.options, budget)
                 _, row["warm_compile_s"] = M.timed(lambda: wl.check(f), cfg.device)
             stage = "steps"
+            clock = M.GcClock()
             times = M.step_times(lambda: wl.step(f), cfg.device, cfg.warmup, cfg.min_iters, cfg.max_iters,
-                                 cfg.min_time)
-            row.update(M.summarize(times), times_ms=[round(t, 4) for t in times])
+                                 cfg.min_time, clock)
+            row.update(M.summarize(times), times_ms=[round(t, 4) for t in times],
+                       gc_ms_per_step=clock.ms / max(1, len(times)), gc_runs=clock.runs)
             if case.memory_bound and wl.min_bytes:
                 row.update(min_bytes=wl.min_bytes, gbps=wl.min_bytes / (row["ms"] * 1e-3) / 1e9)
             stage = "memory"

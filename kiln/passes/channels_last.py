@@ -1,4 +1,4 @@
-"""Channels-last for convolution nets (inference graphs on the GPU): ``to_channels_last(gm)``.
+"""Channels-last for convolution nets on the GPU: ``to_channels_last(gm)``.
 
 cuDNN's fp16/bf16 convolutions run in NHWC; given NCHW tensors they transpose on the way in and
 out. This pass makes every 4-D convolution read a channels-last input (``aten.clone(x,
@@ -7,9 +7,19 @@ value's fake tensor in graph order, so the pointwise work between convolutions (
 residual adds) is planned, fused and stored in NHWC by the code generator: one conversion at the
 network's entry instead of two per convolution.
 
+It runs on inference graphs and on AOTAutograd's joint training graph before partitioning. In a joint
+graph ``aten.convolution_backward`` reads its ``grad_output`` and its ``input`` channels-last too (the
+input reuses the forward's copy), so the forward, the saved activations and the backward agree on one
+layout and the partitioner cuts a graph whose fake strides are consistent across the fw/bw boundary.
+
 What a user sees does not change: each graph output whose strides moved gets a copy back to the
-eager strides, and a view that a channels-last input would break reads a contiguous copy. Weights
-are left alone (the convolution converts them; under freezing the conversion is folded away).
+eager strides (user outputs, updated inputs, and in a joint graph the gradients: a weight's gradient
+comes back with the weight's strides; AOTAutograd's tangents keep eager strides since the outputs do),
+or an ``as_strided`` view where only size-1 dimensions' strides moved (a 1x1 weight's gradient). A
+view that a channels-last input would break reads a contiguous copy, and ``as_strided`` reads a copy
+with the eager strides. Weights are left alone (the convolution converts them; under freezing the
+conversion is folded away). Graphs with symbolic shapes are left alone (as inductor does). Fake values
+are re-derived only where an input's value changed.
 """
 from __future__ import annotations
 
@@ -24,6 +34,10 @@ aten = torch.ops.aten
 CL = torch.channels_last
 DEVICES = ("cuda",)   # where channels-last pays (tests set None: any device)
 VIEWS = (aten.view.default, aten._unsafe_view.default)
+STRIDED = (aten.as_strided.default,)   # reads storage through explicit strides
+# convolution op -> (index of the activation whose device decides, indices that should be NHWC)
+CONVS = {aten.convolution.default: (0, (0,)),
+         aten.convolution_backward.default: (1, (0, 1))}   # (grad_output, input, weight, ...)
 
 
 def _val(n):
@@ -35,13 +49,19 @@ def _is_cl(v) -> bool:
         and not v.is_contiguous()
 
 
-def _convs(gm):
-    out = []
+def _symbolic(v) -> bool:
+    return any(isinstance(s, torch.SymInt) for s in (*v.shape, *v.stride()))
+
+
+def _convs(gm) -> dict:
+    """{convolution node: argument indices to make channels-last} for the 4-D convolutions on DEVICES."""
+    out = {}
     for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target is aten.convolution.default:
-            v = _val(n.args[0])
+        if n.op == "call_function" and n.target in CONVS:
+            at, idx = CONVS[n.target]
+            v = _val(n.args[at])
             if isinstance(v, torch.Tensor) and v.dim() == 4 and (DEVICES is None or v.device.type in DEVICES):
-                out.append(n)
+                out[n] = idx
     return out
 
 
@@ -57,37 +77,87 @@ def _view_breaks(node, val) -> bool:
     shape = [_val(a) if isinstance(a, fx.Node) else a for a in node.args[1]]
     try:
         torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta").view(shape)
-    except RuntimeError:
+    except (RuntimeError, ValueError):   # torch 2.13 raises ValueError on the meta device
         return True
     return False
 
 
+def _eager_format(old, new):
+    """The memory format that gives ``new`` back ``old``'s strides, or None (unchanged, or not dense)."""
+    if not (isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor)) or old.stride() == new.stride():
+        return None
+    fmt = CL if _is_cl(old) else torch.contiguous_format
+    return fmt if old.is_contiguous(memory_format=fmt) else None
+
+
+def _same_but_size_one(old, new) -> bool:
+    """Strides differ only where a dimension has size 1 (the same memory order: a view fixes them)."""
+    return old.shape == new.shape and old.stride() != new.stride() and \
+        all(a == b for n, a, b in zip(old.shape, old.stride(), new.stride()) if n != 1)
+
+
+def restore_before(gm, before, x, old, fake):
+    """Give ``before`` the value ``x`` with the strides ``old`` had (eager's): an ``as_strided`` view where
+    only size-1 dimensions differ (a 1x1 weight's gradient), else a copy; returns the new node or None."""
+    new = _val(x)
+    if not (isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor)):
+        return None
+    if _same_but_size_one(old, new):
+        with gm.graph.inserting_before(before):
+            c = gm.graph.call_function(aten.as_strided.default,
+                                       (x, list(old.shape), list(old.stride()), new.storage_offset()))
+        infer_val(c, fake)
+    else:
+        fmt = _eager_format(old, new)
+        c = copy_before(gm, before, x, fmt, fake) if fmt is not None else None
+    if c is not None:
+        before.replace_input_with(x, c)
+    return c
+
+
+def _same_layout(a, b) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype \
+            and a.storage_offset() == b.storage_offset()
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same_layout(x, y) for x, y in zip(a, b))
+    return not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor)
+
+
 def to_channels_last(gm: fx.GraphModule) -> int:
     """Rewrite ``gm`` in place as described above; returns how many convolution inputs changed."""
-    convs = set(_convs(gm))
-    if not convs:
+    convs = _convs(gm)
+    if not convs or any(_symbolic(_val(n.args[CONVS[n.target][0]])) for n in convs):
         return 0
     fake = fake_mode_of(gm)
     eager = {n: _val(n) for n in gm.graph.nodes}
+    nhwc = {}   # value -> its channels-last copy (a convolution's input is shared with its backward)
     changed = 0
     for n in list(gm.graph.nodes):
         if n.op != "call_function":
             continue
-        if n in convs and not _is_cl(_val(n.args[0])):
-            n.replace_input_with(n.args[0], copy_before(gm, n, n.args[0], CL, fake))
-            changed += 1
+        for i in convs.get(n, ()):
+            a = n.args[i]
+            if isinstance(a, fx.Node) and not _is_cl(_val(a)):
+                if a not in nhwc:
+                    nhwc[a] = copy_before(gm, n, a, CL, fake)
+                n.update_arg(i, nhwc[a])
+                changed += 1
         if n.target in VIEWS and _is_cl(_val(n.args[0])) and _view_breaks(n, _val(n.args[0])):
             n.replace_input_with(n.args[0], copy_before(gm, n, n.args[0], torch.contiguous_format, fake))
-        if n.target is operator.getitem or isinstance(n.target, torch._ops.OpOverload):
-            infer_val(n, fake)
+        if n.target in STRIDED and isinstance(n.args[0], fx.Node):
+            a = n.args[0]
+            fmt = _eager_format(eager.get(a), _val(a))
+            if fmt is not None and not _same_but_size_one(eager[a], _val(a)):
+                n.replace_input_with(a, copy_before(gm, n, a, fmt, fake))
+        if (n.target is operator.getitem or isinstance(n.target, torch._ops.OpOverload)) \
+                and any(_val(a) is not eager.get(a) for a in n.all_input_nodes):
+            if _same_layout(infer_val(n, fake), eager[n]):
+                n.meta["val"] = eager[n]   # unchanged: later nodes need no new fake value either
     if not changed:
         return 0
     out = next(n for n in gm.graph.nodes if n.op == "output")
     for a in list(out.all_input_nodes):
-        old, new = eager.get(a), _val(a)
-        if isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor) and old.stride() != new.stride():
-            fmt = CL if _is_cl(old) else torch.contiguous_format
-            if old.is_contiguous(memory_format=fmt):
-                out.replace_input_with(a, copy_before(gm, out, a, fmt, fake))
+        restore_before(gm, out, a, eager.get(a), fake)
     gm.recompile()
     return changed

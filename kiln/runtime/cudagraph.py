@@ -1,8 +1,9 @@
 """``mode="reduce-overhead"``: replay a compiled graph as one CUDA graph.
 
 A compiled wrapper launches hundreds of kernels from Python; a CUDA graph replays them all with one
-host call. Each compiled region (one Dynamo graph) gets one ``Pool``: a private CUDA memory pool that
-its forward and backward graphs share, so the backward's temporaries reuse the forward's.
+host call. All graphs on a device share one ``Pool``, a private CUDA memory pool, so a backward's
+temporaries reuse its forward's, and a tensor one graph hands to another (a forward's activations to
+its backward, the logits of a model to the loss graph after a graph break) is read in place.
 
 Lifecycle of a ``Graphed`` function: the first call runs the wrapper normally (kernels compile, lazy
 CUDA state is created); the second call captures the wrapper into a CUDA graph and replays it; later
@@ -13,13 +14,12 @@ calls replay. Inputs:
 - every other tensor input is copied into a static buffer before each replay, and copied back after it
   when the graph mutates that input.
 Outputs:
-- user-visible outputs (the forward's first ``n_user`` outputs, every inference output) are cloned, so
-  the next replay cannot overwrite what the user holds;
-- saved activations and gradients are handed out as aliases of the graph's static memory. Before each
-  replay, kiln checks that no alias this replay could overwrite is still alive (its own earlier
-  outputs, and the outputs of graphs captured after it in the same pool, which may sit in its
-  temporaries); if one is (``retain_graph=True``, gradients accumulated without ``zero_grad``), the
-  call runs the wrapper normally: slower, never wrong.
+- every output is handed out as an alias of the graph's static memory. Before each replay, kiln checks
+  that no alias this replay could overwrite is still alive (its own earlier outputs, and the outputs
+  of graphs captured after it, which may sit in its temporaries); if one is (``retain_graph=True``,
+  gradients accumulated without ``zero_grad``, a user keeping last step's output), the call runs the
+  wrapper normally: slower, never wrong. When the live alias is a user-visible output (the forward's
+  first ``n_user`` outputs, any inference output), that graph clones its user outputs from then on.
 
 Graphs are not captured when they draw philox seeds on the host (kiln's RNG kernels: the seed would be
 frozen into the graph), take non-tensor or CPU inputs (dynamic shapes), or when capture fails; the
@@ -28,6 +28,7 @@ reason is logged (KILN_DEBUG=1) and the wrapper runs normally. The static memory
 """
 from __future__ import annotations
 
+import weakref
 from typing import List, Optional
 
 import torch
@@ -39,21 +40,43 @@ _use_count = torch._C._storage_Use_Count
 
 
 class Pool:
-    """A CUDA memory pool shared by the graphs of one compiled region, in capture order."""
+    """The CUDA memory pool of one device and the graphs captured in it, in capture order (weakly:
+    a graph dies with its compiled function)."""
 
     def __init__(self):
         self.handle = None
-        self.graphs: List["Graphed"] = []
+        self._graphs: list = []
 
     def ensure(self):
         if self.handle is None:
             self.handle = torch.cuda.graph_pool_handle()
         return self.handle
 
+    def add(self, g: "Graphed"):
+        self._graphs.append(weakref.ref(g))
+
+    @property
+    def graphs(self) -> List["Graphed"]:
+        live = [g() for g in self._graphs]
+        if None in live:
+            self._graphs = [r for r, g in zip(self._graphs, live) if g is not None]
+        return [g for g in live if g is not None]
+
     def owns(self, t: torch.Tensor) -> bool:
         """``t``'s storage is an output storage of a graph captured in this pool."""
         ptr = t.untyped_storage().data_ptr()
         return any(ptr in g.out_ptrs for g in self.graphs)
+
+
+_POOLS: dict = {}
+
+
+def device_pool(index: Optional[int] = None) -> Pool:
+    """The shared pool of CUDA device ``index`` (default: the current device)."""
+    index = torch.cuda.current_device() if index is None else index
+    if index not in _POOLS:
+        _POOLS[index] = Pool()
+    return _POOLS[index]
 
 
 def mutated_inputs(gm: fx.GraphModule) -> set:
@@ -93,10 +116,11 @@ def refusal(sources, example_inputs) -> Optional[str]:
 class Graphed:
     """A boxed compiled function replayed as a CUDA graph (see the module docstring)."""
 
-    def __init__(self, compiled, *, name: str, pool: Pool, static: set, mutated: set, n_clone: int):
+    def __init__(self, compiled, *, name: str, pool: Pool, static: set, mutated: set, n_user: int):
         self._boxed_call = True
         self.compiled, self.name, self.pool = compiled, name, pool
-        self.static, self.mutated, self.n_clone = set(static), set(mutated), n_clone
+        self.static, self.mutated, self.n_user = set(static), set(mutated), n_user
+        self.clone_user = False   # set once a user kept an output past the next call
         self.calls = 0
         self.graph = None
         self.disabled: Optional[str] = None
@@ -168,7 +192,7 @@ class Graphed:
         del outs
         self._baseline()
         self.graph, self.direct, self.copies, self.single = graph, direct, copies, single
-        self.pool.graphs.append(self)
+        self.pool.add(self)
         counters["cudagraph"]["captured"] += 1
         log(1, f"cudagraph {self.name}: captured ({len(direct)} inputs in place, {len(copies)} copied)")
         graph.replay()
@@ -197,14 +221,16 @@ class Graphed:
             st = o.untyped_storage()
             key = st.data_ptr()
             self.storages.setdefault(key, st)
-            kind = "clone" if j < self.n_clone else "alias"
+            kind = "user" if j < self.n_user else "alias"
             self.specs.append((kind, key, o.storage_offset(), tuple(o.shape), tuple(o.stride()), o.dtype))
         self.out_ptrs = set(self.storages) - user_ptrs
-        self._watch = [k for k in {s[1] for s in self.specs if s[0] == "alias"} if k not in user_ptrs]
+        self._watch = {kind: [k for k in {s[1] for s in self.specs if s[0] == kind} if k not in user_ptrs]
+                       for kind in ("user", "alias")}
 
     def _baseline(self):
         """Use counts of watched storages while kiln alone holds them (call with no alias handed out)."""
-        self.alias_use = [(self.storages[k]._cdata, _use_count(self.storages[k]._cdata)) for k in self._watch]
+        self.use = {kind: [(self.storages[k]._cdata, _use_count(self.storages[k]._cdata)) for k in keys]
+                    for kind, keys in self._watch.items()}
 
     def _outputs(self):
         out = []
@@ -214,7 +240,7 @@ class Graphed:
                 continue
             kind, key, off, size, stride, dtype = s
             t = torch.empty((0,), dtype=dtype, device="cuda").set_(self.storages[key], off, size, stride)
-            out.append(t.clone() if kind == "clone" else t)
+            out.append(t.clone() if kind == "user" and self.clone_user else t)
         return out[0] if self.single else out
 
     # -- replay -------------------------------------------------------------------------------
@@ -222,9 +248,14 @@ class Graphed:
         """An alias this replay would overwrite is still held by someone."""
         graphs = self.pool.graphs
         for g in graphs[graphs.index(self):]:
-            for c, base in g.alias_use:
+            for c, base in g.use["alias"]:
                 if _use_count(c) > base:
                     return f"an output of {g.name} from an earlier replay is alive"
+            if not g.clone_user:
+                for c, base in g.use["user"]:
+                    if _use_count(c) > base:
+                        g.clone_user = True
+                        return f"a user kept an output of {g.name}: it clones user outputs from now on"
         return None
 
     def _replay(self, args):
@@ -246,7 +277,7 @@ class Graphed:
         return self._outputs()
 
 
-def wrap(compiled, example_inputs, *, kind: str, pool: Pool, n_user: int, mutated: set):
+def wrap(compiled, example_inputs, *, kind: str, n_user: int, mutated: set, pool: Optional[Pool] = None):
     """``compiled`` as a ``Graphed`` function, or unchanged (with the reason logged) if it cannot be."""
     sources = [compiled.source] + [k.source for k in compiled.wrapper.kernels]
     why = refusal(sources, example_inputs)
@@ -259,6 +290,6 @@ def wrap(compiled, example_inputs, *, kind: str, pool: Pool, n_user: int, mutate
         ctx = torch._guards.TracingContext.try_get()
         meta = getattr(ctx, "fw_metadata", None) if ctx is not None else None
         static = set(getattr(meta, "static_input_indices", None) or ())
-    n_clone = {"inference": 1 << 30, "forward": n_user, "backward": 0}[kind]
-    return Graphed(compiled, name=compiled.name, pool=pool, static=static,
-                   mutated=mutated, n_clone=n_clone)
+    n_user = {"inference": 1 << 30, "forward": n_user, "backward": 0}[kind]
+    return Graphed(compiled, name=compiled.name, pool=pool or device_pool(), static=static,
+                   mutated=mutated, n_user=n_user)
