@@ -9,6 +9,7 @@ and the ATen ops it fuses, so profiles taken on the GPU machine can be read here
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import time
 
@@ -110,8 +111,10 @@ def main(argv=None):
     with collect_sources() as sources:
         if prof:
             prof.enable()
-        for gm, ins in graphs:
-            compile_for_gpu(gm, ins, **opts)
+        amp = torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext()
+        with amp:   # as torch.compile under CUDA autocast: AOTAutograd traces the casts too
+            for gm, ins in graphs:
+                compile_for_gpu(gm, ins, **opts)
         if prof:
             prof.disable()
     t1, c1 = time.perf_counter(), time.process_time()

@@ -37,7 +37,16 @@ def budget_saved(info: JointInfo, budget: float, opts) -> List[fx.Node]:
     if opts.activation_memory_limit is not None:
         from kiln.partition.peak import limit_saved
         return limit_saved(info, budget, opts)
-    return saved_for_budget(info, budget, opts)
+    return plan_for_budget(info, budget, opts)
+
+
+def plan_for_budget(info: JointInfo, budget: float, opts) -> List[fx.Node]:
+    """``saved_for_budget``, plus the backward hold set that keeps the peak down (hold.py)."""
+    from kiln.partition.hold import ladder_saved, plan_with_hold
+    saved = ladder_saved(info, budget, opts)
+    if budget >= 1.0:
+        return saved
+    return plan_with_hold(info, saved, budget, opts)
 
 
 def saved_for_budget(info: JointInfo, budget: float, opts, optimal=None) -> List[fx.Node]:

@@ -151,6 +151,52 @@ def lazy_order(nodes: Sequence[fx.Node], need: set, anchors: set, available: set
     return out
 
 
+class Saved(list):
+    """The values to save (a plain list) and, optionally, ``hold``: forward values the backward rebuilds
+    from the saved ones at its start and keeps, recomputing everything else it needs from them
+    (``hold_steps``). Built by ``kiln.partition.hold``; ``extract`` and ``peak.model_peak`` read it."""
+    hold: Optional[List[fx.Node]] = None
+
+    @staticmethod
+    def of(saved, hold=None) -> "Saved":
+        out = Saved(saved)
+        out.hold = list(hold) if hold is not None else None
+        return out
+
+
+def hold_steps(nodes: Sequence[fx.Node], saved: Sequence[fx.Node], hold: Sequence[fx.Node],
+               roots: Sequence[fx.Node], anchors: set) -> list:
+    """The backward's steps when it rebuilds ``hold``: ``[(key, node, {input node: input key})]``.
+
+    Phase 1 runs, in graph order, the forward nodes that compute ``hold`` from ``saved`` and the
+    placeholders (keys ``(n, 1)``); phase 2 runs what ``roots`` need in ``lazy_order`` around
+    ``anchors`` from ``hold``, the placeholders and saved SymInts only (keys ``(n, 2)``), so a forward
+    value used by both phases is computed twice and phase 1's copy dies with the phase. Values
+    available at the start have keys ``(n, 0)``."""
+    ph = {n for n in nodes if n.op == "placeholder"}
+    avail1 = set(saved) | ph
+    hold = normalize_saved(hold) if hold else []
+    need1 = _ancestors(hold, avail1)
+    p1 = [n for n in nodes if n in need1 and n not in avail1]
+    k1 = {n: ((n, 1) if n in set(p1) else (n, 0)) for n in need1}
+    avail2 = set(hold) | ph | {n for n in saved if is_sym(n)}
+    need2 = _ancestors(roots, avail2)
+    p2 = lazy_order(nodes, need2, anchors, avail2)
+    p2set = set(p2)
+    steps = [((n, 1), n, {a: k1[a] for a in _inputs(n)}) for n in p1]
+
+    def key2(a):
+        return (a, 2) if a in p2set else k1.get(a, (a, 0))
+
+    steps += [((n, 2), n, {a: key2(a) for a in _inputs(n)}) for n in p2]
+    return steps
+
+
+def phase_key(steps) -> dict:
+    """node -> the key of its last copy in ``steps`` (what the graph's outputs refer to)."""
+    return {n: k for k, n, _ in steps}
+
+
 def _subgraph(joint: fx.Graph, inputs: Sequence[fx.Node], outputs: Sequence, keep, what: str,
               anchors: Optional[set] = None) -> fx.Graph:
     """Copy of the part of ``joint`` that computes ``outputs`` (and the impure nodes ``keep`` accepts)
@@ -173,6 +219,28 @@ def _subgraph(joint: fx.Graph, inputs: Sequence[fx.Node], outputs: Sequence, kee
     for n in order:
         env[n] = g.node_copy(n, env.__getitem__)
     g.output(tuple(env[o] if isinstance(o, fx.Node) else o for o in outputs))
+    dce(g)
+    g.lint()
+    return g
+
+
+def _hold_subgraph(joint: fx.Graph, inputs: Sequence[fx.Node], outputs: Sequence, roots, hold, tang) -> fx.Graph:
+    """The backward graph of ``hold_steps``: phase-1 copies, then phase-2 copies of forward nodes."""
+    g = fx.Graph()
+    env = {}
+    for n in inputs:
+        p = g.create_node("placeholder", n.name, name=n.name, type_expr=n.type)
+        p.meta = dict(n.meta)
+        env[(n, 0)] = p
+    nodes = [n for n in joint.nodes if n.op != "output"]
+    steps = hold_steps(nodes, [n for n in inputs if n not in tang], hold, roots, tang)
+    for key, n, ins in steps:
+        missing = [a.name for a in ins if ins[a] not in env]
+        if missing:
+            raise PartitionError(f"partition: the backward graph needs inputs {missing}, which it does not get")
+        env[key] = g.node_copy(n, lambda a, ins=ins: env[ins[a]])
+    last = phase_key(steps)
+    g.output(tuple(env[last.get(o, (o, 0))] if isinstance(o, fx.Node) else o for o in outputs))
     dce(g)
     g.lint()
     return g
@@ -238,6 +306,7 @@ def extract(joint_gm: fx.GraphModule, saved: Iterable[fx.Node], *, num_fwd_outpu
     joint = joint_gm.graph
     fwd_in, bwd_in = split_inputs(joint)
     fwd_out, bwd_out = split_outputs(joint, num_fwd_outputs)
+    hold = getattr(saved, "hold", None)
     saved = normalize_saved(saved)
     tang = tangent_closure(joint)
     bad = [n.name for n in saved if n in tang]
@@ -251,13 +320,26 @@ def extract(joint_gm: fx.GraphModule, saved: Iterable[fx.Node], *, num_fwd_outpu
 
     # Drop saved values the backward does not use.
     roots = [o for o in bwd_out if isinstance(o, fx.Node)] + [n for n in tang if is_impure(n)]
-    need = _ancestors(roots, set(saved) | set(bwd_in))
-    saved = order([n for n in saved if n in need])
+    if hold is not None:  # the backward rebuilds ``hold``: it uses what hold_steps reads at its start
+        hold_roots = roots
+        nodes = [n for n in joint.nodes if n.op != "output"]
+        steps = hold_steps(nodes, saved, hold, roots, tang)
+        start = {a for _, _, ins in steps for a, k in ins.items() if k[1] == 0}
+        start |= {o for o in roots if o not in phase_key(steps)}
+        saved = order([n for n in start if n not in set(bwd_in)])
+        saved = normalize_saved(saved)
+        saved = order(saved)
+    else:
+        need = _ancestors(roots, set(saved) | set(bwd_in))
+        saved = order([n for n in saved if n in need])
     syms = [n for n in saved if is_sym(n)]
     saved = order(saved + _bind_symbols(joint, saved + bwd_in, syms, fwd_in))
     tensors, syms = [n for n in saved if not is_sym(n)], [n for n in saved if is_sym(n)]
 
-    bw = _subgraph(joint, syms + tensors + bwd_in, bwd_out, in_bw, "backward", anchors=tang)
+    if hold is not None:
+        bw = _hold_subgraph(joint, syms + tensors + bwd_in, bwd_out, hold_roots, hold, tang)
+    else:
+        bw = _subgraph(joint, syms + tensors + bwd_in, bwd_out, in_bw, "backward", anchors=tang)
     fw = _subgraph(joint, fwd_in, list(fwd_out) + tensors + syms, in_fw, "forward")
     for p in bw.nodes:
         if p.op == "placeholder" and "val" not in p.meta:

@@ -88,7 +88,15 @@ def ban_reason(info: JointInfo, n: fx.Node, policy: Policy) -> Optional[str]:
 
 
 def min_cut(info: JointInfo, policy: Policy) -> List[fx.Node]:
-    """The saved values of the minimum cut under ``policy``, in graph order."""
+    """The saved values of the minimum cut under ``policy``, in graph order (cached on ``info``: the
+    budget search and the hold search of hold.py ask for the same cuts)."""
+    cache = info.__dict__.setdefault("_cuts", {})
+    if policy not in cache:
+        cache[policy] = _min_cut(info, policy)
+    return list(cache[policy])
+
+
+def _min_cut(info: JointInfo, policy: Policy) -> List[fx.Node]:
     from scipy.sparse import csr_matrix
     from scipy.sparse.csgraph import breadth_first_order, maximum_flow
 

@@ -74,12 +74,68 @@ def _replay(order: Sequence[fx.Node], alive_at_start: Dict[fx.Node, int], keep: 
     return peak
 
 
+def _replay_steps(steps, alive_at_start: Dict[tuple, int], keep: set) -> int:
+    """``_replay`` over ``extract.hold_steps`` keys (a node may run twice, as two keys)."""
+    root: Dict[tuple, tuple] = {}
+
+    def rt(k):
+        return root.get(k, k)
+
+    for key, n, ins in steps:
+        a0 = n.args[0] if n.args else None
+        if ops.is_view(n) and isinstance(a0, fx.Node) and a0 in ins:
+            root[key] = rt(ins[a0])
+    last: Dict[tuple, int] = {}
+    for i, (_, _, ins) in enumerate(steps):
+        for k in ins.values():
+            last[rt(k)] = i
+    live = dict(alive_at_start)
+    cur = peak = sum(live.values())
+    dying: Dict[int, list] = {}
+    for r, i in last.items():
+        if r not in keep:
+            dying.setdefault(i, []).append(r)
+    for i, (key, n, _) in enumerate(steps):
+        if rt(key) == key and key not in live:
+            b = size_bytes(n) if not isinstance(n.meta.get("val"), (tuple, list)) else 0
+            live[key] = b
+            cur += b
+            peak = max(peak, cur)
+            if key not in last and key not in keep:
+                cur -= live.pop(key)
+        for r in dying.get(i, ()):
+            cur -= live.pop(r, 0)
+    return peak
+
+
+def _model_hold(graph, saved, hold, fwd_out, grads, tang, fwd: int) -> Peak:
+    """``model_peak`` when the backward rebuilds ``hold`` (``extract.hold_steps``)."""
+    from kiln.partition.extract import hold_steps, is_impure, phase_key
+    nodes = [n for n in graph.nodes if n.op != "output"]
+    roots = [g for g in grads if isinstance(g, fx.Node)] + [n for n in nodes if n in tang and is_impure(n)]
+    steps = hold_steps(nodes, saved, hold, roots, tang)
+    start = {}
+    for _, _, ins in steps:
+        for a, k in ins.items():
+            if k[1] == 0 and a.op != "placeholder" and _root(a) is a:
+                start[k] = size_bytes(a)
+    start.update({(t, 0): size_bytes(t) for t in nodes if t.op == "placeholder" and t in tang})
+    last = phase_key(steps)
+    keep = {last.get(_root(g), (_root(g), 0)) for g in grads if isinstance(g, fx.Node)}
+    bwd = _replay_steps(steps, start, keep)
+    flops = sum(node_flops(n) for _, n, _ in steps if n not in tang)
+    saved_roots = {_root(s) for s in saved if s.op != "placeholder"}
+    return Peak(fwd, bwd, sum(size_bytes(r) for r in saved_roots), flops)
+
+
 def model_peak(joint_gm: fx.GraphModule, saved: Sequence[fx.Node], num_fwd_outputs: int, info=None) -> Peak:
-    """Modelled activation peak of forward + backward when ``saved`` is saved."""
+    """Modelled activation peak of forward + backward when ``saved`` is saved (and, when ``saved`` is an
+    ``extract.Saved`` with ``hold``, the backward rebuilds ``hold`` first)."""
     from kiln.partition.extract import lazy_order, normalize_saved, split_outputs, tangent_closure
     graph = joint_gm.graph
     tang = info.tang if info is not None else tangent_closure(graph)
     fwd_out, grads = split_outputs(graph, num_fwd_outputs)
+    hold = getattr(saved, "hold", None)
     saved = [s for s in normalize_saved(saved)]
     saved_roots = {_root(s) for s in saved if s.op != "placeholder"}
     stop = set(saved) | {n for n in graph.nodes if n.op == "placeholder"}
@@ -88,6 +144,8 @@ def model_peak(joint_gm: fx.GraphModule, saved: Sequence[fx.Node], num_fwd_outpu
     fw_order = [n for n in graph.nodes if n in fw_need and n not in tang and n.op != "output"]
     fw_keep = saved_roots | {_root(o) for o in fwd_out if isinstance(o, fx.Node)}
     fwd = _replay(fw_order, {}, fw_keep)
+    if hold is not None:
+        return _model_hold(graph, saved, hold, fwd_out, grads, tang, fwd)
     bw_need = _needed([g for g in grads if isinstance(g, fx.Node)], stop)
     nodes = [n for n in graph.nodes if n.op != "output"]
     available = set(saved) | {n for n in nodes if n.op == "placeholder"}
@@ -113,11 +171,11 @@ def _needed(roots, stop) -> set:
 
 def limit_saved(info, budget: float, opts) -> List[fx.Node]:
     """The largest budget (at most ``budget``) whose modelled peak fits ``activation_memory_limit``."""
-    from kiln.partition.budget import saved_for_budget
+    from kiln.partition.budget import plan_for_budget
     limit = parse_bytes(opts.activation_memory_limit)
 
     def peak_at(b):
-        saved = saved_for_budget(info, b, opts)
+        saved = plan_for_budget(info, b, opts)
         p = model_peak(info.gm, saved, info.num_fwd_outputs, info)
         log(3, f"remat: limit {limit} B: budget {b:.4f} -> modelled peak {p.peak} B")
         return saved, p.peak

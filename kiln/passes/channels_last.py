@@ -156,8 +156,85 @@ def to_channels_last(gm: fx.GraphModule) -> int:
                 n.meta["val"] = eager[n]   # unchanged: later nodes need no new fake value either
     if not changed:
         return 0
+    nhwc_reductions(gm, fake)
     out = next(n for n in gm.graph.nodes if n.op == "output")
     for a in list(out.all_input_nodes):
         restore_before(gm, out, a, eager.get(a), fake)
     gm.recompile()
     return changed
+
+
+# -- reductions over N, H, W of a channels-last tensor (batch norm's statistics and its backward) --------
+prims = torch.ops.prims
+REDUCTIONS = {aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default,
+              aten.var_mean.correction, aten.var.correction,
+              prims.sum.default, prims.var.default, prims.amax.default, prims.amin.default}
+PRIM_REDUCTIONS = {prims.sum.default, prims.var.default, prims.amax.default, prims.amin.default}  # no keepdim
+TO_NHWC, TO_NCHW = [0, 2, 3, 1], [0, 3, 1, 2]
+NHWC_POS = {0: 0, 2: 1, 3: 2, 1: 3}   # NCHW dim -> its position in the NHWC view
+
+
+def _dims_keepdim(n):
+    dims = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", n.kwargs.get("dims"))
+    if n.target in PRIM_REDUCTIONS:
+        return dims, False
+    positional = n.target not in (aten.var_mean.correction, aten.var.correction)
+    keep = n.args[2] if positional and len(n.args) > 2 else n.kwargs.get("keepdim", False)
+    return dims, bool(keep)
+
+
+def nhwc_reductions(gm: fx.GraphModule, fake) -> int:
+    """Reduce channels-last tensors through their NHWC view; returns the count of rewritten reductions.
+
+    Logically ``sum(x, [0, 2, 3])`` reduces rows that end in the innermost dim W, so the code generator
+    plans one row per channel; in channels-last memory those rows are strided by C and every load is
+    uncoalesced (ResNet-50's batch-norm statistics ran 3x slower than NCHW). Through
+    ``permute(x, [0, 2, 3, 1])``, a dense view, the same reduction keeps the innermost dim C and is a
+    column reduction, which the code generator splits over many programs and loads contiguously."""
+    done = 0
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function" or n.target not in REDUCTIONS or not _is_cl(_val(n.args[0])):
+            continue
+        dims, keep = _dims_keepdim(n)
+        if dims is None:
+            continue
+        dims = sorted(d % 4 for d in dims)
+        kept = [d for d in range(4) if d not in dims]
+        if 1 in dims or 3 not in dims or (not keep and kept != [d for d in TO_NHWC if d in kept]):
+            continue
+        new_dims = sorted(NHWC_POS[d] for d in dims)
+        g = gm.graph
+        with g.inserting_before(n):
+            view = g.call_function(aten.permute.default, (n.args[0], TO_NHWC))
+            infer_val(view, fake)
+            args, kwargs = list(n.args), dict(n.kwargs)
+            args[0] = view
+            if len(args) > 1:
+                args[1] = new_dims
+            else:
+                kwargs["dims" if "dims" in kwargs else "dim"] = new_dims
+            red = g.call_function(n.target, tuple(args), kwargs)
+            infer_val(red, fake)
+
+            def back(v):
+                if not keep:
+                    return v
+                b = g.call_function(aten.permute.default, (v, TO_NCHW))
+                infer_val(b, fake)
+                return b
+            if isinstance(_val(n), (tuple, list)):
+                for u in list(n.users):
+                    if u.target is not operator.getitem:
+                        break
+                    with g.inserting_before(u):
+                        item = g.call_function(operator.getitem, (red, u.args[1]))
+                        infer_val(item, fake)
+                        u.replace_all_uses_with(back(item))
+                    g.erase_node(u)
+                if n.users:   # a user other than getitem: leave it (both forms compute the same)
+                    continue
+            else:
+                n.replace_all_uses_with(back(red))
+        g.erase_node(n)
+        done += 1
+    return done

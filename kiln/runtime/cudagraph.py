@@ -251,11 +251,10 @@ class Graphed:
             for c, base in g.use["alias"]:
                 if _use_count(c) > base:
                     return f"an output of {g.name} from an earlier replay is alive"
-            if not g.clone_user:
-                for c, base in g.use["user"]:
-                    if _use_count(c) > base:
-                        g.clone_user = True
-                        return f"a user kept an output of {g.name}: it clones user outputs from now on"
+            for c, base in g.use["user"]:   # aliases handed out before clone_user was set
+                if _use_count(c) > base:
+                    g.clone_user = True
+                    return f"a user kept an output of {g.name}: it clones user outputs from now on"
         return None
 
     def _replay(self, args):

@@ -6,6 +6,7 @@ import torch
 
 from kiln.options import current
 from kiln.partition import choose_saved, explain_memory
+from kiln.partition.extract import Saved
 from kiln.partition.peak import MemoryLimitError, model_peak
 from tests.partition.helpers import check_grads
 from tests.partition.test_budget import _joint
@@ -37,10 +38,17 @@ def test_peak_model_tracks_budget():
     assert p1.saved == 32 * MB and p5.saved == 16 * MB and p0.saved == 0
     assert p1.peak > p5.peak
     assert p1.forward > p5.forward > p0.forward
-    # budget 0 recomputes the whole chain at the first backward step and holds it (PyTorch #197838)
-    assert p0.backward >= p5.backward
+    # budget 0 recomputes the whole chain at the first backward step; holding all of it (PyTorch
+    # #197838) would put the peak above budget 0.5's, so the backward rebuilds a smaller hold set (hold.py)
+    assert p0.peak <= p5.peak <= p1.peak
+    assert p0.backward < p5.backward
     assert p1.recompute_flops == 0 < p0.recompute_flops
-    assert p0.recompute_flops == 4 * 2 * 4 * U ** 3  # the four forward matmuls run again
+    mm = 2 * 4 * U ** 3
+    saved0 = choose_saved(gm, num_fwd_outputs=n, opts=current(activation_memory_budget=0.0))
+    assert saved0.hold is not None
+    plain0 = model_peak(gm, Saved.of(saved0), n)  # no hold: the four forward matmuls run again once
+    assert plain0.recompute_flops == 4 * mm and plain0.backward > p5.backward
+    assert p0.recompute_flops == 5 * mm  # rebuilding the hold set costs one matmul more
     # the forward holds everything it saves, plus the block in flight
     assert p1.forward >= p1.saved + 4 * MB
 

@@ -263,3 +263,29 @@ def test_layout_optimization_off_leaves_training_graphs_alone(any_device):
     (out.sum() + h.sum()).backward()
     rows = [r for g in seen for r in g]
     assert rows and not any(any(flags) for _, flags in rows)
+
+
+def _nchw_row_reductions(seen):
+    """A post-grad hook recording, per graph, reductions that still walk a channels-last tensor row by
+    row in NCHW order (reduced dims include W but not C: the uncoalesced form nhwc_reductions rewrites)
+    and reductions of an NHWC view."""
+    def hook(graph):
+        bad = good = 0
+        for n in graph.nodes:
+            if n.op != "call_function" or n.target not in C.REDUCTIONS:
+                continue
+            x = n.args[0]
+            dims = {d % 4 for d in C._dims_keepdim(n)[0] or ()}
+            bad += C._is_cl(x.meta.get("val")) and 3 in dims and 1 not in dims
+            good += x.target is aten.permute.default and list(x.args[1]) == C.TO_NHWC
+        seen.append((bad, good > 0))
+    return hook
+
+
+def test_batch_norm_statistics_reduce_through_the_nhwc_view(any_device):
+    """BN's mean/var (forward) and its gradient sums (backward) reduce the NHWC view over its leading
+    dims, and a training step still matches eager (the _train comparisons)."""
+    seen = []
+    _train(Residual(), torch.randn(2, 4, 6, 6), "triton", steps=1,
+           post_grad_custom_pre_pass=_nchw_row_reductions(seen))
+    assert seen == [(0, True), (0, True)]

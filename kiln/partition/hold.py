@@ -1,0 +1,79 @@
+"""Keep the activation peak from rising as ``activation_memory_budget`` falls (issue #5).
+
+Why the peak rose. Below budget 1 the backward recomputes what was not saved, each value just before
+its first use (``extract.lazy_order``), and keeps it until its last use. In a layered model the first
+backward op (the loss) needs the last layer's output, which, when the residual stream is not saved,
+needs every earlier layer recomputed first: the whole forward runs again at the start of the backward
+and every value some later backward op reads stays alive until that op. The backward then holds about
+what the plain partition saves, more than the runtime-optimal cut saves at budget 1. Measured on the
+built-in GPT ('cpu' size, ATen codegen, ``kiln.partition.livemem``) the peak went 11.27 MiB at budget
+1.0 -> 9.25 MiB at 0.1 -> 12.30 MiB at 0.0, and ``peak.model_peak`` predicted the same numbers, so
+the cause is the partition's backward schedule, not the code generator's ordering.
+
+The fix: rebuild a smaller hold set in the backward. The forward still saves exactly the budget's
+set ``S_b`` (saved bytes keep PyTorch's budget semantics). The backward may instead start by rerunning
+the forward from ``S_b`` to rebuild a hold set ``H`` (phase 1, whose other values die with the phase),
+then run as the backward of a partition that saved ``H`` (phase 2: recompute from ``H`` lazily,
+``extract.hold_steps``). The candidates for ``H`` are the saved sets the same joint graph gets at the
+higher budgets of the ladder 0.1, 0.2, ..., 1.0 (plus the values that can never be recomputed); the
+plan keeps the candidate (or no hold) with the lowest modelled peak, ties going to fewer recompute
+FLOPs, so a hold is used only when the model says it lowers the peak. The search (a min-cut per rung)
+runs only when the plain plan's modelled peak is not below budget 1's, the pathology above; a plan
+below it is kept as is, which keeps the common case cheap on big graphs (budget 1's cut is cached, so
+the check costs one peak model). Between two budgets below 1 the curve is then not guaranteed
+non-increasing by construction; tests/partition/test_monotone.py measures it on the built-in GPT. Phase 2 with ``H = S_b'`` is
+the backward of budget ``b'``, so the modelled peak at ``b`` is at most that of ``b'`` unless phase 1
+(``S_b`` plus the rerun forward, bounded by the forward of ``b'``) is higher: that is what makes the
+curve non-increasing on the ladder. The price is recompute: values phase 2 needs that ``H`` does not
+hold run twice (a forward's worth of extra FLOPs at most, counted in ``Peak.recompute_flops``).
+"""
+from __future__ import annotations
+
+from typing import List
+
+import torch.fx as fx
+
+from kiln.debug import log
+from kiln.partition.extract import Saved, normalize_saved
+
+LADDER = tuple(round(i / 10, 1) for i in range(10, 0, -1))  # 1.0, 0.9, ..., 0.1
+
+
+def ladder_saved(info, budget: float, opts) -> list:
+    """``budget.saved_for_budget`` cached on ``info`` (the hold candidates are shared by budgets)."""
+    from kiln.partition.budget import saved_for_budget
+    cache = info.__dict__.setdefault("_ladder_saved", {})
+    if budget not in cache:
+        cache[budget] = list(saved_for_budget(info, budget, opts))
+    return cache[budget]
+
+
+def plan_with_hold(info, saved: List[fx.Node], budget: float, opts) -> Saved:
+    """``saved`` with the hold set (or none) of lowest modelled peak; see the module docstring."""
+    from kiln.partition.peak import model_peak
+    n = info.num_fwd_outputs
+    plain = Saved.of(saved)
+    p = model_peak(info.gm, plain, n, info)
+    best, best_key = plain, (p.peak, p.recompute_flops)
+    def plain_peak(b):
+        return model_peak(info.gm, Saved.of(ladder_saved(info, b, opts)), n, info).peak
+
+    if p.peak < plain_peak(LADDER[0]):
+        return plain   # below budget 1's peak: skip the search (budget 1's cut is cached)
+    pinned = [s for s in normalize_saved(saved)
+              if s.op != "placeholder" and info.index.get(s) in info.static_reason]
+    for b in LADDER:
+        if b <= budget:
+            break
+        hold = [h for h in normalize_saved(ladder_saved(info, b, opts)) if h.op != "placeholder"]
+        hold = list(dict.fromkeys(hold + pinned))
+        cand = Saved.of(saved, hold=hold)
+        q = model_peak(info.gm, cand, n, info)
+        log(3, f"remat: budget {budget}: hold the budget-{b} set -> modelled peak {q.peak} B "
+               f"(no hold {p.peak} B)")
+        if (q.peak, q.recompute_flops) < best_key:
+            best, best_key = cand, (q.peak, q.recompute_flops)
+    if best.hold is not None:
+        log(3, f"remat: budget {budget}: the backward rebuilds {len(best.hold)} values first "
+               f"(modelled peak {p.peak} -> {best_key[0]} B)")
+    return best

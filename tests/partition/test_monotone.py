@@ -1,0 +1,56 @@
+"""Issue #5: the built-in GPT's peak activation memory is non-increasing as the budget falls 1 -> 0.
+
+Both the measured peak (live storage bytes created by a kiln-compiled training step,
+``kiln.partition.livemem``) and the modelled peak (``peak.model_peak``) are checked over the ladder,
+together with the budget semantics of the saved bytes (PyTorch's: budget 0 saves no activations).
+"""
+import pytest
+import torch
+
+from kiln.bench.peak_sweep import non_increasing, sweep
+
+LADDER = [1.0, 0.8, 0.6, 0.4, 0.2, 0.1, 0.0]
+FULL = [round(1 - i / 10, 1) for i in range(11)]
+
+
+def _check(rows):
+    saved = [r["saved"] for r in rows]
+    measured = [r["measured"] for r in rows]
+    modelled = [r["modelled"] for r in rows]
+    assert non_increasing(saved), saved
+    assert saved[-1] == 0 < saved[0]
+    assert non_increasing(modelled), modelled
+    assert non_increasing(measured), measured
+    # the model is what the solver trusts: it must agree with the measurement
+    for r in rows:
+        assert abs(r["measured"] - r["modelled"]) <= 0.02 * r["measured"], r
+    # the lowest budget really buys memory (it did not before: 0.0 was the highest point on 'cpu')
+    assert measured[-1] < measured[0]
+
+
+def test_gpt_tiny_peak_is_monotone():
+    _check(sweep("tiny", LADDER, device="cpu", steps=1))
+
+
+def test_gpt_cpu_peak_is_monotone_at_the_ends():
+    rows = sweep("cpu", [1.0, 0.5, 0.1, 0.0], device="cpu", steps=1)
+    _check(rows)
+    assert rows[-1]["recompute_flops"] > rows[-2]["recompute_flops"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size,overrides", [("cpu", {}), ("cpu", dict(n_layer=4, n_embd=128, seq=64))])
+def test_gpt_full_ladder(size, overrides):
+    _check(sweep(size, FULL, device="cpu", steps=1, overrides=overrides))
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="issue #5, open: kiln/codegen/schedule.py fuses the backward's "
+                   "second recomputation into the kernels of the first (sibling and producer fusion ignore "
+                   "distance), so it runs early and stays alive: measured 0.385 MiB at budget 0 vs 0.261 at 1")
+def test_gpt_tiny_triton_interpreter(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    rows = sweep("tiny", [1.0, 0.5, 0.0], device="cpu", steps=1, codegen="triton")
+    assert non_increasing([r["modelled"] for r in rows])
+    assert non_increasing([r["measured"] for r in rows], slack=0.05)
