@@ -28,6 +28,7 @@ from kiln.codegen.indexing import (RINDEX, XINDEX, ZERO, Ranges, contiguous_stri
 from kiln.codegen.loops import Pointwise, Reduction, Scatter
 
 MAX_GROUP = 64          # buffers per kernel
+NEAR = 32               # graph nodes between a kernel's members (see Scheduler._far)
 OUTER_MAX = 1 << 18     # a reduction over all rows joins the row kernel up to this many elements
 
 
@@ -350,7 +351,7 @@ class Scheduler:
         return "row"
 
     def _try_join(self, g, buf, cycle=True):
-        if len(g.nodes) >= MAX_GROUP:
+        if len(g.nodes) >= MAX_GROUP or self._far(g, buf):
             return False
         is_red = isinstance(buf.compute, Reduction)
         role = self._role(g, buf)
@@ -374,6 +375,31 @@ class Scheduler:
             g.kind = "reduction"
         self._join(g, buf)
         return True
+
+    def _far(self, g, buf) -> bool:
+        """Joining ``buf`` to ``g`` would compute it far earlier than the graph does. A kernel runs
+        where its first member was, so a far member is computed early and, when stored, stays alive
+        until its use: a far sibling (a kernel that reads the same input) or a far producer pulls a
+        recomputation of the backward's second phase into its first (partition/hold.py), and the
+        recomputed values then live through the whole backward. A consumer may follow its producer
+        member within NEAR graph nodes (row-local chains of any length stay one kernel); a sibling
+        may join only while the kernel spans at most NEAR nodes."""
+        pos = self._fx_position()
+        here = pos.get(buf.node)
+        if here is None:
+            return False
+        names = self.reads[buf]
+        producers = [pos[m.node] for m in g.nodes if m.name in names and m.node in pos]
+        if producers:
+            return here - max(producers) > NEAR
+        span = [pos[m.node] for m in g.nodes if m.node in pos] + [here]
+        return max(span) - min(span) > NEAR
+
+    def _fx_position(self) -> dict:
+        if getattr(self, "_pos", None) is None:
+            graphs = {b.node.graph for b in self.lw.computed if getattr(b, "node", None) is not None}
+            self._pos = {n: i for gr in graphs for i, n in enumerate(gr.nodes)}
+        return self._pos
 
     def _try_merge(self, g, h):
         """Merge group ``h`` into ``g``: join its buffers one by one, then check the whole."""

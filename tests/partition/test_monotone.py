@@ -44,14 +44,15 @@ def test_gpt_full_ladder(size, overrides):
     _check(sweep(size, FULL, device="cpu", steps=1, overrides=overrides))
 
 
-@pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="issue #5, open: with Triton code generation budget 0 still peaks above "
-                   "budget 1 (tiny GPT, interpreter: 0.385 MB vs 0.273 MB; budgets 1 -> 0.1 fall 0.273 -> 0.232). "
-                   "Fusing far siblings into one kernel is one cause (a 32-buffer locality limit in "
-                   "schedule._try_join gave 0.330 MB); the rest is not found yet")
 def test_gpt_tiny_triton_interpreter(monkeypatch):
+    """With Triton code generation the measured peak falls 1 -> 0.1 (0.273 -> 0.232 MB, tiny GPT) and
+    budget 0 stays within 5% of budget 0.1 (0.240 MB: 3.5% above, the one rise left, issue #5). It
+    rose to 0.385 MB before the scheduler stopped fusing far siblings (schedule.Scheduler._far)."""
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    rows = sweep("tiny", [1.0, 0.5, 0.0], device="cpu", steps=1, codegen="triton")
+    rows = sweep("tiny", [1.0, 0.5, 0.1, 0.0], device="cpu", steps=1, codegen="triton")
+    measured = [r["measured"] for r in rows]
     assert non_increasing([r["modelled"] for r in rows])
-    assert non_increasing([r["measured"] for r in rows], slack=0.05)
+    assert non_increasing(measured[:3]), measured
+    assert non_increasing(measured, slack=0.05), measured
+    assert measured[-1] < measured[0]
