@@ -124,7 +124,6 @@ class Graphed:
         self.calls = 0
         self.graph = None
         self.disabled: Optional[str] = None
-        self.prev_ptrs: list = []
         self.out_ptrs: set = set()
 
     # -- helpers ------------------------------------------------------------------------------
@@ -146,8 +145,7 @@ class Graphed:
             return self.compiled(args)
         if self.graph is not None:
             return self._replay(args)
-        if self.calls == 1:
-            self.prev_ptrs = [x.data_ptr() if isinstance(x, torch.Tensor) else None for x in args]
+        if self.calls == 1:   # warm-up: kernels compile, lazy CUDA state is made
             return self.compiled(args)
         return self._capture(args)
 
