@@ -48,6 +48,13 @@ def ladder_saved(info, budget: float, opts) -> list:
     return cache[budget]
 
 
+def saved_bytes(saved) -> int:
+    """Bytes of the distinct storages ``saved`` keeps (graph inputs excluded), as ``Peak.saved``."""
+    from kiln.partition.estimate import size_bytes
+    from kiln.partition.peak import _root
+    return sum(size_bytes(r) for r in {_root(s) for s in normalize_saved(saved) if s.op != "placeholder"})
+
+
 def plan_with_hold(info, saved: List[fx.Node], budget: float, opts) -> Saved:
     """``saved`` with the hold set (or none) of lowest modelled peak; see the module docstring."""
     from kiln.partition.peak import model_peak
@@ -55,11 +62,11 @@ def plan_with_hold(info, saved: List[fx.Node], budget: float, opts) -> Saved:
     plain = Saved.of(saved)
     p = model_peak(info.gm, plain, n, info)
     best, best_key = plain, (p.peak, p.recompute_flops)
-    def plain_peak(b):
-        return model_peak(info.gm, Saved.of(ladder_saved(info, b, opts)), n, info).peak
-
-    if p.peak < plain_peak(LADDER[0]):
-        return plain   # below budget 1's peak: skip the search (budget 1's cut is cached)
+    top = ladder_saved(info, LADDER[0], opts)   # budget 1's cut (cached)
+    # below budget 1's peak: no search. Budget 1's saved bytes bound its peak from below (all of them
+    # are alive when the forward ends), so the peak model of budget 1 is needed only above that bound.
+    if p.peak < saved_bytes(top) or p.peak < model_peak(info.gm, Saved.of(top), n, info).peak:
+        return plain
     pinned = [s for s in normalize_saved(saved)
               if s.op != "placeholder" and info.index.get(s) in info.static_reason]
     for b in LADDER:

@@ -19,6 +19,7 @@ import torch.fx as fx
 from kiln.debug import log
 from kiln.partition import ops
 from kiln.partition.estimate import node_flops, size_bytes
+from kiln.partition.extract import _inputs
 from kiln.options import parse_bytes
 
 
@@ -39,12 +40,19 @@ class Peak:
         return max(self.forward, self.backward)
 
 
+_ROOTS: Dict[fx.Node, fx.Node] = {}   # memo of _root, emptied when each model_peak call ends
+
+
 def _root(n: fx.Node) -> fx.Node:
     """The node owning ``n``'s storage (through views)."""
-    seen = 0
-    while ops.is_view(n) and n.args and isinstance(n.args[0], fx.Node) and seen < 1000:
-        n, seen = n.args[0], seen + 1
-    return n
+    hit = _ROOTS.get(n)
+    if hit is not None:
+        return hit
+    m, seen = n, 0
+    while ops.is_view(m) and m.args and isinstance(m.args[0], fx.Node) and seen < 1000:
+        m, seen = m.args[0], seen + 1
+    _ROOTS[n] = m
+    return m
 
 
 def _replay(order: Sequence[fx.Node], alive_at_start: Dict[fx.Node, int], keep: set) -> int:
@@ -52,9 +60,8 @@ def _replay(order: Sequence[fx.Node], alive_at_start: Dict[fx.Node, int], keep: 
     pos = {n: i for i, n in enumerate(order)}
     last: Dict[fx.Node, int] = {}
     for i, n in enumerate(order):
-        for a in n.all_input_nodes:
-            r = _root(a)
-            last[r] = max(last.get(r, -1), i)
+        for a in _inputs(n):
+            last[_root(a)] = i   # positions increase: the latest use wins
     live = dict(alive_at_start)
     cur = peak = sum(live.values())
     dying: Dict[int, List[fx.Node]] = {}
@@ -131,6 +138,13 @@ def _model_hold(graph, saved, hold, fwd_out, grads, tang, fwd: int) -> Peak:
 def model_peak(joint_gm: fx.GraphModule, saved: Sequence[fx.Node], num_fwd_outputs: int, info=None) -> Peak:
     """Modelled activation peak of forward + backward when ``saved`` is saved (and, when ``saved`` is an
     ``extract.Saved`` with ``hold``, the backward rebuilds ``hold`` first)."""
+    try:
+        return _model_peak(joint_gm, saved, num_fwd_outputs, info)
+    finally:
+        _ROOTS.clear()
+
+
+def _model_peak(joint_gm, saved, num_fwd_outputs, info) -> Peak:
     from kiln.partition.extract import lazy_order, normalize_saved, split_outputs, tangent_closure
     graph = joint_gm.graph
     tang = info.tang if info is not None else tangent_closure(graph)
