@@ -107,6 +107,8 @@ def _lower(gm: fx.GraphModule, inputs: list, opts: Options, trace: Trace, kind: 
     if target == "triton":
         from kiln.codegen.fuse import fuse_graph
         trace.stage(f"fuse_{kind}", fuse_graph, gm, inputs, opts)
+        from kiln.codegen.precompile import warm
+        trace.stage(f"precompile_{kind}", warm, gm, opts)
     wrapper = emit_wrapper(gm, f"{kind}_{trace.id}")
     log(4, f"{kind} wrapper:\n{wrapper.source}")
     for k in wrapper.kernels:

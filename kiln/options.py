@@ -57,6 +57,8 @@ class Options:
     codegen: str = _opt("auto", "kernel target: 'auto' (triton on cuda, aten on cpu), 'aten', 'triton'",
                         ("auto", "aten", "triton"))
     max_autotune: bool = _opt(False, "benchmark launch configurations for generated kernels")
+    compile_workers: int = _opt(-1, "processes compiling Triton kernels before their first launch: "
+                                    "-1 auto (CUDA only), 0 off")
     mode: Optional[str] = _opt(None, "torch.compile mode: None, 'default', 'reduce-overhead', 'max-autotune'",
                                (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"))
     # debugging

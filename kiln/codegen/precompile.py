@@ -1,0 +1,169 @@
+"""Compile a graph's Triton kernels in worker processes before their first launch (CUDA only).
+
+Without this, each kernel compiles when it first launches, one after another in the main process
+(Triton's frontend, MLIR passes and ``ptxas``: a few hundred ms each; GPT-2's two graphs have about
+70 distinct kernels). ``warm(gm, opts)`` runs right after fusion: it replays each new kernel module's
+launcher on the graph's fake inputs to record its launches (``check._record``: argument dtypes,
+integer sizes, block sizes, warps), then calls ``JITFunction.warmup`` for each launch in a pool of
+spawned processes. Warm-up compiles without launching and stores the result in Triton's on-disk
+cache under the key the JIT computes for the real launch (same module text, argument types, 16-byte
+aligned pointers as real tensors are, same integer specialization and options), so the first real
+launch loads it from disk instead of compiling.
+
+It is an optimization only: a kernel that is not warmed (a failure, a timeout, an unusual alignment)
+compiles at its first launch as before. Workers: option ``compile_workers`` (-1: half the CPU cores,
+up to 8, when CUDA is available; 0: off). Launches with symbolic sizes are not warmed.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import importlib.util
+import os
+import sys
+import threading
+import time
+
+import torch
+import torch.fx as fx
+
+from kiln.debug import counters, log
+
+MIN_KERNELS = 4      # fewer new kernels than this: compiling them in place is as fast
+TIMEOUT_S = 60.0     # never wait longer than this for the pool (then the JIT compiles what is left)
+_POOL: list = []     # [executor] once started
+_DONE: set = set()   # kernel names already handed to the pool in this process
+_LOCK = threading.Lock()
+_ENV = ("TRITON_CACHE_DIR", "TRITON_HOME", "KILN_KERNEL_DIR")
+
+
+def n_workers(opts) -> int:
+    """Worker processes to use for ``opts`` (0: precompiling is off)."""
+    n = getattr(opts, "compile_workers", -1)
+    if n is None or n < 0:
+        if not torch.cuda.is_available():
+            return 0
+        n = min(8, max(1, (os.cpu_count() or 2) // 2))
+    return int(n)
+
+
+def _kernel_of(target):
+    k = getattr(target, "kernel", target)   # fallback.KernelCall wraps a kernel.Kernel
+    return k if hasattr(k, "source") and hasattr(k, "interpret") else None
+
+
+def _module_path(k) -> str:
+    """The file the runtime loads ``k``'s module from (kernel._load_module), written if missing."""
+    from kiln.codegen.kernel import cache_dir
+    path = os.path.join(cache_dir(), f"{k.name}.py")
+    if not os.path.exists(path):
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            f.write(k.source)
+        os.replace(tmp, path)
+    return path
+
+
+def _arg(a):
+    if isinstance(a, torch.Tensor):
+        return a.dtype   # warm-up turns a dtype into a mock tensor with an aligned pointer
+    if isinstance(a, bool) or not isinstance(a, int):
+        raise TypeError(type(a).__name__)
+    return int(a)
+
+
+def tasks(gm: fx.GraphModule) -> list:
+    """``(path, module name, kernel name, args, constexprs, warps)`` per launch of the new kernels."""
+    from kiln.codegen import check
+    out = []
+    for node in gm.graph.nodes:
+        k = _kernel_of(node.target) if node.op == "call_function" else None
+        if k is None or k.interpret or k.name in _DONE:
+            continue
+        _DONE.add(k.name)
+        example = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in node.args]
+        if any(isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and
+               any(isinstance(s, torch.SymInt) for s in (*v.shape, *v.stride()))) for v in example):
+            continue
+        try:
+            path = _module_path(k)
+            for fn, args, (xb, rb, warps), _ in check._record(check._exec_compiled(k), example):
+                consts = {"XBLOCK": xb, **({"RBLOCK": rb} if "RBLOCK" in fn.arg_names else {})}
+                out.append((path, f"kiln_kernels.{k.name}", fn.__name__, [_arg(a) for a in args],
+                            consts, warps))
+        except Exception as e:   # nothing to warm for this one: it compiles at its first launch
+            log(2, f"precompile: {k.name} not warmed ({type(e).__name__}: {e})")
+    return out
+
+
+def _warm(task, env) -> bool:
+    """Worker: compile one launch into Triton's cache (no launch)."""
+    path, modname, fn_name, args, consts, warps = task
+    os.environ.update(env)
+    os.environ["TRITON_INTERPRET"] = "0"
+    spec = importlib.util.spec_from_file_location(modname, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    getattr(mod, fn_name).warmup(*args, grid=(1,), num_warps=warps, **consts)
+    return True
+
+
+@contextlib.contextmanager
+def _hidden_main():
+    """Start workers without re-running the user's script: a spawned process imports the parent's
+    ``__main__`` (a training script without an ``if __name__ == "__main__"`` guard would train again
+    in every worker), unless the main module shows neither a file nor a spec while workers start."""
+    main = sys.modules.get("__main__")
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if main is not None and k in main.__dict__}
+    try:
+        if main is not None:
+            main.__dict__.pop("__file__", None)
+            main.__dict__["__spec__"] = None
+        yield
+    finally:
+        if main is not None:
+            main.__dict__.update(saved)
+            if "__spec__" not in saved:
+                main.__dict__.pop("__spec__", None)
+
+
+def _pool(n: int):
+    with _LOCK:
+        if not _POOL:
+            import atexit
+            import multiprocessing as mp
+            _POOL.append(cf.ProcessPoolExecutor(max_workers=n, mp_context=mp.get_context("spawn")))
+            atexit.register(_shutdown)   # before module teardown, or the executor's callbacks complain
+        return _POOL[0]
+
+
+def _shutdown():
+    if _POOL:
+        _POOL.pop().shutdown(wait=False, cancel_futures=True)
+
+
+def warm(gm: fx.GraphModule, opts) -> int:
+    """Precompile the new kernels of fused graph ``gm``; returns how many launches were warmed."""
+    n = n_workers(opts)
+    if n <= 0:
+        return 0
+    todo = tasks(gm)
+    if len({t[1] for t in todo}) < MIN_KERNELS:
+        return 0
+    env = {k: os.environ[k] for k in _ENV if k in os.environ}
+    t0 = time.perf_counter()
+    try:
+        with _hidden_main():   # workers start on demand, at a submit
+            futures = [_pool(n).submit(_warm, t, env) for t in todo]
+    except Exception as e:   # no pool (a sandbox without process spawning): compile at launch
+        log(1, f"precompile: no worker pool ({type(e).__name__}: {e}); kernels compile at first launch")
+        return 0
+    done, _ = cf.wait(futures, timeout=TIMEOUT_S)
+    ok = sum(1 for f in done if f.exception() is None)
+    for f in done:
+        if f.exception() is not None:
+            log(2, f"precompile: a launch was not warmed ({f.exception()})")
+    counters["codegen"]["precompiled"] += ok
+    log(1, f"precompile: {ok}/{len(todo)} launches of {len({t[1] for t in todo})} kernels compiled on "
+           f"{n} workers in {time.perf_counter() - t0:.1f} s")
+    return ok
