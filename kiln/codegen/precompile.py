@@ -5,7 +5,7 @@ Without this, each kernel compiles when it first launches, one after another in 
 70 distinct kernels). ``warm(gm, opts)`` runs right after fusion: it replays each new kernel module's
 launcher on the graph's fake inputs to record its launches (``check._record``: argument dtypes,
 integer sizes, block sizes, warps), then calls ``JITFunction.warmup`` for each launch in a pool of
-spawned processes. Warm-up compiles without launching and stores the result in Triton's on-disk
+spawned processes, which know the GPU target but open no CUDA context (``target_only_driver``). Warm-up compiles without launching and stores the result in Triton's on-disk
 cache under the key the JIT computes for the real launch (same module text, argument types, 16-byte
 aligned pointers as real tensors are, same integer specialization and options), so the first real
 launch loads it from disk instead of compiling.
@@ -96,11 +96,47 @@ def tasks(gm: fx.GraphModule) -> list:
     return out
 
 
-def _warm(task, env) -> bool:
+def target_only_driver(target):
+    """A Triton driver that knows the GPU target and nothing else: enough for ``JITFunction.warmup``
+    (device 0, stream 0, ``target``), so workers compile without opening a CUDA context (which costs
+    hundreds of MB of GPU memory per process)."""
+    from triton.backends.nvidia.driver import CudaDriver
+
+    class TargetOnly(CudaDriver):
+        def __init__(self):
+            pass
+
+        def get_current_target(self):
+            return target
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_active_torch_device(self):
+            return torch.device("cuda", 0)
+    return TargetOnly()
+
+
+def _current_target():
+    """``(backend, arch, warp_size)`` of the active Triton driver (the GPU kiln compiles for)."""
+    from triton.runtime.driver import driver
+    t = driver.active.get_current_target()
+    return (t.backend, t.arch, t.warp_size)
+
+
+def _warm(task, env, target=None) -> bool:
     """Worker: compile one launch into Triton's cache (no launch)."""
     path, modname, fn_name, args, consts, warps = task
     os.environ.update(env)
     os.environ["TRITON_INTERPRET"] = "0"
+    if target is not None:
+        from triton.backends.compiler import GPUTarget
+        from triton.runtime.driver import driver
+        if driver._active is None:
+            driver.set_active(target_only_driver(GPUTarget(*target)))
     spec = importlib.util.spec_from_file_location(modname, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -153,10 +189,11 @@ def warm(gm: fx.GraphModule, opts) -> int:
     env = {k: os.environ[k] for k in _ENV if k in os.environ}
     t0 = time.perf_counter()
     try:
+        target = _current_target()
         with _hidden_main():   # workers start on demand, at a submit
-            futures = [_pool(n).submit(_warm, t, env) for t in todo]
-    except Exception as e:   # no pool (a sandbox without process spawning): compile at launch
-        log(1, f"precompile: no worker pool ({type(e).__name__}: {e}); kernels compile at first launch")
+            futures = [_pool(n).submit(_warm, t, env, target) for t in todo]
+    except Exception as e:   # no GPU target, no pool (a sandbox without spawning): compile at launch
+        log(1, f"precompile: not started ({type(e).__name__}: {e}); kernels compile at first launch")
         return 0
     done, _ = cf.wait(futures, timeout=TIMEOUT_S)
     ok = sum(1 for f in done if f.exception() is None)

@@ -28,29 +28,11 @@ pytestmark = pytest.mark.skipif(_toolchain_missing() is not None, reason=str(_to
 @pytest.fixture
 def sm90_driver(monkeypatch, tmp_path):
     from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.driver import CudaDriver
     from triton.runtime.driver import driver
-
-    class StandIn(CudaDriver):
-        def __init__(self):   # no CUDA runtime to open
-            pass
-
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
-
-        def get_current_device(self):
-            return 0
-
-        def get_current_stream(self, device=None):
-            return 0
-
-        def get_active_torch_device(self):
-            return torch.device("cuda", 0)
-
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    saved = driver.active if driver._active is not None else None
-    driver.set_active(StandIn())
+    saved = driver._active
+    driver.set_active(precompile.target_only_driver(GPUTarget("cuda", 90, 32)))
     yield tmp_path / "triton"
     driver._active = saved
 
@@ -81,7 +63,13 @@ def test_warmed_launches_are_the_runtime_launches(sm90_driver):
         assert precompile._warm(t, {})
     warmed = _entries(sm90_driver)
     assert warmed >= len({t[1] for t in todo})
-    # the runtime's first launch: the same module file, real aligned tensors, launch.py's keywords
+    _launch_like_runtime(todo)
+    assert _entries(sm90_driver) == warmed   # every launch hit what the workers compiled
+
+
+def _launch_like_runtime(todo):
+    """The runtime's first launch of each task: the same module file, real 16-byte aligned tensors,
+    launch.py's keywords (compiled, not launched: there is no GPU)."""
     import importlib.util
     for path, modname, fn_name, args, consts, warps in todo:
         spec = importlib.util.spec_from_file_location(modname + "_runtime", path)
@@ -90,19 +78,33 @@ def test_warmed_launches_are_the_runtime_launches(sm90_driver):
         real = [torch.empty(64, dtype=a) if isinstance(a, torch.dtype) else a for a in args]
         assert all(r.data_ptr() % 16 == 0 for r in real if isinstance(r, torch.Tensor))
         getattr(mod, fn_name).warmup(*real, grid=(1,), num_warps=warps, **consts)
-    assert _entries(sm90_driver) == warmed   # every launch hit what the workers compiled
 
 
-def test_no_gpu_no_workers_and_failures_are_harmless(monkeypatch):
+def test_pool_compiles_for_the_runtime(sm90_driver, monkeypatch):
+    """warm() end to end: spawned workers (given the parent's target, no CUDA) fill the cache the
+    runtime's launches then hit."""
+    gm = _fused_cuda_graph()
+    precompile._DONE.clear()
+    monkeypatch.setattr(precompile, "MIN_KERNELS", 1)
+    todo = precompile.tasks(gm)
+    precompile._DONE.clear()
+    assert precompile.warm(gm, Options(compile_workers=2)) == len(todo) > 0
+    warmed = _entries(sm90_driver)
+    assert warmed >= len({t[1] for t in todo})
+    _launch_like_runtime(todo)
+    assert _entries(sm90_driver) == warmed
+
+
+def test_no_target_no_precompile(monkeypatch):
+    """Without a GPU target (this CPU machine, no stand-in driver) warm() starts nothing, raises
+    nothing, and kernels compile at their first launch as before."""
     if not torch.cuda.is_available():
         assert precompile.n_workers(Options()) == 0
     assert precompile.n_workers(Options(compile_workers=0)) == 0
     gm = _fused_cuda_graph()
     precompile._DONE.clear()
     monkeypatch.setattr(precompile, "MIN_KERNELS", 1)
-    # spawned workers have no CUDA driver here, so every compile fails: warm() reports 0, raises nothing
     assert precompile.warm(gm, Options(compile_workers=1)) == 0
-    assert precompile._POOL   # the pool was really started
 
 
 def test_workers_do_not_rerun_an_unguarded_user_script(tmp_path):
@@ -116,12 +118,17 @@ def test_workers_do_not_rerun_an_unguarded_user_script(tmp_path):
         "import sys\n"
         f"sys.path.insert(0, {root!r})\n"
         "print('SCRIPT RUNS', flush=True)\n"
+        "from triton.backends.compiler import GPUTarget\n"
+        "from triton.runtime.driver import driver\n"
         "from kiln.codegen import precompile\n"
         "from kiln.options import Options\n"
         "import tests.codegen.test_precompile as T\n"
+        "driver.set_active(precompile.target_only_driver(GPUTarget('cuda', 90, 32)))\n"
         "precompile.MIN_KERNELS = 1\n"
         "print('warmed', precompile.warm(T._fused_cuda_graph(), Options(compile_workers=2)), flush=True)\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_CACHE_DIR": str(tmp_path / "triton")}
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout
+                         env=env).stdout
     assert out.count("SCRIPT RUNS") == 1, out
-    assert "warmed 0" in out, out
+    warmed = int(out.split("warmed")[1].split()[0])
+    assert warmed > 0, out   # the workers did start (and compiled)
