@@ -21,6 +21,7 @@ import tempfile
 import torch
 
 BACKENDS = ("eager", "inductor", "kiln", "inductor-cg", "kiln-cg")
+FRESH_ROOT = "KILN_BENCH_FRESH_ROOT"   # set by fresh_caches: rows make their own cache dirs under it
 
 
 class UnknownBackendError(ValueError):
@@ -55,12 +56,38 @@ def compile_model(backend: str, model, options=None, budget=None):
     raise UnknownBackendError(f"unknown backend {backend!r}; choose from {list(BACKENDS)}")
 
 
+@contextlib.contextmanager
 def scope(backend: str, budget=None):
-    """Context in force while ``backend`` compiles and runs (Inductor reads its budget from functorch)."""
-    if backend.startswith("inductor") and budget is not None:
-        import torch._functorch.config as fconfig
-        return fconfig.patch(activation_memory_budget=budget)
-    return contextlib.nullcontext()
+    """Context in force while ``backend`` compiles and runs: Inductor reads its budget from functorch;
+    under ``fresh_caches`` each compiled row gets its own empty Triton and kiln kernel directories, and
+    kiln forgets the kernels it compiled for earlier rows, so that every row's cold compile is cold
+    (Inductor's in-process caches cannot be reset from here: its later rows may be warmer)."""
+    with contextlib.ExitStack() as stack:
+        if backend.startswith("inductor") and budget is not None:
+            import torch._functorch.config as fconfig
+            stack.enter_context(fconfig.patch(activation_memory_budget=budget))
+        root = os.environ.get(FRESH_ROOT)
+        if root and backend != "eager":
+            stack.enter_context(_env(TRITON_CACHE_DIR=tempfile.mkdtemp(prefix="triton-", dir=root),
+                                     KILN_KERNEL_DIR=tempfile.mkdtemp(prefix="kernels-", dir=root)))
+            if backend.startswith("kiln"):
+                from kiln.codegen import kernel
+                kernel.reset()
+        yield
+
+
+@contextlib.contextmanager
+def _env(**values):
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def versions() -> dict:
@@ -141,7 +168,7 @@ def fresh_caches(enabled: bool = True):
     if not enabled:
         yield None
         return
-    names = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "KILN_CACHE_DIR")
+    names = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "KILN_CACHE_DIR", FRESH_ROOT)
     saved = {n: os.environ.get(n) for n in names}
     root = tempfile.mkdtemp(prefix="kiln-bench-")
     ind = os.path.join(root, "inductor")
@@ -158,6 +185,7 @@ def fresh_caches(enabled: bool = True):
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = ind
     os.environ["TRITON_CACHE_DIR"] = os.path.join(root, "triton")
     os.environ["KILN_CACHE_DIR"] = os.path.join(root, "kiln")
+    os.environ[FRESH_ROOT] = root
     try:
         yield root
     finally:

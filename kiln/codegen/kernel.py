@@ -96,6 +96,17 @@ def _load_module(name, source, interpret):
     return mod
 
 
+def reset() -> None:
+    """Forget every kernel this process loaded or compiled (the next compile is cold): the module
+    cache, the launch caches and the set of precompiled kernels. Compiled functions that exist keep
+    their kernels."""
+    from kiln.codegen import launch, precompile
+    with _LOCK:
+        _CACHE.clear()
+    for table in (launch._COMPILED, launch._SITES, launch._TUNED, precompile._DONE):
+        table.clear()
+
+
 def kernel_for(text: str, kind: str, interpret: bool, n_outputs: int) -> Kernel:
     """The cached Kernel for module ``text`` (whose kernel is named ``PLACEHOLDER``)."""
     digest = hashlib.sha256(text.encode()).hexdigest()[:12]
