@@ -237,7 +237,8 @@ class Graphed:
                 out.append(s[1])
                 continue
             kind, key, off, size, stride, dtype = s
-            t = torch.empty((0,), dtype=dtype, device="cuda").set_(self.storages[key], off, size, stride)
+            st = self.storages[key]
+            t = torch.empty((0,), dtype=dtype, device=st.device).set_(st, off, size, stride)
             out.append(t.clone() if kind == "user" and self.clone_user else t)
         return out[0] if self.single else out
 
