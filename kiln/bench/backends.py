@@ -78,6 +78,7 @@ def scope(backend: str, budget=None):
 
 @contextlib.contextmanager
 def _env(**values):
+    """Set environment variables for the scope, restoring (or removing) them afterwards."""
     saved = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
     try:
@@ -168,8 +169,6 @@ def fresh_caches(enabled: bool = True):
     if not enabled:
         yield None
         return
-    names = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "KILN_CACHE_DIR", FRESH_ROOT)
-    saved = {n: os.environ.get(n) for n in names}
     root = tempfile.mkdtemp(prefix="kiln-bench-")
     ind = os.path.join(root, "inductor")
     try:
@@ -182,16 +181,9 @@ def fresh_caches(enabled: bool = True):
             os.symlink(pch, os.path.join(ind, "precompiled_headers"))
     except Exception:
         os.makedirs(ind, exist_ok=True)
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = ind
-    os.environ["TRITON_CACHE_DIR"] = os.path.join(root, "triton")
-    os.environ["KILN_CACHE_DIR"] = os.path.join(root, "kiln")
-    os.environ[FRESH_ROOT] = root
     try:
-        yield root
+        with _env(TORCHINDUCTOR_CACHE_DIR=ind, TRITON_CACHE_DIR=os.path.join(root, "triton"),
+                  KILN_CACHE_DIR=os.path.join(root, "kiln"), **{FRESH_ROOT: root}):
+            yield root
     finally:
-        for n, v in saved.items():
-            if v is None:
-                os.environ.pop(n, None)
-            else:
-                os.environ[n] = v
         shutil.rmtree(root, ignore_errors=True)
