@@ -1,7 +1,8 @@
 """kiln's pipeline, top to bottom.
 
 Dynamo graph -> pre-grad passes -> [freezing] -> AOTAutograd (kiln's decompositions) -> joint passes ->
-partition -> post-grad passes on forward and backward -> fusion (Triton target) -> Python wrapper -> runtime.
+[channels-last, Triton target] -> partition -> post-grad passes on forward and backward -> fusion and
+kernel precompile (Triton target) -> Python wrapper -> runtime [-> CUDA graphs, mode="reduce-overhead"].
 
 Each step runs through ``Trace.stage``, which times it, prints it (KILN_DEBUG), verifies it and dumps
 it (KILN_DUMP). Inference under ``torch.no_grad()`` takes AOTAutograd's inference path: the joint passes
