@@ -172,10 +172,11 @@ class Graphed:
         user_ptrs = {x.untyped_storage().data_ptr() for i, x in enumerate(orig)
                      if isinstance(x, torch.Tensor) and i not in copies}
         args.clear()
-        torch.cuda.synchronize()
+        dev = next((x.device for x in orig if isinstance(x, torch.Tensor)), None)
+        torch.cuda.synchronize(dev)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self.pool.ensure()):
+            with torch.cuda.device(dev), torch.cuda.graph(graph, pool=self.pool.ensure()):
                 outs = self.compiled(inputs)
         except Exception as e:  # capture-unsafe op (host sync, CPU copy, ...): run normally from now on
             self._disable(f"capture failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
@@ -289,5 +290,6 @@ def wrap(compiled, example_inputs, *, kind: str, n_user: int, mutated: set, pool
         meta = getattr(ctx, "fw_metadata", None) if ctx is not None else None
         static = set(getattr(meta, "static_input_indices", None) or ())
     n_user = {"inference": 1 << 30, "forward": n_user, "backward": 0}[kind]
-    return Graphed(compiled, name=compiled.name, pool=pool or device_pool(), static=static,
-                   mutated=mutated, n_user=n_user)
+    dev = next((x.device for x in example_inputs if isinstance(x, torch.Tensor)), None)
+    return Graphed(compiled, name=compiled.name, pool=pool or device_pool(dev.index if dev else None),
+                   static=static, mutated=mutated, n_user=n_user)
