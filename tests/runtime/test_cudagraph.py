@@ -145,3 +145,15 @@ def test_dropout_is_not_captured():
     outs = [f(x) for _ in range(4)]
     assert not torch.equal(outs[2], outs[3])                 # fresh masks every call
     assert counters["cudagraph"]["refused"] >= 1
+
+
+def test_pool_holds_graphs_weakly():
+    """A pool does not keep a dead compiled function's graph (and its reserved memory) alive."""
+    import gc
+    pool = cudagraph.Pool()
+    g = cudagraph.Graphed(lambda args: args, name="g", pool=pool, static=set(), mutated=set(), n_user=0)
+    pool.add(g)
+    assert pool.graphs == [g]
+    del g
+    gc.collect()
+    assert pool.graphs == []
