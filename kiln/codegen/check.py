@@ -71,18 +71,26 @@ def _record(mod, example_args):
     def fake_launch(fn, args, grid, consts, warps):   # a launch fixed at generation time
         launches.append((fn, args, (consts[0], consts[-1] if len(consts) > 1 else 1, warps), {}))
 
-    saved = launch.run, launch.launch, launch.seed
-    launch.run, launch.launch, launch.seed = fake_run, fake_launch, (lambda: 12345)
-    try:
-        mode = next((a.fake_mode for a in example_args if hasattr(a, "fake_mode")), None)
-        if mode is None:   # a kernel without tensor inputs still allocates CUDA outputs
-            from torch._subclasses.fake_tensor import FakeTensorMode
-            mode = FakeTensorMode(allow_non_fake_inputs=True)
-        with mode:
-            mod.call(*example_args)
-    finally:
-        launch.run, launch.launch, launch.seed = saved
+    # ``mod`` is a private copy of the module: only its own ``launch`` name is replaced, so kernels
+    # launching meanwhile on other threads (a backward compiling while another runs) are untouched
+    mod.launch = _Recorder(run=fake_run, launch=fake_launch, seed=lambda: 12345)
+    mode = next((a.fake_mode for a in example_args if hasattr(a, "fake_mode")), None)
+    if mode is None:   # a kernel without tensor inputs still allocates CUDA outputs
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        mod.call(*example_args)
     return launches
+
+
+class _Recorder:
+    """``kiln.codegen.launch`` with ``run``, ``launch`` and ``seed`` replaced."""
+
+    def __init__(self, **overrides):
+        self.__dict__.update(overrides)
+
+    def __getattr__(self, name):
+        return getattr(launch, name)
 
 
 def compile_for_target(kernel, example_args, arch: int = 90) -> None:
