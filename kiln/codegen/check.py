@@ -9,7 +9,6 @@ for ``GPUTarget('cuda', arch, 32)``.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import torch
@@ -29,19 +28,11 @@ class TargetCompileError(RuntimeError):
 
 def _exec_compiled(kernel):
     """The kernel's module executed with ``@triton.jit`` building compiled (not interpreted) kernels."""
-    from kiln.codegen.kernel import cache_dir, interpret_mode
-    d = os.path.join(cache_dir(), "check")   # @triton.jit reads the source back from the file
+    from kiln.codegen.kernel import cache_dir, import_file, module_file
+    d = os.path.join(cache_dir(), "check")
     os.makedirs(d, exist_ok=True)
-    path = os.path.join(d, f"{kernel.name}.py")
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        f.write(kernel.source)
-    os.replace(tmp, path)
-    spec = importlib.util.spec_from_file_location(f"kiln_check.{kernel.name}", path)
-    mod = importlib.util.module_from_spec(spec)
-    with interpret_mode(False):
-        spec.loader.exec_module(mod)
-    return mod
+    path = module_file(kernel.name, kernel.source, d, overwrite=True)
+    return import_file(f"kiln_check.{kernel.name}", path, interpret=False)
 
 
 def _sig(v):

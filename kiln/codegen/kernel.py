@@ -78,21 +78,35 @@ class Kernel:
         return f"<kiln kernel {self.name}>"
 
 
-def _load_module(name, source, interpret):
-    path = os.path.join(cache_dir(), f"{name}.py")
-    if not os.path.exists(path):
+def module_file(name: str, source: str, directory=None, overwrite: bool = False) -> str:
+    """The path of kernel module ``name`` (``@triton.jit`` reads its source back from the file),
+    written atomically unless it exists and ``overwrite`` is off."""
+    path = os.path.join(directory or cache_dir(), f"{name}.py")
+    if overwrite or not os.path.exists(path):
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
             f.write(source)
         os.replace(tmp, path)
-    spec = importlib.util.spec_from_file_location(f"kiln_kernels.{name}", path)
+    return path
+
+
+def import_file(modname: str, path: str, interpret: bool):
+    """A new module object executed from ``path`` (not registered in ``sys.modules``), with
+    ``@triton.jit`` building interpreter (True) or compiled (False) kernels."""
+    spec = importlib.util.spec_from_file_location(modname, path)
     mod = importlib.util.module_from_spec(spec)
+    with interpret_mode(interpret):
+        spec.loader.exec_module(mod)
+    return mod
+
+
+def _load_module(name, source, interpret):
+    path = module_file(name, source)
     try:
-        with interpret_mode(interpret):
-            spec.loader.exec_module(mod)
+        mod = import_file(f"kiln_kernels.{name}", path, interpret)
     except Exception as e:
         raise KernelLoadError(f"codegen: kernel {name} failed to load ({e}); see {path}") from e
-    sys.modules[spec.name] = mod
+    sys.modules[mod.__name__] = mod
     return mod
 
 

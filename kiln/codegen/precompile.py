@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
-import importlib.util
 import os
 import sys
 import threading
@@ -52,18 +51,6 @@ def _kernel_of(target):
     return k if hasattr(k, "source") and hasattr(k, "interpret") else None
 
 
-def _module_path(k) -> str:
-    """The file the runtime loads ``k``'s module from (kernel._load_module), written if missing."""
-    from kiln.codegen.kernel import cache_dir
-    path = os.path.join(cache_dir(), f"{k.name}.py")
-    if not os.path.exists(path):
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            f.write(k.source)
-        os.replace(tmp, path)
-    return path
-
-
 def _arg(a):
     if isinstance(a, torch.Tensor):
         return a.dtype   # warm-up turns a dtype into a mock tensor with an aligned pointer
@@ -75,6 +62,7 @@ def _arg(a):
 def tasks(gm: fx.GraphModule) -> list:
     """``(path, module name, kernel name, args, constexprs, warps)`` per launch of the new kernels."""
     from kiln.codegen import check
+    from kiln.codegen.kernel import module_file
     out = []
     for node in gm.graph.nodes:
         k = _kernel_of(node.target) if node.op == "call_function" else None
@@ -86,7 +74,7 @@ def tasks(gm: fx.GraphModule) -> list:
                any(isinstance(s, torch.SymInt) for s in (*v.shape, *v.stride()))) for v in example):
             continue
         try:
-            path = _module_path(k)
+            path = module_file(k.name, k.source)   # the file the runtime loads (kernel._load_module)
             for fn, args, (xb, rb, warps), _ in check._record(check._exec_compiled(k), example):
                 consts = {"XBLOCK": xb, **({"RBLOCK": rb} if "RBLOCK" in fn.arg_names else {})}
                 out.append((path, f"kiln_kernels.{k.name}", fn.__name__, [_arg(a) for a in args],
@@ -130,16 +118,14 @@ def _current_target():
 def _warm(task, env, target=None) -> bool:
     """Worker: compile one launch into Triton's cache (no launch)."""
     path, modname, fn_name, args, consts, warps = task
+    from kiln.codegen.kernel import import_file
     os.environ.update(env)
-    os.environ["TRITON_INTERPRET"] = "0"
     if target is not None:
         from triton.backends.compiler import GPUTarget
         from triton.runtime.driver import driver
         if driver._active is None:
             driver.set_active(target_only_driver(GPUTarget(*target)))
-    spec = importlib.util.spec_from_file_location(modname, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = import_file(modname, path, interpret=False)
     getattr(mod, fn_name).warmup(*args, grid=(1,), num_warps=warps, **consts)
     return True
 
