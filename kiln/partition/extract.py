@@ -321,14 +321,11 @@ def extract(joint_gm: fx.GraphModule, saved: Iterable[fx.Node], *, num_fwd_outpu
     # Drop saved values the backward does not use.
     roots = [o for o in bwd_out if isinstance(o, fx.Node)] + [n for n in tang if is_impure(n)]
     if hold is not None:  # the backward rebuilds ``hold``: it uses what hold_steps reads at its start
-        hold_roots = roots
         nodes = [n for n in joint.nodes if n.op != "output"]
         steps = hold_steps(nodes, saved, hold, roots, tang)
         start = {a for _, _, ins in steps for a, k in ins.items() if k[1] == 0}
         start |= {o for o in roots if o not in phase_key(steps)}
-        saved = order([n for n in start if n not in set(bwd_in)])
-        saved = normalize_saved(saved)
-        saved = order(saved)
+        saved = order(normalize_saved(start - set(bwd_in)))
     else:
         need = _ancestors(roots, set(saved) | set(bwd_in))
         saved = order([n for n in saved if n in need])
@@ -337,7 +334,7 @@ def extract(joint_gm: fx.GraphModule, saved: Iterable[fx.Node], *, num_fwd_outpu
     tensors, syms = [n for n in saved if not is_sym(n)], [n for n in saved if is_sym(n)]
 
     if hold is not None:
-        bw = _hold_subgraph(joint, syms + tensors + bwd_in, bwd_out, hold_roots, hold, tang)
+        bw = _hold_subgraph(joint, syms + tensors + bwd_in, bwd_out, roots, hold, tang)
     else:
         bw = _subgraph(joint, syms + tensors + bwd_in, bwd_out, in_bw, "backward", anchors=tang)
     fw = _subgraph(joint, fwd_in, list(fwd_out) + tensors + syms, in_fw, "forward")

@@ -17,15 +17,17 @@ then run as the backward of a partition that saved ``H`` (phase 2: recompute fro
 ``extract.hold_steps``). The candidates for ``H`` are the saved sets the same joint graph gets at the
 higher budgets of the ladder 0.1, 0.2, ..., 1.0 (plus the values that can never be recomputed); the
 plan keeps the candidate (or no hold) with the lowest modelled peak, ties going to fewer recompute
-FLOPs, so a hold is used only when the model says it lowers the peak. The search (a min-cut per rung)
-runs only when the plain plan's modelled peak is not below budget 1's, the pathology above; a plan
-below it is kept as is, which keeps the common case cheap on big graphs (budget 1's cut is cached, so
-the check costs one peak model). Between two budgets below 1 the curve is then not guaranteed
-non-increasing by construction; tests/partition/test_monotone.py measures it on the built-in GPT. Phase 2 with ``H = S_b'`` is
-the backward of budget ``b'``, so the modelled peak at ``b`` is at most that of ``b'`` unless phase 1
-(``S_b`` plus the rerun forward, bounded by the forward of ``b'``) is higher: that is what makes the
-curve non-increasing on the ladder. The price is recompute: values phase 2 needs that ``H`` does not
-hold run twice (a forward's worth of extra FLOPs at most, counted in ``Peak.recompute_flops``).
+FLOPs, so a hold is used only when the model says it lowers the peak. Phase 2 with ``H = S_b'`` is
+the backward of budget ``b'``, so a searched plan's modelled peak at ``b`` is at most that of ``b'``
+unless phase 1 (``S_b`` plus the rerun forward, bounded by the forward of ``b'``) is higher. The price
+is recompute: values phase 2 needs that ``H`` does not hold run twice (a forward's worth of extra
+FLOPs at most, counted in ``Peak.recompute_flops``).
+
+The search (a min-cut per rung) runs only when the plain plan's modelled peak is not below budget 1's,
+the pathology above; a plan below it is kept as is, which keeps the common case cheap on big graphs
+(budget 1's cut is cached, and its saved bytes bound its peak from below, so the check usually costs
+no peak model). Between two budgets below 1 the curve is therefore not non-increasing by
+construction; tests/partition/test_monotone.py measures it on the built-in GPT.
 """
 from __future__ import annotations
 
@@ -48,16 +50,9 @@ def ladder_saved(info, budget: float, opts) -> list:
     return cache[budget]
 
 
-def saved_bytes(saved) -> int:
-    """Bytes of the distinct storages ``saved`` keeps (graph inputs excluded), as ``Peak.saved``."""
-    from kiln.partition.estimate import size_bytes
-    from kiln.partition.peak import _root
-    return sum(size_bytes(r) for r in {_root(s) for s in normalize_saved(saved) if s.op != "placeholder"})
-
-
 def plan_with_hold(info, saved: List[fx.Node], budget: float, opts) -> Saved:
     """``saved`` with the hold set (or none) of lowest modelled peak; see the module docstring."""
-    from kiln.partition.peak import model_peak
+    from kiln.partition.peak import model_peak, saved_bytes
     n = info.num_fwd_outputs
     plain = Saved.of(saved)
     p = model_peak(info.gm, plain, n, info)
@@ -65,7 +60,7 @@ def plan_with_hold(info, saved: List[fx.Node], budget: float, opts) -> Saved:
     top = ladder_saved(info, LADDER[0], opts)   # budget 1's cut (cached)
     # below budget 1's peak: no search. Budget 1's saved bytes bound its peak from below (all of them
     # are alive when the forward ends), so the peak model of budget 1 is needed only above that bound.
-    if p.peak < saved_bytes(top) or p.peak < model_peak(info.gm, Saved.of(top), n, info).peak:
+    if p.peak < saved_bytes(normalize_saved(top)) or p.peak < model_peak(info.gm, Saved.of(top), n, info).peak:
         return plain
     pinned = [s for s in normalize_saved(saved)
               if s.op != "placeholder" and info.index.get(s) in info.static_reason]

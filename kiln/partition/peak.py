@@ -55,6 +55,11 @@ def _root(n: fx.Node) -> fx.Node:
     return m
 
 
+def saved_bytes(saved: Sequence[fx.Node]) -> int:
+    """Bytes of the distinct storages ``saved`` keeps, graph inputs excluded (``Peak.saved``)."""
+    return sum(size_bytes(r) for r in {_root(s) for s in saved if s.op != "placeholder"})
+
+
 def _replay(order: Sequence[fx.Node], alive_at_start: Dict[fx.Node, int], keep: set) -> int:
     """Peak live bytes running ``order``; ``keep`` roots never die within the phase."""
     pos = {n: i for i, n in enumerate(order)}
@@ -131,8 +136,7 @@ def _model_hold(graph, saved, hold, fwd_out, grads, tang, fwd: int) -> Peak:
     keep = {last.get(_root(g), (_root(g), 0)) for g in grads if isinstance(g, fx.Node)}
     bwd = _replay_steps(steps, start, keep)
     flops = sum(node_flops(n) for _, n, _ in steps if n not in tang)
-    saved_roots = {_root(s) for s in saved if s.op != "placeholder"}
-    return Peak(fwd, bwd, sum(size_bytes(r) for r in saved_roots), flops)
+    return Peak(fwd, bwd, saved_bytes(saved), flops)
 
 
 def model_peak(joint_gm: fx.GraphModule, saved: Sequence[fx.Node], num_fwd_outputs: int, info=None) -> Peak:

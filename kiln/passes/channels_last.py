@@ -166,10 +166,9 @@ def to_channels_last(gm: fx.GraphModule) -> int:
 
 # -- reductions over N, H, W of a channels-last tensor (batch norm's statistics and its backward) --------
 prims = torch.ops.prims
-REDUCTIONS = {aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default,
-              aten.var_mean.correction, aten.var.correction,
-              prims.sum.default, prims.var.default, prims.amax.default, prims.amin.default}
 PRIM_REDUCTIONS = {prims.sum.default, prims.var.default, prims.amax.default, prims.amin.default}  # no keepdim
+REDUCTIONS = {aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default,
+              aten.var_mean.correction, aten.var.correction} | PRIM_REDUCTIONS
 TO_NHWC, TO_NCHW = [0, 2, 3, 1], [0, 3, 1, 2]
 NHWC_POS = {0: 0, 2: 1, 3: 2, 1: 3}   # NCHW dim -> its position in the NHWC view
 
