@@ -52,6 +52,7 @@ class Trace:
         t0, c0 = time.perf_counter(), time.process_time()
         result = fn(*args, **kwargs)
         ms, cpu = (time.perf_counter() - t0) * 1e3, (time.process_time() - c0) * 1e3
+        counters["stage_ms"][name] += ms
         log(1, f"{self.kind}_{self.id} stage {name}: {ms:.1f} ms (cpu {cpu:.1f} ms)")
         if isinstance(result, int) and args:  # an in-place pass returns its change count
             self.show(name, args[0], note=f"{result} changed")

@@ -54,6 +54,55 @@ class GcClock:
         return False
 
 
+class CompileClock:
+    """Where a cold compile's time goes, for the bench row: kiln's pipeline stages (``stage_ms``
+    counters, seconds by stage) and Triton compilations in this process (``hits``: loaded from
+    Triton's disk cache, e.g. what precompile workers wrote; ``misses``: compiled here, with their
+    seconds). Chains any compilation listener already installed."""
+
+    def __enter__(self):
+        from kiln.debug import counters
+        self.stages0 = dict(counters["stage_ms"])
+        self.hits = self.misses = 0
+        self.miss_s = 0.0
+        try:
+            import triton
+            self._knobs = triton.knobs.compilation
+        except (ImportError, AttributeError):   # no Triton, or one without knobs: stages only
+            self._knobs = None
+            return self
+        self._prev = self._knobs.listener
+        self._knobs.listener = self._listen
+        return self
+
+    def _listen(self, src=None, metadata=None, metadata_group=None, times=None, cache_hit=False, **kw):
+        if cache_hit:
+            self.hits += 1
+        else:
+            self.misses += 1
+            self.miss_s += getattr(times, "total", 0) / 1e6
+        if self._prev is not None:
+            self._prev(src=src, metadata=metadata, metadata_group=metadata_group, times=times,
+                       cache_hit=cache_hit, **kw)
+
+    def __exit__(self, *exc):
+        from kiln.debug import counters
+        if self._knobs is not None:
+            self._knobs.listener = self._prev
+        groups: dict = {}
+        for name, ms in counters["stage_ms"].items():
+            d = ms - self.stages0.get(name, 0.0)
+            if d > 0:
+                key = name.rsplit("_", 1)[0] if name.endswith(("_forward", "_backward")) else name
+                groups[key] = groups.get(key, 0.0) + d / 1e3
+        self.stage_s = {k: round(v, 2) for k, v in sorted(groups.items(), key=lambda kv: -kv[1])}
+        return False
+
+    def summary(self) -> dict:
+        return {"triton_hits": self.hits, "triton_misses": self.misses,
+                "triton_compile_s": round(self.miss_s, 2), "kiln_stage_s": self.stage_s}
+
+
 def step_times(step, device: str, warmup: int = 3, min_iters: int = 5, max_iters: int = 100,
                min_time: float = 0.5, clock: "GcClock | None" = None) -> list:
     """Milliseconds of each measured step: at least ``min_iters`` and until ``min_time`` seconds

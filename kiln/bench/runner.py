@@ -15,6 +15,7 @@ import torch
 
 from kiln.bench import backends as B
 from kiln.bench import measure as M
+from kiln.debug import log
 
 
 @dataclass
@@ -81,10 +82,13 @@ def measure_backend(case, wl_pristine, ref, backend, budget, cfg: RunConfig, ref
             torch._dynamo.reset()
             g0, b0 = _dynamo_counts()
             f = B.compile_model(backend, wl.model, case.options, budget)
-            got, cold = M.timed(lambda: wl.check(f), cfg.device)
+            with M.CompileClock() as cc:
+                got, cold = M.timed(lambda: wl.check(f), cfg.device)
             if backend != "eager":
                 g1, b1 = _dynamo_counts()
-                row.update(compile_s=cold, graphs=g1 - g0, graph_breaks=b1 - b0)
+                row.update(compile_s=cold, graphs=g1 - g0, graph_breaks=b1 - b0, **cc.summary())
+                log(1, f"bench: {case.name} {backend} cold compile {cold:.1f} s: Triton {cc.misses} compiled "
+                       f"({cc.miss_s:.1f} s), {cc.hits} from cache; kiln stages {cc.stage_s}")
             stage = "check"
             row.update(M.compare(ref, got, wl.tol, ref64) if backend != "eager"
                        else {"ok": True, "err": 0.0, "check": "ref"})
