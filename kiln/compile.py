@@ -48,6 +48,9 @@ def _aot(gm: fx.GraphModule, example_inputs: list, opts: Options, trace: Trace):
     from torch._dynamo.backends.common import aot_autograd
 
     target = resolve_target(opts, example_inputs)
+    if target == "triton":   # precompile workers start while AOTAutograd traces
+        from kiln.codegen.precompile import start
+        start(opts)
     graphs = cudagraphs_apply(opts, target)  # mode="reduce-overhead"
     n_user = {}
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import linecache
+import os
 import sys
 from typing import List, Optional
 
@@ -55,8 +57,57 @@ def modelled(parts) -> dict:
     return out
 
 
+def peak_blocks(events, top: int = 25) -> dict:
+    """The blocks alive at the peak of a CUDA memory trace (``torch.cuda.memory._snapshot()``'s
+    ``device_traces[0]``, recorded over one step): ``{"peak": bytes above the start, "at": index of
+    the allocation that reached it, "blocks": [(bytes, where allocated)] largest first}``.
+    Blocks freed during the trace but allocated before it count against the start, as in
+    ``max_memory_allocated() - memory_allocated()``."""
+    live, cur, best, at, best_live = {}, 0, 0, -1, {}
+    for i, e in enumerate(events):
+        act = e.get("action")
+        if act == "alloc":
+            live[e["addr"]] = (e["size"], _where(e.get("frames") or []))
+            cur += e["size"]
+            if cur > best:
+                best, at, best_live = cur, i, dict(live)
+        elif act == "free_completed":
+            live.pop(e["addr"], None)
+            cur -= e["size"]
+    blocks = sorted(best_live.values(), key=lambda b: -b[0])
+    return {"peak": best, "at": at, "blocks": blocks[:top], "n_live": len(blocks),
+            "at_where": _where(events[at].get("frames") or []) if at >= 0 else ""}
+
+
+def _where(frames) -> str:
+    """The innermost frames outside torch, as ``file:line name`` (generated wrappers and kernels)."""
+    out = []
+    for f in frames:
+        name = f.get("filename", "")
+        if "/torch/" in name or name.startswith("??") or "/triton/" in name or not name:
+            continue
+        text = linecache.getline(name, f.get("line") or 0).strip()[:90]
+        out.append(f"{os.path.basename(name)}:{f.get('line')} {f.get('name')}" + (f" [{text}]" if text else ""))
+        if len(out) == 2:
+            break
+    return " < ".join(out)
+
+
+def explain_peak(step) -> dict:
+    """Run ``step`` once with CUDA memory history on; ``peak_blocks`` of its trace."""
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+    try:
+        step()
+        torch.cuda.synchronize()
+        snap = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    return peak_blocks(snap["device_traces"][0])
+
+
 def measure_budget(model, batch, budget: float, *, device: str, autocast: bool, steps: int = 2,
-                   warmup: int = 1, **options) -> dict:
+                   warmup: int = 1, explain: bool = False, **options) -> dict:
     """Compile ``model`` with kiln at ``budget`` and measure its training step (see module docstring)."""
     import kiln
     from kiln.partition.livemem import measure_peak
@@ -87,18 +138,22 @@ def measure_budget(model, batch, budget: float, *, device: str, autocast: bool, 
         else:
             peaks.append(measure_peak(step).peak)
     row["measured"] = max(peaks)
+    if explain and device == "cuda":
+        model.zero_grad(set_to_none=True)
+        row["peak_blocks"] = explain_peak(step)
     model.zero_grad(set_to_none=True)
     return row
 
 
 def sweep(size: str = "cpu", budgets=(1.0, 0.5, 0.0), *, device: str = "cpu", autocast: Optional[bool] = None,
-          steps: int = 2, warmup: int = 1, overrides: Optional[dict] = None, **options) -> List[dict]:
+          steps: int = 2, warmup: int = 1, overrides: Optional[dict] = None, explain: bool = False,
+          **options) -> List[dict]:
     """Rows of ``measure_budget`` for the built-in GPT ``size`` at each budget."""
     from kiln.bench.models import build_gpt
     model, batch = build_gpt(size, device=device, **(overrides or {}))
     autocast = (device == "cuda") if autocast is None else autocast
     return [measure_budget(model, batch, b, device=device, autocast=autocast, steps=steps, warmup=warmup,
-                           **options) for b in budgets]
+                           explain=explain, **options) for b in budgets]
 
 
 def non_increasing(values, slack: float = 0.0) -> bool:
@@ -149,6 +204,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--override", action="append", default=[], help="GPTConfig field=int, e.g. n_layer=4")
+    p.add_argument("--explain-peak", action="store_true",
+                   help="CUDA: list the blocks alive at each budget's peak (memory history of one more step)")
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--png", default=None, help="draw the curve here")
     a = p.parse_args(argv)
@@ -158,8 +215,15 @@ def main(argv=None) -> int:
     overrides = {k: int(v) for k, v in (o.split("=") for o in a.override)}
     options = {"codegen": a.codegen} if a.codegen else {}
     rows = sweep(size, budgets, device=a.device, autocast=autocast, steps=a.steps, warmup=a.warmup,
-                 overrides=overrides, **options)
+                 overrides=overrides, explain=a.explain_peak, **options)
     print(table(rows))
+    for r in rows:
+        if "peak_blocks" in r:
+            pb = r["peak_blocks"]
+            print(f"\nbudget {r['budget']}: peak {pb['peak'] / 2 ** 20:.3f} MiB above the start, "
+                  f"{pb['n_live']} blocks, reached by {pb['at_where']}")
+            for size, where in pb["blocks"]:
+                print(f"  {size / 2 ** 20:10.3f} MiB  {where}")
     ok_m = non_increasing([r["measured"] for r in rows])
     ok_p = non_increasing([r["modelled"] for r in rows])
     print(f"measured peak non-increasing: {ok_m}; modelled peak non-increasing: {ok_p}")

@@ -126,8 +126,46 @@ def _warm(task, env, target=None) -> bool:
         if driver._active is None:
             driver.set_active(target_only_driver(GPUTarget(*target)))
     mod = import_file(modname, path, interpret=False)
-    getattr(mod, fn_name).warmup(*args, grid=(1,), num_warps=warps, **consts)
+    compiled = getattr(mod, fn_name).warmup(*args, grid=(1,), num_warps=warps, **consts)
+    build_launcher(compiled)
     return True
+
+
+def build_launcher(compiled) -> bool:
+    """Build the host-side launcher of a compiled kernel: a small C extension that Triton generates
+    per argument signature and compiles with the system C compiler (about a second each) when the
+    kernel is first launched, cached on disk by its source. Built here, the runtime's first launch
+    only loads it. Needs the CUDA driver library on the machine (not a CUDA context)."""
+    try:
+        from triton.backends.nvidia.driver import CudaLauncher
+        CudaLauncher(compiled.src, compiled.metadata)
+        return True
+    except Exception as e:   # no libcuda here, another backend, a Triton without it: built at launch
+        log(3, f"precompile: launcher not built ({type(e).__name__}: {e})")
+        return False
+
+
+def _ready() -> bool:
+    """Worker start-up work done ahead of the first task: the imports a warm-up needs."""
+    import triton.compiler  # noqa: F401
+    from kiln.codegen import kernel  # noqa: F401
+    return True
+
+
+def start(opts) -> None:
+    """Start the worker pool in the background (no waiting) when precompiling is on: spawning the
+    workers and importing torch and Triton in them takes seconds, which then overlap the tracing
+    and graph passes that come before the first fused graph."""
+    n = n_workers(opts)
+    if n <= 0 or _POOL:
+        return
+    try:
+        with _hidden_main():
+            pool = _pool(n)
+            for _ in range(n):
+                pool.submit(_ready)
+    except Exception as e:   # no pool here: warm() reports it when it needs one
+        log(2, f"precompile: pool not started early ({type(e).__name__}: {e})")
 
 
 @contextlib.contextmanager

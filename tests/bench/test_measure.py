@@ -64,3 +64,21 @@ def test_compare_float64_referee():
     worse = M.compare(close, eager_off, 1e-3, lambda: truth)  # now the backend is the one that is off
     assert not worse["ok"] and "vs fp64 tensor 0" in worse["check"]
     assert not M.compare(close, eager_off, 1e-3)["ok"]       # without a referee it simply fails
+
+
+def test_peak_blocks_of_a_memory_trace():
+    """peak_sweep.peak_blocks replays a CUDA allocator trace: the peak above the start and the blocks
+    alive there (a block allocated before the trace and freed during it lowers the running total)."""
+    from kiln.bench.peak_sweep import peak_blocks
+    fr = lambda n: [{"filename": "/x/torch/nn/f.py", "line": 1, "name": "t"},   # noqa: E731
+                    {"filename": "/k/wrapper_ab.py", "line": n, "name": "call"}]
+    ev = [{"action": "alloc", "addr": 1, "size": 100, "frames": fr(10)},
+          {"action": "free_completed", "addr": 99, "size": 50},                 # allocated before
+          {"action": "alloc", "addr": 2, "size": 200, "frames": fr(11)},
+          {"action": "alloc", "addr": 3, "size": 30, "frames": fr(12)},        # peak: 280
+          {"action": "free_completed", "addr": 2, "size": 200},
+          {"action": "alloc", "addr": 4, "size": 150, "frames": fr(13)}]       # 230 < 280
+    pb = peak_blocks(ev)
+    assert pb["peak"] == 280 and pb["at"] == 3 and pb["n_live"] == 3
+    assert [b[0] for b in pb["blocks"]] == [200, 100, 30]
+    assert pb["blocks"][0][1] == "wrapper_ab.py:11 call" and pb["at_where"] == "wrapper_ab.py:12 call"

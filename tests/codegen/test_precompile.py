@@ -132,3 +132,24 @@ def test_workers_do_not_rerun_an_unguarded_user_script(tmp_path):
     assert out.count("SCRIPT RUNS") == 1, out
     warmed = int(out.split("warmed")[1].split()[0])
     assert warmed > 0, out   # the workers did start (and compiled)
+
+
+def test_workers_build_the_launchers(sm90_driver, monkeypatch):
+    """A worker also builds each warmed kernel's host launcher (Triton's per-signature C module,
+    otherwise compiled at the first launch), from the compiled kernel's source and metadata."""
+    import triton.backends.nvidia.driver as nv
+    built = []
+    monkeypatch.setattr(nv, "CudaLauncher", lambda src, md: built.append((src.fn.__name__, md.num_warps)))
+    gm = _fused_cuda_graph()
+    precompile._DONE.clear()
+    todo = precompile.tasks(gm)
+    for t in todo:
+        assert precompile._warm(t, {})
+    assert sorted(built) == sorted((t[2], t[5]) for t in todo)
+
+
+def test_early_start_is_off_without_workers(monkeypatch):
+    """start() spawns nothing when precompiling is off (no GPU target, or compile_workers=0)."""
+    monkeypatch.setattr(precompile, "_POOL", [])
+    precompile.start(Options(compile_workers=0))
+    assert precompile._POOL == []

@@ -102,10 +102,18 @@ def seed_config(**extra):
 
 @pytest.fixture(autouse=True)
 def seed_scope():
-    """Autouse in the seed test modules (imported there): fresh counters, the seed's config."""
+    """Autouse in the seed test modules (imported there): fresh counters, the seed's config, and
+    fp32 CUDA convolutions and matmuls without TF32: kiln's channels-last convolutions may run other
+    cuDNN algorithms than eager's NCHW ones, and under TF32 (10-bit mantissa) two algorithms differ
+    by about 1e-3, above the seed's 1e-4 tolerances."""
     kiln.counters.clear()
-    with seed_config():
-        yield
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        with seed_config():
+            yield
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 def wrapper_code(code):

@@ -169,7 +169,10 @@ def test_dont_change_dtype_folding(device):
         out_eager = foo(mod, x)
         out = compiled(foo)(mod, x)
     assert out.dtype == out_eager.dtype == torch.float32
-    torch.testing.assert_close(out, out_eager)
+    # fp16 convolution: cuDNN's channels-last and NCHW algorithms may round a few outputs one fp16
+    # ulp apart (seen: 4 of 21600 on an H100), which the fp32 result's default tolerance rejects
+    tol = dict(atol=2e-3, rtol=1e-3) if dtype == torch.float16 else {}
+    torch.testing.assert_close(out, out_eager, **tol)
     assert kiln.counters["kiln"]["binary_folded"] == 0
 
 
