@@ -41,7 +41,21 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--case", default="gpt2")
     ap.add_argument("--workers", type=int, default=-1)
+    ap.add_argument("--inductor-first", action="store_true",
+                    help="compile a small function with Inductor first, as the bench's earlier rows do")
     a = ap.parse_args()
+    if a.inductor_first:
+        x = torch.randn(64, device="cuda", requires_grad=True)
+        torch.compile(lambda t: torch.sigmoid(t) * t + 1.0)(x).sum().backward()
+        torch._dynamo.reset()
+        target = precompile._current_target()
+        print("parent after Inductor:", {k: (str(v)[-70:] if v else v) for k, v in
+                                         {**precompile.key_state(target),
+                                          "TRITON_PTXAS_PATH": os.environ.get("TRITON_PTXAS_PATH")}.items()})
+        from kiln.options import Options
+        precompile.start(Options())
+        view = precompile._POOL[0].submit(precompile.worker_view, target).result()
+        print("a worker's own view:  ", {k: (str(v)[-70:] if v else v) for k, v in view.items()})
     triton.knobs.compilation.listener = listener
     tasks = []
     orig = precompile.tasks

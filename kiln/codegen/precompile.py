@@ -115,11 +115,42 @@ def _current_target():
     return (t.backend, t.arch, t.warp_size)
 
 
-def _warm(task, env, target=None) -> bool:
+def key_state(target) -> dict:
+    """The parts of Triton's cache key that live in the parent process's memory, not in its
+    environment: the ptxas version string, which Triton computes once per process and keeps (a
+    library may later point ``TRITON_PTXAS_PATH`` at another ptxas, as Inductor does at its first
+    compile: the parent keeps keying with the old version while a worker would read the new one),
+    and a libdevice path set through ``triton.knobs``."""
+    import triton
+    from triton.backends.nvidia import compiler as nvc
+    return {"ptxas_version": nvc.get_ptxas_version(target[1]),
+            "libdevice_path": getattr(triton.knobs.nvidia, "libdevice_path", None)}
+
+
+def worker_view(target) -> dict:
+    """``key_state`` as a process sees it, with its ``TRITON_PTXAS_PATH`` (run in a worker to compare
+    with the parent's: ``_pool(n).submit(worker_view, target).result()``)."""
+    return {**key_state(target), "TRITON_PTXAS_PATH": os.environ.get("TRITON_PTXAS_PATH")}
+
+
+def _adopt(state) -> None:
+    """Worker: key (and link) as the parent process does (``key_state``)."""
+    import triton
+    from triton.backends.nvidia import compiler as nvc
+    version = state.get("ptxas_version")
+    if version is not None:
+        nvc.get_ptxas_version = lambda arch=80: version
+    if state.get("libdevice_path"):
+        triton.knobs.nvidia.libdevice_path = state["libdevice_path"]
+
+
+def _warm(task, env, target=None, state=None) -> bool:
     """Worker: compile one launch into Triton's cache (no launch)."""
     path, modname, fn_name, args, consts, warps = task
     from kiln.codegen.kernel import import_file
     os.environ.update(env)
+    if state:
+        _adopt(state)
     if target is not None:
         from triton.backends.compiler import GPUTarget
         from triton.runtime.driver import driver
@@ -214,8 +245,9 @@ def warm(gm: fx.GraphModule, opts) -> int:
     t0 = time.perf_counter()
     try:
         target = _current_target()
+        state = key_state(target)
         with _hidden_main():   # workers start on demand, at a submit
-            futures = [_pool(n).submit(_warm, t, env, target) for t in todo]
+            futures = [_pool(n).submit(_warm, t, env, target, state) for t in todo]
     except Exception as e:   # no GPU target, no pool (a sandbox without spawning): compile at launch
         log(1, f"precompile: not started ({type(e).__name__}: {e}); kernels compile at first launch")
         return 0

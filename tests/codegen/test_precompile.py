@@ -153,3 +153,26 @@ def test_early_start_is_off_without_workers(monkeypatch):
     monkeypatch.setattr(precompile, "_POOL", [])
     precompile.start(Options(compile_workers=0))
     assert precompile._POOL == []
+
+
+def test_workers_key_with_the_parents_ptxas_version(sm90_driver, monkeypatch):
+    """Triton keys its cache with a ptxas version it computes once per process. After another library
+    repoints TRITON_PTXAS_PATH (Inductor does), the parent keeps the old version while a fresh worker
+    would read the new one, and every warmed kernel would miss (seen on the H100: 79 of 79). Workers
+    adopt the parent's version (``key_state``), so their entries are the ones the parent looks up."""
+    from triton.backends.nvidia import compiler as nvc
+    monkeypatch.setattr(nvc, "get_ptxas_version", nvc.get_ptxas_version)   # restored after the test
+    real = nvc.get_ptxas_version(90)
+    gm = _fused_cuda_graph()
+    precompile._DONE.clear()
+    todo = precompile.tasks(gm)
+    parent = {"ptxas_version": real + " (the parent's first ptxas)", "libdevice_path": None}
+    for t in todo:
+        assert precompile._warm(t, {}, None, parent)
+    warmed = _entries(sm90_driver)
+    nvc.get_ptxas_version = lambda arch=80: parent["ptxas_version"]   # the parent's view
+    _launch_like_runtime(todo)
+    assert _entries(sm90_driver) == warmed          # hits: same key as the parent
+    nvc.get_ptxas_version = lambda arch=80: real    # a process keyed with the other version
+    _launch_like_runtime(todo[:1])
+    assert _entries(sm90_driver) > warmed           # misses: the version is part of the key
