@@ -28,7 +28,7 @@ import torch.fx as fx
 
 from kiln.debug import counters, log
 
-MIN_KERNELS = 4      # fewer new kernels than this: compiling them in place is as fast
+MIN_KERNELS = 4      # fewer new kernels than this, and no pool yet: compiling them in place is as fast
 TIMEOUT_S = 60.0     # never wait longer than this for the pool (then the JIT compiles what is left)
 _POOL: list = []     # [executor] once started
 _DONE: set = set()   # kernel names already handed to the pool in this process
@@ -239,8 +239,8 @@ def warm(gm: fx.GraphModule, opts) -> int:
     if n <= 0:
         return 0
     todo = tasks(gm)
-    if len({t[1] for t in todo}) < MIN_KERNELS:
-        return 0
+    if not todo or (not _POOL and len({t[1] for t in todo}) < MIN_KERNELS):
+        return 0   # a few kernels compile as fast in place as a new pool starts (a started one: use it)
     env = {k: os.environ[k] for k in _ENV if k in os.environ}
     t0 = time.perf_counter()
     try:

@@ -93,6 +93,10 @@ def test_pool_compiles_for_the_runtime(sm90_driver, monkeypatch):
     assert warmed >= len({t[1] for t in todo})
     _launch_like_runtime(todo)
     assert _entries(sm90_driver) == warmed
+    # once the pool runs, a graph with fewer kernels than MIN_KERNELS is warmed too
+    precompile._DONE.clear()
+    monkeypatch.setattr(precompile, "MIN_KERNELS", 100)
+    assert precompile.warm(gm, Options(compile_workers=2)) == len(todo)
 
 
 def test_no_target_no_precompile(monkeypatch):
