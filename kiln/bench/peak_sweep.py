@@ -9,10 +9,10 @@ For each budget (``torch._dynamo.reset()`` between budgets) it compiles the GPT 
 - ``measured``: CUDA ``max_memory_allocated()`` above the allocated bytes before the step, or on the CPU
   the peak of live storage bytes created during the step (``kiln.partition.livemem``);
 - ``requested`` (CUDA): the same peak in the bytes the program asked for (the allocator's
-  ``requested_bytes`` statistic). ``measured`` counts whole allocator blocks, and a reused cached
-  block may be up to about 1 MiB larger than the request, depending on what the cache held: so
-  ``measured`` moves by a few MiB between identical steps, while ``requested`` depends only on
-  the program;
+  ``requested_bytes`` statistic). ``measured`` counts whole allocator blocks, and the allocator hands
+  out a cached block up to 1 MiB larger than the request rather than split it: that slack depends
+  on what the cache held, so two programs whose requested peaks differ by a MiB can rank the other
+  way in ``measured`` (``measured_steps`` lists each step's value);
 - ``saved``: bytes of the activations the partitioner saved for the backward (graph inputs excluded);
 - ``modelled``: ``kiln.partition.peak.model_peak`` of that saved set (forward and backward peaks too).
 Gradients are created inside each measured step (set to None before it), in both measures.

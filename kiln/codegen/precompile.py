@@ -10,6 +10,13 @@ cache under the key the JIT computes for the real launch (same module text, argu
 aligned pointers as real tensors are, same integer specialization and options), so the first real
 launch loads it from disk instead of compiling.
 
+Three details decide whether the first launch really finds the workers' result (each was seen to
+fail on an H100): the workers key the cache with the parent's ptxas version (``key_state``: Triton
+computes it once per process, and Inductor repoints ``TRITON_PTXAS_PATH`` after that); they also
+build each kernel's host launcher, a C module Triton otherwise compiles with gcc at the first
+launch (``build_launcher``); and the pool starts while AOTAutograd traces (``start``), since
+spawning it costs seconds.
+
 It is an optimization only: a kernel that is not warmed (a failure, a timeout, an unusual alignment)
 compiles at its first launch as before. Workers: option ``compile_workers`` (-1: half the CPU cores,
 up to 8, when CUDA is available; 0: off). Launches with symbolic sizes are not warmed.
