@@ -19,8 +19,8 @@ class NoFallback(Exception):
     output has no graph node, or needs a graph input that is not a kernel argument)."""
 
 
-def extract(inputs, outputs, multi: bool, position=None) -> fx.GraphModule:
-    """A GraphModule computing original nodes ``outputs`` from original nodes ``inputs`` (its
+def extract(inputs, outputs, multi: bool, position=None) -> "Fallback":
+    """A (lazily built) GraphModule computing original nodes ``outputs`` from original nodes ``inputs`` (its
     placeholders, in order), copying every node in between; a tuple when ``multi``.
     ``position``: node -> index in the graph, to order the copies without walking the graph."""
     if any(o is None for o in outputs):
@@ -49,7 +49,24 @@ def extract(inputs, outputs, multi: bool, position=None) -> fx.GraphModule:
     vals = [env[o] for o in outputs]
     graph.output(tuple(vals) if multi else vals[0])
     graph.lint()
-    return fx.GraphModule({}, graph, class_name="KilnFallback")
+    return Fallback(graph)
+
+
+class Fallback:
+    """The extracted graph, made a ``GraphModule`` (Python code generated and compiled, about a
+    millisecond) only when it first runs: most kernels never fail, and a GPT-2 has ~300 of them."""
+
+    def __init__(self, graph: fx.Graph):
+        self.graph, self._gm = graph, None
+
+    @property
+    def module(self) -> fx.GraphModule:
+        if self._gm is None:
+            self._gm = fx.GraphModule({}, self.graph, class_name="KilnFallback")
+        return self._gm
+
+    def __call__(self, *args):
+        return self.module(*args)
 
 
 class KernelCall:
