@@ -33,3 +33,15 @@ def aot_autograd_kwargs(**kw) -> dict:
     allowed = {"fw_compiler", "bw_compiler", "inference_compiler", "partition_fn", "decompositions",
                "keep_inference_input_mutations"}
     return {k: v for k, v in kw.items() if k in allowed}
+
+
+def _reinterpret_fallback(t, size, stride, offset):
+    return torch.as_strided(t, size, stride, t.storage_offset() + offset)
+
+
+def reinterpret_fn():
+    """``f(t, size, stride, offset)``: a view of ``t``'s storage at ``offset`` elements past ``t``'s own
+    start, without the dispatcher's per-op cost (torch's C++ helper behind Inductor's wrappers, about
+    0.7 us on this CPU against 2.5 us for ``aten.view``); ``torch.as_strided`` where it is missing."""
+    guards = getattr(getattr(torch._C, "_dynamo", None), "guards", None)
+    return getattr(guards, "_reinterpret_tensor", None) or _reinterpret_fallback

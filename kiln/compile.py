@@ -54,11 +54,13 @@ def _aot(gm: fx.GraphModule, example_inputs: list, opts: Options, trace: Trace):
     graphs = cudagraphs_apply(opts, target)  # mode="reduce-overhead"
     n_user = {}
 
+    layout: dict = {}   # names of saved values the forward produces with known strides (wrapper views)
+
     def fw_compiler(g, inputs):
-        return lower(g, inputs, opts, trace, "forward", target, graphs, n_user.get("n", 0))
+        return lower(g, inputs, opts, trace, "forward", target, graphs, n_user.get("n", 0), layout=layout)
 
     def bw_compiler(g, inputs):  # runs lazily at the first backward, maybe on another thread
-        return lower(g, inputs, opts, trace, "backward", target, graphs)
+        return lower(g, inputs, opts, trace, "backward", target, graphs, layout=layout)
 
     def inference_compiler(g, inputs):
         trace.stage("joint", passes.joint, g, opts)
@@ -81,15 +83,15 @@ def _aot(gm: fx.GraphModule, example_inputs: list, opts: Options, trace: Trace):
 
 
 def lower(gm: fx.GraphModule, inputs: list, opts: Options, trace: Trace, kind: str, target: str,
-          graphs: bool = False, n_user: int = 0):
+          graphs: bool = False, n_user: int = 0, layout=None):
     """Post-grad passes, fusion and wrapper generation for one forward/backward/inference graph;
     with ``graphs`` the result replays as a CUDA graph (runtime/cudagraph.py)."""
     with using(opts):
         if not graphs:
-            return _lower(gm, inputs, opts, trace, kind, target)
+            return _lower(gm, inputs, opts, trace, kind, target, layout)
         from kiln.runtime import cudagraph
         mutated = cudagraph.mutated_inputs(gm)  # before fusion hides the writes inside kernels
-        compiled = _lower(gm, inputs, opts, trace, kind, target)
+        compiled = _lower(gm, inputs, opts, trace, kind, target, layout)
         return cudagraph.wrap(compiled, inputs, kind=kind, n_user=n_user, mutated=mutated)
 
 
@@ -103,7 +105,12 @@ def cudagraphs_apply(opts: Options, target: str) -> bool:
     return True
 
 
-def _lower(gm: fx.GraphModule, inputs: list, opts: Options, trace: Trace, kind: str, target: str):
+def _lower(gm: fx.GraphModule, inputs: list, opts: Options, trace: Trace, kind: str, target: str,
+           layout=None):
+    """``layout``: shared by a forward and its backward; the forward records which saved values it
+    produces with known strides, and the backward's wrapper reinterprets views of those."""
+    out = gm.graph.output_node().args[0]
+    names = [getattr(o, "name", None) for o in (out if isinstance(out, (tuple, list)) else (out,))]
     if kind == "inference" and target == "triton" and opts.layout_optimization:
         from kiln.passes.channels_last import to_channels_last
         trace.stage("channels_last", to_channels_last, gm)
@@ -113,7 +120,10 @@ def _lower(gm: fx.GraphModule, inputs: list, opts: Options, trace: Trace, kind: 
         trace.stage(f"fuse_{kind}", fuse_graph, gm, inputs, opts)
         from kiln.codegen.precompile import warm
         trace.stage(f"precompile_{kind}", warm, gm, opts)
-    wrapper = emit_wrapper(gm, f"{kind}_{trace.id}")
+    trusted = layout.get("saved", frozenset()) if layout is not None and kind == "backward" else frozenset()
+    wrapper = emit_wrapper(gm, f"{kind}_{trace.id}", trusted)
+    if layout is not None and kind == "forward":   # output names before passes: the backward's inputs
+        layout["saved"] = frozenset(n for n, ok in zip(names, wrapper.known_outputs) if ok and n)
     log(4, f"{kind} wrapper:\n{wrapper.source}")
     for k in wrapper.kernels:
         log(4, f"kernel {k.name}:\n{k.source}")

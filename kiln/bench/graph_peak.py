@@ -99,13 +99,13 @@ def record():
     mod = sys.modules["kiln.compile"]
     rows, lower, emit = [], mod._lower, mod.emit_wrapper
 
-    def lower_spy(gm, inputs, opts, trace, kind, target):
+    def lower_spy(gm, inputs, opts, trace, kind, target, *rest):
         rows.append((f"{kind}_{trace.id}", "unfused", graph_peak(gm)))
-        return lower(gm, inputs, opts, trace, kind, target)
+        return lower(gm, inputs, opts, trace, kind, target, *rest)
 
-    def emit_spy(gm, name):
+    def emit_spy(gm, name, *rest):
         rows.append((name, "fused", graph_peak(gm)))
-        return emit(gm, name)
+        return emit(gm, name, *rest)
 
     mod._lower, mod.emit_wrapper = lower_spy, emit_spy
     try:

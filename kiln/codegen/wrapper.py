@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from kiln.compat import reinterpret_fn
+
 _PY_OPS = {
     operator.getitem: "{0}[{1}]", operator.add: "{0} + {1}", operator.sub: "{0} - {1}",
     operator.mul: "{0} * {1}", operator.floordiv: "{0} // {1}", operator.truediv: "{0} / {1}",
@@ -40,6 +42,21 @@ def broadcast_in_dim(a, shape, broadcast_dimensions):
 # ops whose eager entry point is slow Python, replaced by an equal fast function at run time
 RUNTIME = {torch.ops.prims.broadcast_in_dim.default: broadcast_in_dim}
 
+_aten = torch.ops.aten
+# views whose result, for static sizes, is the input's storage at the sizes, strides and offset of the
+# node's example value: emitted as one reinterpret call (GPT-2's wrappers run ~560 of them per step)
+VIEWS = {_aten.view.default, _aten._unsafe_view.default, _aten.permute.default, _aten.expand.default,
+         _aten.alias.default, _aten.t.default, _aten.transpose.int, _aten.unsqueeze.default,
+         _aten.squeeze.dim, _aten.squeeze.default, _aten.slice.Tensor, _aten.select.int,
+         _aten.as_strided.default}
+for _name in ("dims",):
+    if hasattr(_aten.squeeze, _name):
+        VIEWS.add(getattr(_aten.squeeze, _name))
+# ops returning several views of their input: their getitems reinterpret the input directly
+SPLITS = {_aten.split_with_sizes.default, _aten.split.Tensor, _aten.unbind.int}
+# externs whose outputs are always dense row-major: their strides at run time are the example's
+DENSE_EXTERNS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default}
+
 
 @dataclass
 class Wrapper:
@@ -48,6 +65,7 @@ class Wrapper:
     source: str
     globals: dict = field(default_factory=dict)
     kernels: list = field(default_factory=list)  # objects with .name and .source
+    known_outputs: list = field(default_factory=list)  # per output: strides at run time = example's
 
 
 def describe_val(val) -> str:
@@ -69,8 +87,11 @@ def describe_val(val) -> str:
 
 
 class _Emitter:
-    def __init__(self, gm: fx.GraphModule, name: str):
+    def __init__(self, gm: fx.GraphModule, name: str, trusted=frozenset()):
         self.gm = gm
+        self.trusted = trusted   # placeholder names whose run-time strides are their examples'
+        self._known_memo: dict = {}
+        self.outputs: set = set()
         self.w = Wrapper(name=name, source="")
         self.names: dict[fx.Node, str] = {}
         self.global_ids: dict[int, str] = {}
@@ -128,9 +149,18 @@ class _Emitter:
     def emit(self) -> Wrapper:
         g = self.gm.graph
         nodes = list(g.nodes)
+        out = nodes[-1].args[0] if nodes and nodes[-1].op == "output" else ()
+        self.outputs = {o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, fx.Node)}
+        skipped = {n for n in nodes if n.op == "call_function" and n.target in SPLITS and n.users
+                   and all(self._static_view(u) and u not in self.outputs for u in n.users)}
         last_use: dict[fx.Node, fx.Node] = {}
         for n in nodes:
-            for inp in n.all_input_nodes:
+            if n in skipped:
+                continue
+            reads = n.all_input_nodes
+            if n.op == "call_function" and n.target is operator.getitem and n.args[0] in skipped:
+                reads = n.args[0].all_input_nodes
+            for inp in reads:
                 last_use[inp] = n
         frees: dict[fx.Node, list[fx.Node]] = {}
         out_node = next(n for n in reversed(nodes) if n.op == "output")
@@ -147,10 +177,12 @@ class _Emitter:
             body.append(f"{lhs}, = args" if len(placeholders) == 1 else f"{lhs} = args")
         body.append("args.clear()")
         for n in nodes:
-            if n.op == "placeholder":
+            if n.op == "placeholder" or n in skipped:
                 continue
             if n.op == "output":
                 body.append(f"return {self.lit(n.args[0])}")
+                outs = n.args[0] if isinstance(n.args[0], (tuple, list)) else (n.args[0],)
+                self.w.known_outputs = [isinstance(o, fx.Node) and self._known(o) is not None for o in outs]
                 continue
             line = self._node_line(n)
             body.append(line)
@@ -187,13 +219,81 @@ class _Emitter:
             mod = self.gm.get_submodule(n.target)
             args = [self.lit(a) for a in n.args] + [f"{k}={self.lit(v)}" for k, v in n.kwargs.items()]
             return f"{name} = {self.bind(mod, n.target)}({', '.join(args)}){comment}"
+        # a graph output stays an ATen view: autograd may save it, and only a real view shares its
+        # base's version counter (an in-place change of the base before backward must be detected)
+        if self._static_view(n, need_known=False) and n not in self.outputs:
+            val, base = n.meta["val"], self._view_base(n)
+            src = base.meta["val"]
+            # the offset is relative to the input's own: an input's offset is not guarded by Dynamo
+            view = (f"{self.bind(reinterpret_fn(), 'reinterpret')}({self.lit(base)}, {self.lit(tuple(val.shape))}, "
+                    f"{self.lit(tuple(val.stride()))}, {val.storage_offset() - src.storage_offset()})")
+            if self._known(base) is not None:
+                return f"{name} = {view}{comment}"
+            if n.target in VIEWS:   # an input of unknown layout: reinterpret when its strides are the example's
+                return f"{name} = {view} if {self.lit(base)}.stride() == {self.lit(tuple(src.stride()))} " \
+                       f"else {self._call(n)}{comment}"
+        return f"{name} = {self._call(n)}{comment}"
+
+    def _call(self, n: fx.Node) -> str:
         fmt = _PY_OPS.get(n.target)
         if fmt is not None and not n.kwargs:
-            return f"{name} = {fmt.format(*[self.lit(a) for a in n.args])}{comment}"
+            return fmt.format(*[self.lit(a) for a in n.args])
         args = [self.lit(a) for a in n.args] + [f"{k}={self.lit(v)}" for k, v in n.kwargs.items()]
-        return f"{name} = {self.target_name(n.target)}({', '.join(args)}){comment}"
+        return f"{self.target_name(n.target)}({', '.join(args)})"
 
 
-def emit_wrapper(gm: fx.GraphModule, name: str) -> Wrapper:
-    """Emit the Python wrapper source for ``gm`` (boxed calling convention: ``call(args_list)``)."""
-    return _Emitter(gm, name).emit()
+    def _view_base(self, n: fx.Node):
+        """The tensor node a view reads: its input, or for an element of a split, the split's input."""
+        if n.op != "call_function" or not n.args or not isinstance(n.args[0], fx.Node):
+            return None
+        if n.target in VIEWS:
+            return n.args[0]
+        if n.target is operator.getitem and n.args[0].op == "call_function" and n.args[0].target in SPLITS \
+                and isinstance(n.args[0].args[0], fx.Node):
+            return n.args[0].args[0]
+        return None
+
+    def _static_view(self, n: fx.Node, need_known: bool = True) -> bool:
+        """A view op with static sizes (and, with ``need_known``, an input whose layout at run time is
+        its example's: ``_known``)."""
+        base = self._view_base(n)
+        if base is None:
+            return False
+        val, src = n.meta.get("val"), base.meta.get("val")
+        if not (isinstance(val, torch.Tensor) and isinstance(src, torch.Tensor)) or val.dtype != src.dtype:
+            return False
+        if not all(isinstance(x, int) for t in (val, src) for x in (*t.shape, *t.stride(), t.storage_offset())):
+            return False
+        return not need_known or self._known(base) is not None
+
+    def _known(self, n: fx.Node):
+        """Whether ``n``'s strides at run time are its example value's: ``"output"`` for kiln's kernel
+        outputs (allocated at the example's strides) and dense externs, ``"input"`` for graph inputs
+        (Dynamo guards their sizes and strides, AOTAutograd coerces tangents), views of these as their
+        root; else ``None``."""
+        memo = self._known_memo
+        if n in memo:
+            return memo[n]
+        kind = None
+        if n.op == "placeholder":
+            kind = "input" if n.name.startswith(("primals", "tangents", "arg")) or n.name in self.trusted else None
+        elif n.op == "call_function" and self._static_view(n):
+            kind = self._known(self._view_base(n))
+        elif n.op == "call_function" and n.target is operator.getitem:
+            kind = "output" if isinstance(n.args[0], fx.Node) and _is_kernel(n.args[0].target) else None
+        elif n.op == "call_function" and (_is_kernel(n.target) or n.target in DENSE_EXTERNS):
+            kind = "output"
+        memo[n] = kind
+        return kind
+
+
+def _is_kernel(target) -> bool:
+    """A fused kernel call made by kiln's emitters (its outputs are allocated at the example's strides)."""
+    return isinstance(getattr(target, "source", None), str) and hasattr(target, "name")
+
+
+def emit_wrapper(gm: fx.GraphModule, name: str, trusted=frozenset()) -> Wrapper:
+    """Emit the Python wrapper source for ``gm`` (boxed calling convention: ``call(args_list)``).
+    ``trusted``: placeholder names whose strides at run time are their examples' (a backward's saved
+    values that the forward produced with known layouts; see ``Wrapper.known_outputs``)."""
+    return _Emitter(gm, name, trusted).emit()
