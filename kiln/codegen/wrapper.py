@@ -92,6 +92,7 @@ class _Emitter:
         self.trusted = trusted   # placeholder names whose run-time strides are their examples'
         self._known_memo: dict = {}
         self.outputs: set = set()
+        self.skipped: set = set()   # splits not run: each of their elements reinterprets the input
         self.w = Wrapper(name=name, source="")
         self.names: dict[fx.Node, str] = {}
         self.global_ids: dict[int, str] = {}
@@ -151,8 +152,8 @@ class _Emitter:
         nodes = list(g.nodes)
         out = nodes[-1].args[0] if nodes and nodes[-1].op == "output" else ()
         self.outputs = {o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, fx.Node)}
-        skipped = {n for n in nodes if n.op == "call_function" and n.target in SPLITS and n.users
-                   and all(self._static_view(u) and u not in self.outputs for u in n.users)}
+        self.skipped = skipped = {n for n in nodes if n.op == "call_function" and n.target in SPLITS and n.users
+                                  and all(self._static_view(u) and u not in self.outputs for u in n.users)}
         last_use: dict[fx.Node, fx.Node] = {}
         for n in nodes:
             if n in skipped:
@@ -221,7 +222,8 @@ class _Emitter:
             return f"{name} = {self.bind(mod, n.target)}({', '.join(args)}){comment}"
         # a graph output stays an ATen view: autograd may save it, and only a real view shares its
         # base's version counter (an in-place change of the base before backward must be detected)
-        if self._static_view(n, need_known=False) and n not in self.outputs:
+        split_kept = n.target is operator.getitem and n.args[0] not in self.skipped   # plain split[i]
+        if self._static_view(n, need_known=False) and n not in self.outputs and not split_kept:
             val, base = n.meta["val"], self._view_base(n)
             src = base.meta["val"]
             # the offset is relative to the input's own: an input's offset is not guarded by Dynamo
