@@ -92,3 +92,24 @@ def test_output_views_stay_aten_views():
     t, s = load(emit_wrapper(make_fx(g, tracing_mode="fake")(x), "t"))([x])
     assert t._base is x and t._version == x._version
     torch.testing.assert_close(s, x.sum())
+
+
+def test_split_with_an_output_element_keeps_the_split():
+    """A split whose elements are not all reinterpreted stays in the wrapper and every element reads
+    it (an element reinterpreting the split's input after that input was freed broke HF GPT-2)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from kiln.codegen.wrapper import emit_wrapper
+    from kiln.runtime.load import load
+
+    def g(primals):   # a graph input of known layout (named like AOTAutograd's), so views reinterpret
+        q, k, v = primals.view(2, 3, 6).split(2, -1)
+        return q, (k * v).sum()
+
+    x = torch.randn(36)
+    w = emit_wrapper(make_fx(g, tracing_mode="fake")(x), "t")
+    q, s = load(w)([x])
+    ref_q, ref_s = g(x)
+    torch.testing.assert_close(q, ref_q)
+    torch.testing.assert_close(s, ref_s)
+    assert "aten_split_Tensor" in w.source
