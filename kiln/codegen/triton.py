@@ -290,11 +290,13 @@ class TritonKernel:
             if e in sub:
                 return sub[e]
             return self.size_arg(e)
+        # a right operand of // or % that is a product needs parentheses: ``a // 32*s`` is (a // 32)*s
+        q = lambda x: f"({p(x)})" if x.is_Mul or x.is_Pow else p(x)  # noqa: E731
         if isinstance(e, FloorDiv):
-            return f"({p(e.args[0])} // {p(e.args[1])})"
+            return f"({p(e.args[0])} // {q(e.args[1])})"
         if isinstance(e, ModIdx):
             a, d, m = e.args
-            return f"({p(a)} % {p(m)})" if d == 1 else f"(({p(a)} // {p(d)}) % {p(m)})"
+            return f"({p(a)} % {q(m)})" if d == 1 else f"(({p(a)} // {q(d)}) % {q(m)})"
         if e.is_Add:
             return "(" + " + ".join(p(t) for t in e.args) + ")"
         if e.is_Mul:

@@ -65,3 +65,29 @@ def test_cnn_batchnorm_train_step():
     from tests.e2e.test_models import CNN
     torch.manual_seed(0)
     check_train(CNN().train(), [torch.randn(2, 3, 8, 8, requires_grad=True)], rtol=1e-4, atol=1e-4, codegen="triton")
+
+
+def test_dynamic_sizes_divide_by_a_symbolic_product():
+    """Embedding + layer norm over a strided slice of ids with dynamic sizes: the fused kernel indexes
+    the ids through ``(r + 32*x) // (32*s)``, which once printed as ``... // 32*s`` (read out of bounds:
+    a segfault in the interpreter, garbage on a GPU)."""
+    import torch.nn.functional as F
+
+    def f(ids, emb, pos, w, b, W):
+        h = F.embedding(ids, emb) + F.embedding(torch.arange(ids.shape[1]), pos)
+        return (F.layer_norm(h, (32,), w, b).view(-1, 32) @ W).sum()
+
+    torch.manual_seed(0)
+    params = [torch.randn(128, 32), torch.randn(64, 32), torch.randn(32), torch.randn(32), torch.randn(32, 8)]
+    params = [p.requires_grad_() for p in params]
+    base = torch.randint(0, 128, (2, 16))
+    cf = torch.compile(f, backend="kiln", dynamic=True, options={"codegen": "triton"})
+    for seq in (16, 12, 9):
+        ids = base[:, :seq]
+        out = cf(ids, *params)
+        got = torch.autograd.grad(out, params)
+        ref = f(ids, *params)
+        want = torch.autograd.grad(ref, params)
+        torch.testing.assert_close(out, ref, atol=1e-3, rtol=1e-5)
+        for g, r in zip(got, want):
+            torch.testing.assert_close(g, r, atol=1e-4, rtol=1e-4)
