@@ -266,7 +266,34 @@ class _Emitter:
             return False
         if not all(isinstance(x, int) for t in (val, src) for x in (*t.shape, *t.stride(), t.storage_offset())):
             return False
+        if not self._consistent(n, base):
+            return False
         return not need_known or self._known(base) is not None
+
+    def _consistent(self, n: fx.Node, base: fx.Node) -> bool:
+        """Whether ``n``'s example value is what its op makes of its input's example value (replayed on
+        the meta device). A pass that rewires a node's input without recomputing its value leaves a
+        stale layout, and a reinterpret of a stale layout reads the wrong elements."""
+        memo = self.__dict__.setdefault("_consistent_memo", {})
+        if n in memo:
+            return memo[n]
+        val, src = n.meta["val"], base.meta["val"]
+        ok = False
+        try:
+            span = 1 + sum((size - 1) * st for size, st in zip(src.shape, src.stride()) if size > 0)
+            store = torch.empty(src.storage_offset() + max(span, 0), dtype=src.dtype, device="meta")
+            x = store.as_strided(src.shape, src.stride(), src.storage_offset())
+            if n.target is operator.getitem:   # an element of a split
+                split = n.args[0]
+                out = split.target(x, *split.args[1:], **split.kwargs)[n.args[1]]
+            else:
+                out = n.target(x, *n.args[1:], **n.kwargs)
+            ok = (tuple(out.shape) == tuple(val.shape) and tuple(out.stride()) == tuple(val.stride())
+                  and out.storage_offset() - x.storage_offset() == val.storage_offset() - src.storage_offset())
+        except Exception:   # an argument that is not a plain value, an op that refuses: no reinterpret
+            ok = False
+        memo[n] = ok
+        return ok
 
     def _known(self, n: fx.Node):
         """Whether ``n``'s strides at run time are its example value's: ``"output"`` for kiln's kernel
@@ -283,8 +310,12 @@ class _Emitter:
             kind = self._known(self._view_base(n))
         elif n.op == "call_function" and n.target is operator.getitem:
             kind = "output" if isinstance(n.args[0], fx.Node) and _is_kernel(n.args[0].target) else None
-        elif n.op == "call_function" and (_is_kernel(n.target) or n.target in DENSE_EXTERNS):
+        elif n.op == "call_function" and _is_kernel(n.target):
             kind = "output"
+        elif n.op == "call_function" and n.target in DENSE_EXTERNS:
+            val = n.meta.get("val")
+            kind = "output" if isinstance(val, torch.Tensor) and val.is_contiguous() and \
+                val.storage_offset() == 0 else None
         memo[n] = kind
         return kind
 

@@ -19,6 +19,9 @@ from kiln.passes.fold import add_constant, constant_value, fake_mode_of, infer_v
 
 aten = torch.ops.aten
 VIEWS = (aten.view.default, aten._unsafe_view.default)
+# ops whose result's strides follow their input's (recomputed when a slice replaces the input)
+LAYOUT_VIEWS = {*VIEWS, aten.permute.default, aten.transpose.int, aten.t.default, aten.expand.default,
+                aten.unsqueeze.default, aten.squeeze.dim, aten.slice.Tensor, aten.select.int, aten.alias.default}
 MIN_GROUP = 2
 
 
@@ -110,7 +113,20 @@ def _concat(gm, group, fake_mode) -> None:
                     src = g.call_function(aten.clone.default, (s,), {"memory_format": torch.contiguous_format})
                 infer_val(src, fake_mode)
             user.replace_input_with(n, src)
+            if src is s:   # the user now reads a strided slice: its value (and its views') change layout
+                _refresh(user, fake_mode)
         g.erase_node(n)
+
+
+def _refresh(node: fx.Node, fake_mode) -> None:
+    """Recompute ``node``'s example value and those of the views that read it, transitively."""
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n.op != "call_function":
+            continue
+        infer_val(n, fake_mode)
+        stack.extend(u for u in n.users if u.target in LAYOUT_VIEWS)
 
 
 def concat_linears(gm: fx.GraphModule, fake_mode=None) -> int:

@@ -115,3 +115,18 @@ def test_dynamic_sequence_lengths(name, codegen, monkeypatch):
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
         for g, r in zip([p.grad for p in model.parameters() if p.grad is not None], want):
             torch.testing.assert_close(g, r, atol=1e-4 * max(1.0, r.abs().max().item()), rtol=1e-3)
+
+
+@pytest.mark.parametrize("codegen", ["aten", "triton"])
+@pytest.mark.parametrize("name", ["bert", "llama", "opt", "t5", "vit", "whisper"])
+def test_frozen_inference_matches_eager(name, codegen, monkeypatch):
+    """``freezing=True`` inference (constant folding, merged q/k/v linears): logits match eager."""
+    if codegen == "triton":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    model = _model(name).eval()
+    x = _inputs(name)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        ref = model(**x).logits
+        got = torch.compile(model, backend="kiln", options={"codegen": codegen, "freezing": True})(**x).logits
+    torch.testing.assert_close(got, ref, atol=1e-4 * max(1.0, ref.abs().max().item()), rtol=1e-4)

@@ -113,3 +113,26 @@ def test_split_with_an_output_element_keeps_the_split():
     torch.testing.assert_close(q, ref_q)
     torch.testing.assert_close(s, ref_s)
     assert "aten_split_Tensor" in w.source
+
+
+def test_a_view_with_a_stale_example_value_stays_an_aten_view():
+    """The wrapper replays each view on its input's example value (meta device) before it trusts the
+    recorded layout: a view whose value a pass left stale runs as the ATen op."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from kiln.codegen.wrapper import emit_wrapper
+    from kiln.runtime.load import load
+
+    def g(primals):
+        return primals[:, 2:4].reshape(2, 2, 2).sum(-1) * 1
+
+    x = torch.randn(4, 6)
+    gm = make_fx(g, tracing_mode="fake")(x)
+    fresh = emit_wrapper(gm, "t").source
+    assert "aten_view_default" not in fresh and "aten__unsafe_view" not in fresh
+    view = next(n for n in gm.graph.nodes if n.target in (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default))
+    v = view.meta["val"]
+    view.meta["val"] = v.new_empty(v.shape)   # contiguous, offset 0: not what the slice's view makes
+    w = emit_wrapper(gm, "t")
+    assert f"aten_{view.target._opname}_default(" in w.source
+    torch.testing.assert_close(load(w)([x]), g(x))
