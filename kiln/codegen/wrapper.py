@@ -4,6 +4,7 @@ The generated ``call(args)`` takes AOTAutograd's boxed argument list, clears it 
 early, calls each node's target (ATen ops, kernels made by the fusing emitters, Python operators on
 SymInts), deletes every buffer right after its last use, and returns the outputs. Targets and
 non-literal constants are bound once as module globals, so a call does no graph walking at all.
+Static views become one ``reinterpret`` call each where ``views.ViewPlan`` says their layout is safe.
 
 Each line carries the node's shape, dtype and strides as a comment, so the wrapper reads like the graph.
 """
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from kiln.codegen.views import SPLITS, VIEWS, ViewPlan
 from kiln.compat import reinterpret_fn
 
 _PY_OPS = {
@@ -41,21 +43,6 @@ def broadcast_in_dim(a, shape, broadcast_dimensions):
 
 # ops whose eager entry point is slow Python, replaced by an equal fast function at run time
 RUNTIME = {torch.ops.prims.broadcast_in_dim.default: broadcast_in_dim}
-
-_aten = torch.ops.aten
-# views whose result, for static sizes, is the input's storage at the sizes, strides and offset of the
-# node's example value: emitted as one reinterpret call (GPT-2's wrappers run ~560 of them per step)
-VIEWS = {_aten.view.default, _aten._unsafe_view.default, _aten.permute.default, _aten.expand.default,
-         _aten.alias.default, _aten.t.default, _aten.transpose.int, _aten.unsqueeze.default,
-         _aten.squeeze.dim, _aten.squeeze.default, _aten.slice.Tensor, _aten.select.int,
-         _aten.as_strided.default}
-for _name in ("dims",):
-    if hasattr(_aten.squeeze, _name):
-        VIEWS.add(getattr(_aten.squeeze, _name))
-# ops returning several views of their input: their getitems reinterpret the input directly
-SPLITS = {_aten.split_with_sizes.default, _aten.split.Tensor, _aten.unbind.int}
-# externs whose outputs are always dense row-major: their strides at run time are the example's
-DENSE_EXTERNS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default}
 
 
 @dataclass
@@ -89,8 +76,7 @@ def describe_val(val) -> str:
 class _Emitter:
     def __init__(self, gm: fx.GraphModule, name: str, trusted=frozenset()):
         self.gm = gm
-        self.trusted = trusted   # placeholder names whose run-time strides are their examples'
-        self._known_memo: dict = {}
+        self.views = ViewPlan(trusted)
         self.outputs: set = set()
         self.skipped: set = set()   # splits not run: each of their elements reinterprets the input
         self.w = Wrapper(name=name, source="")
@@ -153,7 +139,7 @@ class _Emitter:
         out = nodes[-1].args[0] if nodes and nodes[-1].op == "output" else ()
         self.outputs = {o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, fx.Node)}
         self.skipped = skipped = {n for n in nodes if n.op == "call_function" and n.target in SPLITS and n.users
-                                  and all(self._static_view(u) and u not in self.outputs for u in n.users)}
+                                  and all(self.views.static(u) and u not in self.outputs for u in n.users)}
         last_use: dict[fx.Node, fx.Node] = {}
         for n in nodes:
             if n in skipped:
@@ -183,7 +169,7 @@ class _Emitter:
             if n.op == "output":
                 body.append(f"return {self.lit(n.args[0])}")
                 outs = n.args[0] if isinstance(n.args[0], (tuple, list)) else (n.args[0],)
-                self.w.known_outputs = [isinstance(o, fx.Node) and self._known(o) is not None for o in outs]
+                self.w.known_outputs = [isinstance(o, fx.Node) and self.views.known(o) is not None for o in outs]
                 continue
             line = self._node_line(n)
             body.append(line)
@@ -223,13 +209,13 @@ class _Emitter:
         # a graph output stays an ATen view: autograd may save it, and only a real view shares its
         # base's version counter (an in-place change of the base before backward must be detected)
         split_kept = n.target is operator.getitem and n.args[0] not in self.skipped   # plain split[i]
-        if self._static_view(n, need_known=False) and n not in self.outputs and not split_kept:
-            val, base = n.meta["val"], self._view_base(n)
+        if self.views.static(n, need_known=False) and n not in self.outputs and not split_kept:
+            val, base = n.meta["val"], self.views.base(n)
             src = base.meta["val"]
             # the offset is relative to the input's own: an input's offset is not guarded by Dynamo
             view = (f"{self.bind(reinterpret_fn(), 'reinterpret')}({self.lit(base)}, {self.lit(tuple(val.shape))}, "
                     f"{self.lit(tuple(val.stride()))}, {val.storage_offset() - src.storage_offset()})")
-            if self._known(base) is not None:
+            if self.views.known(base) is not None:
                 return f"{name} = {view}{comment}"
             if n.target in VIEWS:   # an input of unknown layout: reinterpret when its strides are the example's
                 return f"{name} = {view} if {self.lit(base)}.stride() == {self.lit(tuple(src.stride()))} " \
@@ -242,87 +228,6 @@ class _Emitter:
             return fmt.format(*[self.lit(a) for a in n.args])
         args = [self.lit(a) for a in n.args] + [f"{k}={self.lit(v)}" for k, v in n.kwargs.items()]
         return f"{self.target_name(n.target)}({', '.join(args)})"
-
-
-    def _view_base(self, n: fx.Node):
-        """The tensor node a view reads: its input, or for an element of a split, the split's input."""
-        if n.op != "call_function" or not n.args or not isinstance(n.args[0], fx.Node):
-            return None
-        if n.target in VIEWS:
-            return n.args[0]
-        if n.target is operator.getitem and n.args[0].op == "call_function" and n.args[0].target in SPLITS \
-                and isinstance(n.args[0].args[0], fx.Node):
-            return n.args[0].args[0]
-        return None
-
-    def _static_view(self, n: fx.Node, need_known: bool = True) -> bool:
-        """A view op with static sizes (and, with ``need_known``, an input whose layout at run time is
-        its example's: ``_known``)."""
-        base = self._view_base(n)
-        if base is None:
-            return False
-        val, src = n.meta.get("val"), base.meta.get("val")
-        if not (isinstance(val, torch.Tensor) and isinstance(src, torch.Tensor)) or val.dtype != src.dtype:
-            return False
-        if not all(isinstance(x, int) for t in (val, src) for x in (*t.shape, *t.stride(), t.storage_offset())):
-            return False
-        if not self._consistent(n, base):
-            return False
-        return not need_known or self._known(base) is not None
-
-    def _consistent(self, n: fx.Node, base: fx.Node) -> bool:
-        """Whether ``n``'s example value is what its op makes of its input's example value (replayed on
-        the meta device). A pass that rewires a node's input without recomputing its value leaves a
-        stale layout, and a reinterpret of a stale layout reads the wrong elements."""
-        memo = self.__dict__.setdefault("_consistent_memo", {})
-        if n in memo:
-            return memo[n]
-        val, src = n.meta["val"], base.meta["val"]
-        ok = False
-        try:
-            span = 1 + sum((size - 1) * st for size, st in zip(src.shape, src.stride()) if size > 0)
-            store = torch.empty(src.storage_offset() + max(span, 0), dtype=src.dtype, device="meta")
-            x = store.as_strided(src.shape, src.stride(), src.storage_offset())
-            if n.target is operator.getitem:   # an element of a split
-                split = n.args[0]
-                out = split.target(x, *split.args[1:], **split.kwargs)[n.args[1]]
-            else:
-                out = n.target(x, *n.args[1:], **n.kwargs)
-            ok = (tuple(out.shape) == tuple(val.shape) and tuple(out.stride()) == tuple(val.stride())
-                  and out.storage_offset() - x.storage_offset() == val.storage_offset() - src.storage_offset())
-        except Exception:   # an argument that is not a plain value, an op that refuses: no reinterpret
-            ok = False
-        memo[n] = ok
-        return ok
-
-    def _known(self, n: fx.Node):
-        """Whether ``n``'s strides at run time are its example value's: ``"output"`` for kiln's kernel
-        outputs (allocated at the example's strides) and dense externs, ``"input"`` for graph inputs
-        (Dynamo guards their sizes and strides, AOTAutograd coerces tangents), views of these as their
-        root; else ``None``."""
-        memo = self._known_memo
-        if n in memo:
-            return memo[n]
-        kind = None
-        if n.op == "placeholder":
-            kind = "input" if n.name.startswith(("primals", "tangents", "arg")) or n.name in self.trusted else None
-        elif n.op == "call_function" and self._static_view(n):
-            kind = self._known(self._view_base(n))
-        elif n.op == "call_function" and n.target is operator.getitem:
-            kind = "output" if isinstance(n.args[0], fx.Node) and _is_kernel(n.args[0].target) else None
-        elif n.op == "call_function" and _is_kernel(n.target):
-            kind = "output"
-        elif n.op == "call_function" and n.target in DENSE_EXTERNS:
-            val = n.meta.get("val")
-            kind = "output" if isinstance(val, torch.Tensor) and val.is_contiguous() and \
-                val.storage_offset() == 0 else None
-        memo[n] = kind
-        return kind
-
-
-def _is_kernel(target) -> bool:
-    """A fused kernel call made by kiln's emitters (its outputs are allocated at the example's strides)."""
-    return isinstance(getattr(target, "source", None), str) and hasattr(target, "name")
 
 
 def emit_wrapper(gm: fx.GraphModule, name: str, trusted=frozenset()) -> Wrapper:
