@@ -1,6 +1,6 @@
 """Fifteen HuggingFace architectures (tiny configs, dropout off) train one step with kiln as with eager:
 the loss and every gradient, with ATen code generation and with Triton kernels in the interpreter.
-Slow (about a minute here) and needs ``transformers``: ``pytest -m slow tests/e2e/test_hf_models.py``."""
+Slow (about 5 minutes here) and needs ``transformers``: ``pytest -m slow tests/e2e/test_hf_models.py``."""
 import pytest
 import torch
 
