@@ -22,14 +22,14 @@ import torch
 import torch.fx as fx
 
 _aten = torch.ops.aten
-VIEWS = {_aten.view.default, _aten._unsafe_view.default, _aten.permute.default, _aten.expand.default,
-         _aten.alias.default, _aten.t.default, _aten.transpose.int, _aten.unsqueeze.default,
-         _aten.squeeze.dim, _aten.squeeze.default, _aten.slice.Tensor, _aten.select.int,
-         _aten.as_strided.default}
-if hasattr(_aten.squeeze, "dims"):
-    VIEWS.add(_aten.squeeze.dims)
 # ops returning several views of their input: their elements can reinterpret the input directly
 SPLITS = {_aten.split_with_sizes.default, _aten.split.Tensor, _aten.unbind.int}
+
+
+def is_view_op(target) -> bool:
+    """An op whose result is one strided view of its input's storage: its schema says it aliases
+    (``view``, ``permute``, ``slice``, ...), or ``_unsafe_view`` (a view whose schema does not say so)."""
+    return target is _aten._unsafe_view.default or (bool(getattr(target, "is_view", False)) and target not in SPLITS)
 # externs whose outputs are dense row-major: at run time their strides are the recorded ones
 DENSE_EXTERNS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default}
 
@@ -53,7 +53,7 @@ class ViewPlan:
         """The tensor node view ``n`` reads: its input, or for an element of a split, the split's input."""
         if n.op != "call_function" or not n.args or not isinstance(n.args[0], fx.Node):
             return None
-        if n.target in VIEWS:
+        if is_view_op(n.target):
             return n.args[0]
         if n.target is operator.getitem and n.args[0].op == "call_function" and n.args[0].target in SPLITS \
                 and isinstance(n.args[0].args[0], fx.Node):

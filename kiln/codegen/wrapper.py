@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from kiln.codegen.views import SPLITS, VIEWS, ViewPlan
+from kiln.codegen.views import SPLITS, ViewPlan, is_view_op
 from kiln.compat import reinterpret_fn
 
 _PY_OPS = {
@@ -217,7 +217,7 @@ class _Emitter:
                     f"{self.lit(tuple(val.stride()))}, {val.storage_offset() - src.storage_offset()})")
             if self.views.known(base) is not None:
                 return f"{name} = {view}{comment}"
-            if n.target in VIEWS:   # an input of unknown layout: reinterpret when its strides are the example's
+            if is_view_op(n.target):   # an input of unknown layout: reinterpret when its strides are the example's
                 return f"{name} = {view} if {self.lit(base)}.stride() == {self.lit(tuple(src.stride()))} " \
                        f"else {self._call(n)}{comment}"
         return f"{name} = {self._call(n)}{comment}"

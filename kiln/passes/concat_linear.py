@@ -19,9 +19,6 @@ from kiln.passes.fold import add_constant, constant_value, fake_mode_of, infer_v
 
 aten = torch.ops.aten
 VIEWS = (aten.view.default, aten._unsafe_view.default)
-# ops whose result's strides follow their input's (recomputed when a slice replaces the input)
-LAYOUT_VIEWS = {*VIEWS, aten.permute.default, aten.transpose.int, aten.t.default, aten.expand.default,
-                aten.unsqueeze.default, aten.squeeze.dim, aten.slice.Tensor, aten.select.int, aten.alias.default}
 MIN_GROUP = 2
 
 
@@ -126,7 +123,7 @@ def _refresh(node: fx.Node, fake_mode) -> None:
         if n.op != "call_function":
             continue
         infer_val(n, fake_mode)
-        stack.extend(u for u in n.users if u.target in LAYOUT_VIEWS)
+        stack.extend(u for u in n.users if u.target in VIEWS or getattr(u.target, "is_view", False))
 
 
 def concat_linears(gm: fx.GraphModule, fake_mode=None) -> int:
