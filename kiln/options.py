@@ -138,6 +138,11 @@ def _check_value(f, value):
         raise OptionError(f"{name}={value!r} must be True or False")
     if name == "debug" and not (isinstance(value, int) and 0 <= value <= 5):
         raise OptionError(f"debug={value!r} must be an integer in 0..5")
+    if isinstance(default, int) and not isinstance(default, bool) and (isinstance(value, bool) or not isinstance(value, int)):
+        raise OptionError(f"{name}={value!r} must be an integer")
+    if name == "compile_workers" and value < -1:
+        raise OptionError(f"compile_workers={value!r}: use -1 (as many as suit the machine), 0 (off) or a "
+                          f"number of processes")
 
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,

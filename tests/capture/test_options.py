@@ -24,6 +24,14 @@ def test_bad_value_lists_choices():
         current(freezing="yes")
 
 
+def test_integer_options_are_checked():
+    with pytest.raises(OptionError, match="compile_workers='many' must be an integer"):
+        current(compile_workers="many")
+    with pytest.raises(OptionError, match="compile_workers=-2"):
+        current(compile_workers=-2)
+    assert current(compile_workers=4).compile_workers == 4
+
+
 def test_patch_is_scoped_and_a_decorator():
     assert current().activation_memory_budget == 1.0
     with kiln.config.patch(activation_memory_budget=0.5):
