@@ -100,9 +100,11 @@ def _kiln_asinh(x):
 def _kiln_pow(a, b):
     r = tl.exp(b * tl.log(tl.abs(a)))
     bi = tl.floor(b)
-    odd = (bi == b) & ((bi - 2.0 * tl.floor(bi * 0.5)) == 1.0)
-    r = tl.where((a < 0) & odd, -r, r)
-    r = tl.where((a < 0) & (bi != b), float('nan'), r)
+    whole = bi == b
+    odd = tl.where(whole, (bi - 2.0 * tl.floor(bi * 0.5)) == 1.0, False)
+    neg = a < 0
+    r = tl.where(neg, tl.where(odd, -r, r), r)
+    r = tl.where(neg, tl.where(whole, r, float('nan')), r)
     return tl.where(b == 0, 1.0, r)
 ''',
     "_kiln_prod": '''@triton.jit

@@ -132,3 +132,38 @@ def test_unsupported_op_stays_aten():
     gm = check(fn, torch.randn(16), n_kernels=2)
     assert torch.ops.aten.cumsum.default in aten_ops(gm)
     assert len(kernels(gm)) == 2
+
+
+def test_compiled_adamw_step(monkeypatch):
+    """A compiled AdamW step (its bias correction is ``beta ** step`` with a 0-d step tensor): the pow
+    helper combined a 0-d mask and a [1] one with ``&``, which Triton's interpreter refuses (every
+    compiled HF training step with its optimizer failed there). Three steps match eager."""
+    import copy
+
+    import kiln
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    torch.manual_seed(0)
+    m = torch.nn.Linear(8, 4)
+    m2 = copy.deepcopy(m)
+    o1, o2 = torch.optim.AdamW(m.parameters(), lr=1e-2), torch.optim.AdamW(m2.parameters(), lr=1e-2)
+    x = torch.randn(16, 8)
+
+    def step(model, opt):
+        opt.zero_grad(set_to_none=True)
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    cstep = kiln.compile(step, codegen="triton")
+    for _ in range(3):
+        torch.testing.assert_close(cstep(m2, o2), step(m, o1), atol=1e-5, rtol=1e-5)
+    for a, b in zip(m2.parameters(), m.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_pow_with_negative_bases():
+    a = torch.tensor([-2.0, -2.0, -2.0, 2.0, 0.0, -0.5, 3.0, -1.0])
+    b = torch.tensor([2.0, 3.0, 0.5, -1.5, 2.0, -3.0, 0.0, 7.0])
+    gm, _ = fused(torch.pow, a, b)
+    torch.testing.assert_close(gm(a, b), torch.pow(a, b), atol=1e-6, rtol=1e-6, equal_nan=True)
