@@ -216,8 +216,10 @@ class TritonKernel:
             if m and lv in ("x", "xr") and self.level(e) == "c":
                 # a scalar address under a block mask (a constant-index load inside a masked
                 # region): Triton rejects a block mask on a scalar pointer, so make the address a block
+                # (tl.full, not tl.zeros: a jit function of Triton's standard library, which an
+                # interpreted kernel cannot call unless Triton itself was imported in interpreter mode)
                 shape = "[XBLOCK]" if not self.red else ("[XBLOCK, RBLOCK]" if lv == "xr" else "[XBLOCK, 1]")
-                idx = f"({idx}) + tl.zeros({shape}, tl.int32)"
+                idx = f"({idx}) + tl.full({shape}, 0, tl.int32)"
             return f"tl.load({ptr} + ({idx}), {m}, other=0)" if m else f"tl.load({ptr} + ({idx}))"
         if op == "index":
             idx = self.index(a[0], a[2], scope, mask)

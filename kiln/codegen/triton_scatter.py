@@ -33,7 +33,7 @@ class ScatterKernel(TritonKernel):
         if self.level(value) == "c":
             v = f"tl.broadcast_to({self._tensor(v, value)}, [XBLOCK])"
         if self.level(target) == "c":   # one target address: a block of pointers for the xmask
-            t = f"({t}) + tl.zeros([XBLOCK], tl.int32)"
+            t = f"({t}) + tl.full([XBLOCK], 0, tl.int32)"
         fn = "tl.atomic_add" if s.mode == "add" else "tl.store"
         self.top.lines.append(f"{fn}(out_ptr0 + ({t}), {v}, xmask)")
 

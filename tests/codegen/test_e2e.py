@@ -91,3 +91,18 @@ def test_dynamic_sizes_divide_by_a_symbolic_product():
         torch.testing.assert_close(out, ref, atol=1e-3, rtol=1e-5)
         for g, r in zip(got, want):
             torch.testing.assert_close(g, r, atol=1e-4, rtol=1e-4)
+
+
+def test_constant_index_load_under_a_mask():
+    """RoPE's rotate_half on gathered rows: a one-element index is loaded inside the masked halves of a
+    ``cat``, so its address is broadcast to a block. That used ``tl.zeros``, a jit function of Triton's
+    standard library that an interpreted kernel cannot call unless Triton was imported in interpreter
+    mode (HF Falcon failed so)."""
+    def f(x, idx, w):
+        t = x[idx] * w
+        return torch.cat([-t[..., 8:], t[..., :8]], -1)
+
+    x, idx, w = torch.randn(4, 16), torch.tensor([2]), torch.randn(16)
+    out, code = kiln.run_and_get_code(kiln.compile(f, codegen="triton"), x, idx, w)
+    torch.testing.assert_close(out, f(x, idx, w))
+    assert any("tl.full([XBLOCK], 0, tl.int32)" in c for c in code)
