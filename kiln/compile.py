@@ -109,8 +109,10 @@ def _lower(gm: fx.GraphModule, inputs: list, opts: Options, trace: Trace, kind: 
            layout=None):
     """``layout``: shared by a forward and its backward; the forward records which saved values it
     produces with known strides, and the backward's wrapper reinterprets views of those."""
-    out = gm.graph.output_node().args[0]
-    names = [getattr(o, "name", None) for o in (out if isinstance(out, (tuple, list)) else (out,))]
+    names = None
+    if layout is not None and kind == "forward":   # output names before passes: the backward's inputs
+        out = gm.graph.output_node().args[0]
+        names = [getattr(o, "name", None) for o in (out if isinstance(out, (tuple, list)) else (out,))]
     if kind == "inference" and target == "triton" and opts.layout_optimization:
         from kiln.passes.channels_last import to_channels_last
         trace.stage("channels_last", to_channels_last, gm)
@@ -122,7 +124,7 @@ def _lower(gm: fx.GraphModule, inputs: list, opts: Options, trace: Trace, kind: 
         trace.stage(f"precompile_{kind}", warm, gm, opts)
     trusted = layout.get("saved", frozenset()) if layout is not None and kind == "backward" else frozenset()
     wrapper = emit_wrapper(gm, f"{kind}_{trace.id}", trusted)
-    if layout is not None and kind == "forward":   # output names before passes: the backward's inputs
+    if names is not None:
         layout["saved"] = frozenset(n for n, ok in zip(names, wrapper.known_outputs) if ok and n)
     log(4, f"{kind} wrapper:\n{wrapper.source}")
     for k in wrapper.kernels:
