@@ -45,3 +45,22 @@ def reinterpret_fn():
     0.7 us on this CPU against 2.5 us for ``aten.view``); ``torch.as_strided`` where it is missing."""
     guards = getattr(getattr(torch._C, "_dynamo", None), "guards", None)
     return getattr(guards, "_reinterpret_tensor", None) or _reinterpret_fallback
+
+
+def empty_strided_cuda_fn():
+    """``f(size, stride, dtype)``: an uninitialized tensor on the current CUDA device, through torch's
+    C++ helper behind Inductor's wrappers (no argument parsing, no device object); the public
+    ``torch.empty_strided`` where torch lacks it."""
+    guards = getattr(getattr(torch._C, "_dynamo", None), "guards", None)
+    fn = getattr(guards, "_empty_strided_cuda", None)
+    if fn is not None:
+        return fn
+    return lambda size, stride, dtype: torch.empty_strided(size, stride, dtype=dtype, device="cuda")
+
+
+def triton_c_launcher_ok(version: str) -> bool:
+    """Whether Triton's generated C launcher takes the arguments kiln's launch sites pass it
+    (grid, stream, function, cooperative, pdl, two scratch buffers, metadata, hooks, kernel
+    arguments): read from Triton 3.6's ``make_launcher``. Other versions go through the launcher's
+    Python ``__call__``, whose signature is public."""
+    return version.split(".")[:2] == ["3", "6"]

@@ -64,7 +64,7 @@ def _record(mod, example_args):
 
     # ``mod`` is a private copy of the module: only its own ``launch`` name is replaced, so kernels
     # launching meanwhile on other threads (a backward compiling while another runs) are untouched
-    mod.launch = _Recorder(run=fake_run, launch=fake_launch, seed=lambda: 12345)
+    mod.launch = _Recorder(run=fake_run, launch=fake_launch, seed=lambda: 12345, empty_cuda=_fake_empty)
     mode = next((a.fake_mode for a in example_args if hasattr(a, "fake_mode")), None)
     if mode is None:   # a kernel without tensor inputs still allocates CUDA outputs
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -72,6 +72,11 @@ def _record(mod, example_args):
     with mode:
         mod.call(*example_args)
     return launches
+
+
+def _fake_empty(size, stride, dtype):
+    """``launch.empty_cuda`` under fake mode (torch's C++ helper would allocate real CUDA memory)."""
+    return torch.empty_strided(size, stride, dtype=dtype, device="cuda")
 
 
 class _Recorder:

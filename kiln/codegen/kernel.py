@@ -117,7 +117,7 @@ def reset() -> None:
     from kiln.codegen import launch, precompile
     with _LOCK:
         _CACHE.clear()
-    for table in (launch._COMPILED, launch._SITES, launch._TUNED, precompile._DONE):
+    for table in (launch._COMPILED, launch._TUNED, precompile._DONE):
         table.clear()
 
 

@@ -94,11 +94,37 @@ def _jit_launch(kernel, grid, args, consts, warps):
 # -- the fast path ------------------------------------------------------------------------------
 # Triton's ``kernel[grid](...)`` re-binds and re-specializes every argument on every launch (tens
 # of microseconds of Python). A launch site repeats the same kernel, grid and block sizes, so kiln
-# keeps the compiled kernel Triton returned and calls its launcher directly, as long as the
+# keeps the compiled kernel Triton returned and calls its C launcher directly, as long as the
 # arguments specialize the same way: tensor dtypes and 16-byte alignment, integers equal to 1,
-# divisible by 16, or wider than 32 bits.
+# divisible by 16, or wider than 32 bits. The site lives on the kernel object (a dict keyed by
+# Triton's JITFunction would run its Python ``__hash__`` at every launch).
 _COMPILED: dict = {}
 _STREAM = []
+
+
+def _triton_stream():
+    if not _STREAM:
+        from triton.runtime.driver import driver
+        active = driver.active
+        _STREAM.append((active.get_current_device, active.get_current_stream))
+    device, stream = _STREAM[0]
+    return stream(device())
+
+
+# the current device and its raw stream, as Triton's driver reads them, without torch.cuda's Python
+# (``current_device`` runs ``_lazy_init`` on every call); Triton's own functions where torch has no CUDA
+def _c_launcher_ok() -> bool:
+    import triton
+    from kiln.compat import triton_c_launcher_ok
+    return triton_c_launcher_ok(getattr(triton, "__version__", ""))
+
+
+_device = getattr(torch._C, "_cuda_getDevice", None) or (lambda: _STREAM[0][0]() if _STREAM else 0)
+_stream_of = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (lambda dev: _triton_stream())
+
+
+def _stream():
+    return _stream_of(_device())
 
 
 def _spec(args):
@@ -113,30 +139,21 @@ def _spec(args):
     return tuple(key)
 
 
-def _stream():
-    if not _STREAM:
-        from triton.runtime.driver import driver
-        active = driver.active
-        _STREAM.append((active.get_current_device, active.get_current_stream))
-    device, stream = _STREAM[0]
-    return stream(device())
-
-
 def launch(kernel, args, grid, consts, warps):
     """A launch whose grid and block sizes were fixed when the module was generated.
 
-    The common case costs one dict lookup, one ``data_ptr`` per tensor and the launcher call: a
+    The common case costs one attribute read, one ``data_ptr`` per tensor and the C launcher: a
     site remembers the kernel compiled for 16-byte aligned tensors and integers that Triton does
-    not specialize (not 1, not a multiple of 16, 32-bit: the philox seeds); any other arguments,
-    or an installed launch hook, take the general path (``_launch``)."""
-    site = _SITES.get(kernel)
+    not specialize (not 1, not a multiple of 16, 32-bit: the philox seeds), on one device; any
+    other arguments, another device, or an installed launch hook take the general path."""
+    site = getattr(kernel, "_kiln_site", None)
     if site is not None:
-        ck, nt = site
+        dev, fn, head, pm, nt = site
         p = 0
         for a in args[:nt]:
             p |= a.data_ptr()
-        if not p & 15 and _generic_ints(args, nt) and not _hooks_on():
-            ck.run(grid[0], 1, 1, _stream(), ck.function, ck.packed_metadata, None, None, None, *args, *consts)
+        if not p & 15 and (nt == len(args) or _generic_ints(args, nt)) and _device() == dev and not _hooks_on():
+            fn(grid[0], 1, 1, _stream_of(dev), *head, pm, None, None, None, *args, *consts)
             return
     ck = _launch(kernel, grid, args, consts, warps)
     nt = 0
@@ -144,10 +161,23 @@ def launch(kernel, args, grid, consts, warps):
         nt += 1
     if ck is not None and site is None and all(isinstance(a, int) and not isinstance(a, bool) for a in args[nt:]) \
             and _generic_ints(args, nt) and all(a.data_ptr() & 15 == 0 for a in args[:nt]):
-        _SITES[kernel] = (ck, nt)
+        try:
+            kernel._kiln_site = (_device(), *_launcher(ck), nt)
+        except AttributeError:   # an object that takes no attributes: no site, the general path
+            pass
 
 
-_SITES: dict = {}
+def _launcher(ck):
+    """(fn, head, packed_metadata) such that ``fn(gx, 1, 1, stream, *head, pm, None, None, None, *args)``
+    launches ``ck``: Triton's C launcher itself when the kernel needs no scratch memory (the
+    Python ``CudaLauncher.__call__`` around it only allocates scratch), else its ``run``."""
+    run = ck.run
+    c_launch = getattr(run, "launch", None)
+    if c_launch is not None and _c_launcher_ok() and not getattr(run, "global_scratch_size", 1) \
+            and not getattr(run, "profile_scratch_size", 1) and hasattr(run, "launch_pdl"):
+        return c_launch, (ck.function, run.launch_cooperative_grid, run.launch_pdl, None, None), ck.packed_metadata
+    return (lambda gx, gy, gz, stream, function, *rest: run(gx, gy, gz, stream, function, *rest)), \
+        (ck.function,), ck.packed_metadata
 
 
 def _generic_ints(args, nt) -> bool:
@@ -155,15 +185,6 @@ def _generic_ints(args, nt) -> bool:
         if v == 1 or not v & 15 or not -2 ** 31 <= v < 2 ** 31:
             return False
     return True
-
-
-def _hooks_on() -> bool:
-    rt = _RUNTIME[0] if _RUNTIME else _runtime()
-    if rt is None:
-        return True
-    enter, leave = rt.launch_enter_hook, rt.launch_exit_hook
-    return (enter is not None and bool(getattr(enter, "calls", True))) or \
-        (leave is not None and bool(getattr(leave, "calls", True)))
 
 
 _RUNTIME: list = []
@@ -175,24 +196,30 @@ def _runtime():
     return _RUNTIME[0]
 
 
+def _hooks_on() -> bool:
+    rt = _RUNTIME[0] if _RUNTIME else _runtime()
+    if rt is None:
+        return True
+    return _hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook)
+
+
 def _hooked(hook) -> bool:
     """Whether a Triton launch hook is installed (Triton 3.6 keeps an empty ``HookChain``)."""
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
 def _launch(kernel, grid, args, consts, warps):
-    import triton
-    knobs = getattr(triton, "knobs", None)
-    if knobs is None or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
+    if _hooks_on():
         return _jit_launch(kernel, grid, args, consts, warps)   # launch hooks want Triton's metadata
-    key = (kernel, grid, consts, warps, _spec(args))
-    ck = _COMPILED.get(key)
-    if ck is None:
+    key = (id(kernel), _device(), grid, consts, warps, _spec(args))
+    hit = _COMPILED.get(key)
+    if hit is None or hit[0] is not kernel:
         ck = _jit_launch(kernel, grid, args, consts, warps)
         if ck is not None and not hasattr(ck, "result"):
             ck.run   # noqa: B018  loads the module and function handles
-            _COMPILED[key] = ck
+            _COMPILED[key] = (kernel, ck)
         return ck
+    ck = hit[1]
     ck.run(grid[0], 1, 1, _stream(), ck.function, ck.packed_metadata, None, None, None, *args, *consts)
     return ck
 
@@ -229,6 +256,14 @@ def restride(t: torch.Tensor, shape, stride):
     out = torch.empty_strided(shape, stride, dtype=t.dtype, device=t.device)
     out.copy_(t)
     return out
+
+
+def _empty_cuda():
+    from kiln.compat import empty_strided_cuda_fn
+    return empty_strided_cuda_fn()
+
+
+empty_cuda = _empty_cuda()
 
 
 def seed() -> int:
@@ -406,15 +441,29 @@ def module(kernels, defs, inputs, buffers, body_fn):
     for i, b in enumerate(inputs):
         buf = buffers[b]
         if all(sympy.sympify(x).is_Integer for x in buf.shape + buf.stride) and buf.shape:
-            lines.append(f"    in{i} = launch.restride(in{i}, {_tuple(buf.shape)}, {_tuple(buf.stride)})")
+            st = _tuple(buf.stride)
+            lines.append(f"    if in{i}.stride() != {st}:")
+            lines.append(f"        in{i} = launch.restride(in{i}, {_tuple(buf.shape)}, {st})")
     lines += ["    " + b for b in body_fn(names)]
     return "\n".join(lines) + "\n", scalars
 
 
 def alloc_line(local, buf, names, device):
+    """``local = <new tensor>``; ``device`` None: the current CUDA device, through torch's C++ helper
+    (``empty_cuda``: the wrapper enters the graph's device before it calls kernels)."""
     shape = "(" + "".join(pyexpr(x, names) + ", " for x in buf.shape) + ")"
     stride = "(" + "".join(pyexpr(x, names) + ", " for x in buf.stride) + ")"
+    if device is None:
+        return f"{local} = launch.empty_cuda({shape}, {stride}, {buf.dtype})"
     return f"{local} = torch.empty_strided({shape}, {stride}, dtype={buf.dtype}, device={device})"
+
+
+def device_expr(interpret, has_inputs, device):
+    """The device expression of a module's allocations: None (the current CUDA device) for compiled
+    kernels, which only run on CUDA; the interpreter's kernels allocate on their inputs' device."""
+    if not interpret and torch.device(device).type == "cuda":
+        return None
+    return "in0.device" if has_inputs else f"torch.device({str(device)!r})"
 
 
 def assemble(k, name):
@@ -423,7 +472,7 @@ def assemble(k, name):
     inputs = list(k.inputs)
     ins = {b: f"in{i}" for i, b in enumerate(inputs)}
     outs = {b.name: f"out{i}" for i, b in enumerate(k.g.stored)}
-    device = _device_expr(k, inputs)
+    device = device_expr(k.interpret, bool(inputs), k.g.nodes[0].device)
 
     def body(names):
         out = [alloc_line(outs[b.name], b, names, device) for b in k.g.stored]
@@ -439,10 +488,3 @@ def assemble(k, name):
 
 def _tuple(xs):
     return "(" + "".join(f"{int(x)}, " for x in xs) + ")"
-
-
-def _device_expr(k, inputs):
-    if inputs:
-        return "in0.device"
-    dev = k.g.nodes[0].device
-    return f"torch.device({str(dev)!r})"

@@ -52,7 +52,7 @@ def emit_scatter(group, buffers, interpret, name) -> Source:
     inputs = list(dict.fromkeys(list(copy.inputs) + list(scatter.inputs)))
     ins = {b: f"in{i}" for i, b in enumerate(inputs)}
     outs = {buf.name: "out0"}
-    device = "in0.device" if inputs else f"torch.device({str(buf.device)!r})"
+    device = launch.device_expr(interpret, bool(inputs), buf.device)
 
     def body(names):
         out = [launch.alloc_line("out0", buf, names, device)]

@@ -163,6 +163,11 @@ class _Emitter:
             lhs = ", ".join(self.names[n] for n in placeholders)
             body.append(f"{lhs}, = args" if len(placeholders) == 1 else f"{lhs} = args")
         body.append("args.clear()")
+        guard = _kernel_devices(nodes)
+        shared = len(set(guard.values())) == 1
+        if shared:   # every compiled kernel runs on one GPU: enter it once (kernels allocate and launch there)
+            body.append(f"with {self.bind(torch.cuda.device, 'cuda_device')}({next(iter(guard.values()))}):")
+        start = len(body)
         for n in nodes:
             if n.op == "placeholder" or n in skipped:
                 continue
@@ -172,12 +177,16 @@ class _Emitter:
                 self.w.known_outputs = [isinstance(o, fx.Node) and self.views.known(o) is not None for o in outs]
                 continue
             line = self._node_line(n)
+            if n in guard and not shared:
+                line = f"with {self.bind(torch.cuda.device, 'cuda_device')}({guard[n]}): {line}"
             body.append(line)
             dead = [self.names[v] for v in frees.get(n, []) if v.op != "get_attr"]
             if not n.users and n.op == "call_function":
                 dead.append(self.names[n])
             if dead:
                 body.append("del " + ", ".join(dead))
+        if shared:
+            body[start:] = ["    " + b for b in body[start:]]
         header = (f"# kiln wrapper: {self.w.name} ({len(nodes)} nodes)\n"
                   f"# globals: targets, constants and kernels bound at load time\n")
         src = header + "def call(args):\n" + "\n".join("    " + b for b in body) + "\n"
@@ -228,6 +237,22 @@ class _Emitter:
             return fmt.format(*[self.lit(a) for a in n.args])
         args = [self.lit(a) for a in n.args] + [f"{k}={self.lit(v)}" for k, v in n.kwargs.items()]
         return f"{self.target_name(n.target)}({', '.join(args)})"
+
+
+def _kernel_devices(nodes) -> dict:
+    """{kernel node: CUDA device index} for the compiled (not interpreted) kernels of a graph, whose
+    modules allocate on and launch to the current device."""
+    out = {}
+    for n in nodes:
+        if n.op != "call_function" or not isinstance(getattr(n.target, "source", None), str) \
+                or getattr(n.target, "interpret", True):
+            continue
+        vals = n.meta.get("val")
+        for v in (vals if isinstance(vals, (tuple, list)) else (vals,)):
+            if isinstance(v, torch.Tensor) and v.device.type == "cuda":
+                out[n] = v.device.index or 0
+                break
+    return out
 
 
 def emit_wrapper(gm: fx.GraphModule, name: str, trusted=frozenset()) -> Wrapper:

@@ -136,3 +136,86 @@ def test_a_view_with_a_stale_example_value_stays_an_aten_view():
     w = emit_wrapper(gm, "t")
     assert f"aten_{view.target._opname}_default(" in w.source
     torch.testing.assert_close(load(w)([x]), g(x))
+
+
+def _fake_cuda_fused(fn, *cpu_args):
+    """``fn``'s ATen graph retraced on fake CUDA tensors and fused (compiled-mode kernels)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from kiln.codegen.fuse import fuse_graph
+    from kiln.options import Options
+    from tests.codegen.util import decompositions
+    gm = make_fx(fn, decomposition_table=decompositions(), tracing_mode="fake")(*cpu_args)
+    for n in gm.graph.nodes:
+        if n.kwargs.get("device") in (torch.device("cpu"), "cpu"):
+            n.kwargs = {**n.kwargs, "device": torch.device("cuda", 0)}
+    gm.recompile()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        args = [torch.empty(a.shape, dtype=a.dtype, device="cuda") for a in cpu_args]
+        gm = make_fx(gm, decomposition_table=decompositions())(*args)
+    fuse_graph(gm, args, Options(codegen="triton"), strict=True)
+    return gm
+
+
+def test_a_cuda_wrapper_enters_its_device_once_and_kernels_allocate_there():
+    """Compiled kernels allocate (torch's C++ empty_strided_cuda) and launch on the current device,
+    so a wrapper whose kernels share one GPU makes it current around its whole body."""
+    from kiln.codegen.wrapper import emit_wrapper
+
+    def f(x, w):
+        return (torch.nn.functional.layer_norm(x, (64,), w) * 2).mm(w.view(64, 1)) + 1
+
+    gm = _fake_cuda_fused(f, torch.randn(32, 64), torch.randn(64))
+    src = emit_wrapper(gm, "t").source
+    lines = src.splitlines()
+    guard = [i for i, line in enumerate(lines) if "with cuda_device(0):" in line]
+    assert len(guard) == 1, src
+    calls = [i for i, line in enumerate(lines) if "= kiln_" in line]
+    assert len(calls) == 2 and all(i > guard[0] and lines[i].startswith(" " * 8) for i in calls), src
+    for k in {n.target for n in gm.graph.nodes if hasattr(n.target, "source")}:
+        assert "launch.empty_cuda(" in k.source and "device=" not in k.source, k.source
+
+
+def test_kernel_devices_names_each_compiled_kernel_with_its_gpu():
+    from kiln.codegen.wrapper import _kernel_devices
+
+    def f(x):
+        return torch.sin(x) * 2
+
+    gm = _fake_cuda_fused(f, torch.randn(8, 8))
+    devs = _kernel_devices(list(gm.graph.nodes))
+    assert list(devs.values()) == [0]
+    for n in devs:   # another GPU in the example values: another index
+        n.meta["val"] = torch.empty(8, 8, device="meta")
+    assert _kernel_devices(list(gm.graph.nodes)) == {}
+
+
+def test_kernels_are_called_directly_after_the_first_call():
+    """After the first call the wrapper's globals hold each kernel module's ``call``, not the
+    ``KernelCall`` that guards a first call with the ATen fallback; results stay eager's."""
+    import kiln
+    from kiln.codegen.fallback import KernelCall
+    from kiln.runtime.load import Compiled
+
+    def f(x):
+        return torch.relu(x) * 3 + 1
+
+    seen = []
+    real = Compiled.__call__
+
+    def spy(self, args):
+        seen.append(self)
+        return real(self, args)
+    Compiled.__call__ = spy
+    try:
+        g = kiln.compile(f, codegen="triton")
+        x = torch.randn(16)
+        torch.testing.assert_close(g(x), f(x))
+        torch.testing.assert_close(g(x + 1), f(x + 1))
+    finally:
+        Compiled.__call__ = real
+    ns = seen[0].fn.__globals__
+    assert not any(isinstance(v, KernelCall) for v in ns.values())
+    assert any(getattr(v, "__name__", "") == "call" and getattr(v, "__module__", "").startswith("kiln_kernels")
+               for v in ns.values())
