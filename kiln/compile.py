@@ -78,7 +78,8 @@ def _aot(gm: fx.GraphModule, example_inputs: list, opts: Options, trace: Trace):
 
     aot = aot_autograd(**compat.aot_autograd_kwargs(
         fw_compiler=fw_compiler, bw_compiler=bw_compiler, inference_compiler=inference_compiler,
-        partition_fn=partition_fn, decompositions=decomposition_table(target)))
+        partition_fn=partition_fn, decompositions=decomposition_table(target),
+        keep_inference_input_mutations=True))
     return aot(gm, example_inputs)
 
 

@@ -29,10 +29,28 @@ FUSION_EXTRA = [
     aten.native_group_norm, aten.native_group_norm_backward, aten.mean, aten.var_mean, aten.addcmul,
 ]
 
-# native_batch_norm (and eval BN, kept whole below) are left out on purpose: on torch 2.11 its decomposition goes through the mutating
-# _native_batch_norm_legit, which AOTAutograd rejects in a functional graph.
+# native_batch_norm is left out on purpose: on torch 2.11 its decomposition goes through the mutating
+# _native_batch_norm_legit, which AOTAutograd rejects in a functional graph. Torch's decomposition of
+# eval BatchNorm does too, so the fusing target gets kiln's own (``_batch_norm_eval``).
 
-# Ops that must stay whole everywhere: library calls that no decomposition beats.
+
+def _batch_norm_eval(x, weight, bias, running_mean, running_var, momentum, eps):
+    """``_native_batch_norm_legit_no_training`` as pointwise ops, so that eval BatchNorm fuses with
+    the activation and residual add around it. Math in float32 for half inputs, as ATen's kernels;
+    the two statistics outputs (unused by ``F.batch_norm``) are empty, as on the CPU."""
+    acc = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+    shape = [1, -1] + [1] * (x.dim() - 2)
+    scale = torch.rsqrt(running_var.to(acc) + eps)
+    if weight is not None:
+        scale = scale * weight.to(acc)
+    out = (x.to(acc) - running_mean.to(acc).reshape(shape)) * scale.reshape(shape)
+    if bias is not None:
+        out = out + bias.to(acc).reshape(shape)
+    empty = x.new_zeros((0,), dtype=acc)
+    return out.to(x.dtype), empty, empty.clone()
+
+# Ops that must stay whole: library calls that no decomposition beats (eval BatchNorm: on the ATen
+# target only, see above).
 KEEP = [aten.convolution, aten.convolution_backward, aten.mm, aten.addmm, aten.bmm, aten.baddbmm,
         aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_efficient_attention,
         aten._scaled_dot_product_cudnn_attention, aten._scaled_dot_product_flash_attention_for_cpu,
@@ -49,6 +67,8 @@ def _table(target: str):
     for packet in KEEP:
         for name in packet.overloads():
             table.pop(getattr(packet, name), None)
+    if target == "triton":
+        table[aten._native_batch_norm_legit_no_training.default] = _batch_norm_eval
     return table
 
 

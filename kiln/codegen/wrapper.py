@@ -168,6 +168,7 @@ class _Emitter:
         if shared:   # every compiled kernel runs on one GPU: enter it once (kernels allocate and launch there)
             body.append(f"with {self.bind(torch.cuda.device, 'cuda_device')}({next(iter(guard.values()))}):")
         start = len(body)
+        runs = _copy_runs(nodes)
         for n in nodes:
             if n.op == "placeholder" or n in skipped:
                 continue
@@ -176,12 +177,19 @@ class _Emitter:
                 outs = n.args[0] if isinstance(n.args[0], (tuple, list)) else (n.args[0],)
                 self.w.known_outputs = [isinstance(o, fx.Node) and self.views.known(o) is not None for o in outs]
                 continue
-            line = self._node_line(n)
-            if n in guard and not shared:
-                line = f"with {self.bind(torch.cuda.device, 'cuda_device')}({guard[n]}): {line}"
-            body.append(line)
+            run = runs.get(n)
+            if run is None:
+                line = self._node_line(n)
+                if n in guard and not shared:
+                    line = f"with {self.bind(torch.cuda.device, 'cuda_device')}({guard[n]}): {line}"
+                body.append(line)
+            elif run:   # the first of consecutive input copies: one foreach call for all of them
+                dsts = ", ".join(self.names[c.args[0]] for c in run)
+                srcs = ", ".join(self.names[c.args[1]] for c in run)
+                body.append(f"{self.bind(torch._foreach_copy_, 'foreach_copy_')}([{dsts}], [{srcs}])"
+                            f"  # {len(run)} input mutations")
             dead = [self.names[v] for v in frees.get(n, []) if v.op != "get_attr"]
-            if not n.users and n.op == "call_function":
+            if not n.users and n.op == "call_function" and run is None:
                 dead.append(self.names[n])
             if dead:
                 body.append("del " + ", ".join(dead))
@@ -237,6 +245,40 @@ class _Emitter:
             return fmt.format(*[self.lit(a) for a in n.args])
         args = [self.lit(a) for a in n.args] + [f"{k}={self.lit(v)}" for k, v in n.kwargs.items()]
         return f"{self.target_name(n.target)}({', '.join(args)})"
+
+
+def _copy_runs(nodes) -> dict:
+    """{copy node: run} for runs of two or more consecutive ``copy_`` nodes that write graph inputs
+    (AOTAutograd's input mutations: BatchNorm statistics, an optimizer's state): the first node of
+    a run maps to the list of its copies, the others to an empty list. A run's copies write distinct
+    inputs that no copy of the run reads, from values of the same shape, dtype and device, so
+    ``torch._foreach_copy_`` does them at once (a few multi-tensor launches in place of one each)."""
+    out, run = {}, []
+
+    def close():
+        if len(run) >= 2:
+            out[run[0]] = list(run)
+            out.update({c: [] for c in run[1:]})
+        run.clear()
+
+    for n in nodes:
+        ok = n.op == "call_function" and n.target is torch.ops.aten.copy_.default and not n.users \
+            and len(n.args) == 2 and not n.kwargs and n.args[0].op == "placeholder" \
+            and isinstance(n.args[1], fx.Node)
+        if ok:
+            d, s = n.args[0].meta.get("val"), n.args[1].meta.get("val")
+            ok = isinstance(d, torch.Tensor) and isinstance(s, torch.Tensor) and d.shape == s.shape \
+                and d.dtype == s.dtype and d.device == s.device
+        touched = {c.args[0] for c in run} | {c.args[1] for c in run}
+        if ok and run and (n.args[0] in touched or n.args[1] in {c.args[0] for c in run}
+                           or d.device != run[0].args[0].meta["val"].device):
+            close()
+        if ok:
+            run.append(n)
+        else:
+            close()
+    close()
+    return out
 
 
 def _kernel_devices(nodes) -> dict:

@@ -219,3 +219,23 @@ def test_kernels_are_called_directly_after_the_first_call():
     assert not any(isinstance(v, KernelCall) for v in ns.values())
     assert any(getattr(v, "__name__", "") == "call" and getattr(v, "__module__", "").startswith("kiln_kernels")
                for v in ns.values())
+
+
+def test_copy_runs_break_where_a_copy_reads_an_earlier_target():
+    """Input copies batch into one foreach call only while no copy reads a value another one of the
+    run writes (sequential copies would see the new value)."""
+    import torch.fx as fx
+
+    from kiln.codegen.wrapper import _copy_runs
+    g = fx.Graph()
+    a, b, c = (g.placeholder(n) for n in "abc")
+    for p in (a, b, c):
+        p.meta["val"] = torch.empty(4)
+    v = g.call_function(torch.ops.aten.mul.Tensor, (a, 2))
+    v.meta["val"] = torch.empty(4)
+    copies = [g.call_function(torch.ops.aten.copy_.default, (a, v)),
+              g.call_function(torch.ops.aten.copy_.default, (b, v)),
+              g.call_function(torch.ops.aten.copy_.default, (c, b))]   # reads b, which the run writes
+    g.output(None)
+    runs = _copy_runs(list(g.nodes))
+    assert runs[copies[0]] == copies[:2] and runs[copies[1]] == [] and copies[2] not in runs
