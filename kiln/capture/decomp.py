@@ -49,6 +49,44 @@ def _batch_norm_eval(x, weight, bias, running_mean, running_var, momentum, eps):
     empty = x.new_zeros((0,), dtype=acc)
     return out.to(x.dtype), empty, empty.clone()
 
+def _pair(v, default=None):
+    if v is None or (isinstance(v, (list, tuple)) and len(v) == 0):
+        return default
+    if isinstance(v, int):
+        return v, v
+    return (v[0], v[0]) if len(v) == 1 else (v[0], v[1])
+
+
+def _max_pool2d_with_indices(x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
+    """2-D max pooling as the running maximum of its window's strided slices, with ATen's flat
+    indices (``h * W + w``; the first maximum wins ties, a NaN wins over numbers): pointwise work
+    that fuses with the ReLU before it. Dilation, ceil mode, 3-D inputs and integer tensors keep the
+    ATen kernel (``NotImplemented``)."""
+    kh, kw = _pair(kernel_size)
+    sh, sw = _pair(stride, (kh, kw))
+    ph, pw = _pair(padding)
+    if ceil_mode or _pair(dilation) != (1, 1) or x.dim() != 4 or not x.is_floating_point() \
+            or not all(isinstance(v, int) for v in (kh, kw, sh, sw, ph, pw)):
+        return NotImplemented
+    H, W = x.shape[-2:]
+    oh, ow = (H + 2 * ph - kh) // sh + 1, (W + 2 * pw - kw) // sw + 1
+    xp = aten.constant_pad_nd(x, [pw, pw, ph, ph], float("-inf")) if ph or pw else x
+    rows = torch.arange(oh, device=x.device).mul(sh).sub(ph).reshape(oh, 1)
+    cols = torch.arange(ow, device=x.device).mul(sw).sub(pw).reshape(1, ow)
+    best = where = None
+    for i in range(kh):
+        for j in range(kw):
+            v = xp[:, :, i:i + sh * (oh - 1) + 1:sh, j:j + sw * (ow - 1) + 1:sw]
+            idx = (rows + i) * W + (cols + j)
+            if best is None:
+                best, where = v, idx.expand(v.shape)
+                continue
+            take = (v > best) | torch.isnan(v)
+            best = torch.where(take, v, best)
+            where = torch.where(take, idx, where)
+    return best, where
+
+
 # Ops that must stay whole: library calls that no decomposition beats (eval BatchNorm: on the ATen
 # target only, see above).
 KEEP = [aten.convolution, aten.convolution_backward, aten.mm, aten.addmm, aten.bmm, aten.baddbmm,
@@ -69,6 +107,7 @@ def _table(target: str):
             table.pop(getattr(packet, name), None)
     if target == "triton":
         table[aten._native_batch_norm_legit_no_training.default] = _batch_norm_eval
+        table[aten.max_pool2d_with_indices.default] = _max_pool2d_with_indices
     return table
 
 

@@ -106,7 +106,10 @@ class _Emitter:
     def target_name(self, target) -> str:
         target = RUNTIME.get(target, target)
         if isinstance(target, torch._ops.OpOverload):
-            return self.bind(target, f"{target.namespace}_{target._opname}_{target._overloadname}")
+            # a plain overload's __call__ only forwards to its C++ handle: bind the handle (a Python
+            # frame less per call); subclasses (TorchBind ops) keep their own __call__
+            fn = getattr(target, "_op", target) if type(target) is torch._ops.OpOverload else target
+            return self.bind(fn, f"{target.namespace}_{target._opname}_{target._overloadname}")
         return self.bind(target, getattr(target, "name", None) or getattr(target, "__name__", "fn"))
 
     # -- literals -------------------------------------------------------------------------------

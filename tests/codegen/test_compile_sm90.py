@@ -227,3 +227,11 @@ def test_scatter_add_to_one_row():
         return (torch.ops.aten.index_put(z, [i], v, True),
                 torch.ops.aten.index_put(z[:, 0], [j[:1]], v[:1, 0] * 2, True))
     _compile_all(f, [(10, 8), (12, 8)], int_args=[((12,), 10), ((12,), 10)])
+
+
+def test_max_pool_forward_and_backward():
+    """kiln's max-pool decomposition (window slices, flat int64 indices) and its backward."""
+    def f(x):
+        y, i = F.max_pool2d(torch.relu(x), 3, 2, 1, return_indices=True)
+        return y * 2, i
+    assert _compile_all(f, [(2, 4, 9, 9)], n_diff=1) >= 1

@@ -1,0 +1,60 @@
+"""Max pooling on the fusing target: kiln's decomposition into the running maximum of strided
+window slices gives ATen's values, flat indices (first maximum on ties, NaN wins) and gradients."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kiln
+
+
+def _pool(x, k=3, s=2, p=1):
+    y, i = F.max_pool2d(torch.relu(x), k, s, p, return_indices=True)
+    return y * 2, i
+
+
+@pytest.mark.parametrize("shape,k,s,p,cl", [((2, 4, 9, 9), 3, 2, 1, False), ((2, 4, 8, 8), 3, 2, 1, True),
+                                            ((1, 3, 6, 7), 2, 2, 0, False), ((1, 2, 7, 5), 3, 1, 1, False)])
+def test_max_pool_matches_eager_values_indices_and_grads(shape, k, s, p, cl):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    x = torch.randn(shape)
+    if cl:
+        x = x.to(memory_format=torch.channels_last)
+    x.requires_grad_(True)
+
+    def f(x):
+        return _pool(x, k, s, p)
+    (out, idx), code = kiln.run_and_get_code(kiln.compile(f, codegen="triton"), x)
+    ref, ref_idx = f(x)
+    assert torch.equal(idx, ref_idx)   # relu's zeros make many ties
+    torch.testing.assert_close(out, ref)
+    assert out.stride() == ref.stride()
+    g, = torch.autograd.grad(out.sum(), x)
+    rg, = torch.autograd.grad(ref.sum(), x)
+    torch.testing.assert_close(g, rg)
+    forward = next(c for c in code if c.startswith("# kiln wrapper: forward"))
+    assert "max_pool" not in forward, forward
+
+
+def test_max_pool_nan_wins_and_inference_fuses():
+    torch._dynamo.reset()
+    x = torch.randn(1, 2, 6, 6)
+    x[0, 1, 2, 3] = float("nan")
+    x[0, 0, 4, 4] = float("nan")
+    with torch.no_grad():
+        out, code = kiln.run_and_get_code(kiln.compile(lambda x: F.max_pool2d(x, 3, 2, 1), codegen="triton"), x)
+        torch.testing.assert_close(out, F.max_pool2d(x, 3, 2, 1), equal_nan=True)
+    wrapper = next(c for c in code if c.startswith("# kiln wrapper"))
+    assert "max_pool" not in wrapper and wrapper.count("= kiln_") <= 2, wrapper
+
+
+def test_dilated_and_ceil_mode_pools_keep_the_aten_kernel():
+    torch._dynamo.reset()
+    x = torch.randn(1, 2, 9, 9)
+    for kw in ({"dilation": 2}, {"ceil_mode": True}):
+        with torch.no_grad():
+            out, code = kiln.run_and_get_code(kiln.compile(lambda x: F.max_pool2d(x, 3, 2, 1, **kw),
+                                                           codegen="triton"), x)
+        torch.testing.assert_close(out, F.max_pool2d(x, 3, 2, 1, **kw))
+        assert "max_pool2d_with_indices" in next(c for c in code if c.startswith("# kiln wrapper"))
+        torch._dynamo.reset()
