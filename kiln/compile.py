@@ -120,6 +120,8 @@ def _lower(gm: fx.GraphModule, inputs: list, opts: Options, trace: Trace, kind: 
     trace.stage(f"post_grad_{kind}", passes.post_grad, gm, opts)
     if target == "triton":
         from kiln.codegen.fuse import fuse_graph
+        from kiln.passes.conv_bias import split_conv_bias
+        trace.stage(f"conv_bias_{kind}", split_conv_bias, gm)
         trace.stage(f"fuse_{kind}", fuse_graph, gm, inputs, opts)
         from kiln.codegen.precompile import warm
         trace.stage(f"precompile_{kind}", warm, gm, opts)

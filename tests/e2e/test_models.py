@@ -155,3 +155,37 @@ def test_batchnorm_statistics_update_in_the_graph(codegen):
     for (name, a), (_, b) in zip(m.state_dict().items(), ref.state_dict().items()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
     assert int(m[1].num_batches_tracked) == 3
+
+
+def test_convolution_bias_fuses_into_the_next_kernel():
+    """On the fusing target a convolution runs without its bias, which is added in the kernel after
+    it (cuDNN would add it in a kernel of its own); values and gradients match eager, frozen too."""
+    import kiln
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 8, 3, padding=1)
+            self.bn = nn.BatchNorm2d(8)
+
+        def forward(self, x):
+            return F.relu(self.bn(self.conv(x)))
+
+    torch.manual_seed(0)
+    m = Net().eval()
+    with torch.no_grad():
+        m.bn.running_mean.uniform_(-1, 1)
+        m.bn.running_var.uniform_(0.5, 2)
+    x = torch.randn(2, 3, 8, 8)
+    for opts in ({}, {"freezing": True}):
+        torch._dynamo.reset()
+        with torch.no_grad():
+            out, code = kiln.run_and_get_code(kiln.compile(m, codegen="triton", **opts), x)
+            torch.testing.assert_close(out, m(x), rtol=1e-5, atol=1e-5)
+        wrapper = next(c for c in code if c.startswith("# kiln wrapper"))
+        conv_lines = [line for line in wrapper.splitlines() if "= aten_convolution" in line]
+        assert conv_lines and all(", None, [" in line for line in conv_lines), wrapper
+        assert wrapper.count("= kiln_") == 1, wrapper
+    torch._dynamo.reset()
+    check_train(Net().train(), [torch.randn(2, 3, 8, 8, requires_grad=True)], rtol=1e-4, atol=1e-4,
+                codegen="triton")
