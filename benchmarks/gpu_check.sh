@@ -1,21 +1,18 @@
 #!/usr/bin/env bash
-# One device call (about 5 minutes on an H100): the GPU tests (in the background), the precompile
-# probe (do kiln's first launches load what the workers compiled?), the built-in GPT's peak sweep with
-# the blocks alive at each peak, and GPT-2 beside inductor. Logs and JSON land in $OUT; record the
-# bench JSON with `python -m kiln.bench --from-json`.
+# One device call (about 8 minutes on an H100): the GPU tests, then the model rows (GPT-2, ResNet-50
+# train / inference / frozen inference) and the fp32 micro rows, each beside inductor in one run.
+# Logs and JSON land in $OUT; record the JSON with `python -m kiln.bench --from-json FILE`.
 #   with the device tool:  bash benchmarks/gpu_check.sh
+# The precompile probe, the budget sweep and the host profile have their own commands (notes/STATUS.md).
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-(timeout 200 python3 -m pytest -p no:logging -p no:cacheprovider -m gpu tests/ -q -rf --tb=short \
-   > "$OUT/gpu_tests.log" 2>&1; echo "tests exit $?" >> "$OUT/gpu_tests.log") &
-timeout 120 python3 benchmarks/precompile_probe.py --inductor-first > "$OUT/probe.log" 2>&1; echo "probe exit $?"
-grep -v Warn "$OUT/probe.log" | head -6
-timeout 200 python3 -m kiln.bench.peak_sweep --device cuda --size gpu --budgets 1,0.5,0.1,0 --explain-peak \
-  --json "$OUT/sweep.json" --png "$OUT/sweep.png" > "$OUT/sweep.log" 2>&1; echo "sweep exit $?"
-head -7 "$OUT/sweep.log"
-wait
-tail -6 "$OUT/gpu_tests.log"
-KILN_DEBUG=1 timeout 200 python3 -m kiln.bench --suite models --cases gpt2 --backends inductor,kiln,kiln-cg \
-  --device cuda --no-warm --no-record --json "$OUT/gpt2.json" > "$OUT/gpt2.log" 2>&1; echo "gpt2 exit $?"
-grep -h "bench:\|^| gpt2" "$OUT/gpt2.log"
+timeout 120 python3 -m pytest -p no:logging -p no:cacheprovider -m gpu tests/ -q -rf --tb=short \
+   > "$OUT/gpu_tests.log" 2>&1; echo "tests exit $?"; tail -2 "$OUT/gpu_tests.log"
+KILN_DEBUG=1 timeout 260 python3 -m kiln.bench --suite models --backends inductor,kiln --device cuda \
+  --cases gpt2,resnet50_train,resnet50_infer,resnet50_infer_freezing --no-warm --no-record \
+  --json "$OUT/models.json" > "$OUT/models.log" 2>&1; echo "models exit $?"
+grep -h "^| \|bench:" "$OUT/models.log"
+timeout 170 python3 -m kiln.bench --suite micro --backends inductor,kiln --device cuda --dtype fp32 \
+  --no-warm --no-record --json "$OUT/micro.json" > "$OUT/micro.log" 2>&1; echo "micro exit $?"
+grep -h "^| " "$OUT/micro.log"
