@@ -84,6 +84,11 @@ def _max_pool2d_with_indices(x, kernel_size, stride=(), padding=0, dilation=1, c
             take = (v > best) | torch.isnan(v)
             best = torch.where(take, v, best)
             where = torch.where(take, idx, where)
+    if ph or pw:
+        # a maximum of -inf may sit on the padding: ATen starts each window at its first real element
+        # and keeps it then, so the index points inside the input (the backward writes through it)
+        first = rows.clamp(min=0) * W + cols.clamp(min=0)
+        where = torch.where(best == float("-inf"), first, where)
     return best, where
 
 

@@ -58,3 +58,22 @@ def test_dilated_and_ceil_mode_pools_keep_the_aten_kernel():
         torch.testing.assert_close(out, F.max_pool2d(x, 3, 2, 1, **kw))
         assert "max_pool2d_with_indices" in next(c for c in code if c.startswith("# kiln wrapper"))
         torch._dynamo.reset()
+
+
+def test_max_pool_window_of_minus_infinity_points_inside_the_input():
+    """A border window whose real values are all -inf: the index is its first real element, as
+    ATen's (a padded position would send the backward's gradient out of bounds)."""
+    torch._dynamo.reset()
+    x = torch.randn(1, 2, 6, 6)
+    x[:, :, :2, :2] = float("-inf")
+    x.requires_grad_(True)
+
+    def f(x):
+        return F.max_pool2d(x, 3, 2, 1, return_indices=True)
+    (out, idx), _ = kiln.run_and_get_code(kiln.compile(f, codegen="triton"), x)
+    ref, ref_idx = f(x)
+    assert torch.equal(idx, ref_idx) and idx.min() >= 0
+    torch.testing.assert_close(out, ref)
+    g, = torch.autograd.grad(out[out.isfinite()].sum(), x)
+    rg, = torch.autograd.grad(ref[ref.isfinite()].sum(), x)
+    torch.testing.assert_close(g, rg)
