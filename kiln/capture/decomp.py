@@ -49,6 +49,7 @@ def _batch_norm_eval(x, weight, bias, running_mean, running_var, momentum, eps):
     empty = x.new_zeros((0,), dtype=acc)
     return out.to(x.dtype), empty, empty.clone()
 
+
 def _pair(v, default=None):
     if v is None or (isinstance(v, (list, tuple)) and len(v) == 0):
         return default

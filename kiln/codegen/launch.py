@@ -10,6 +10,7 @@ import sympy
 import torch
 
 from kiln.codegen.indexing import RINDEX, XINDEX
+from kiln.compat import empty_strided_cuda_fn, triton_c_launcher_ok
 
 HEADER = "# kiln generated kernel\n"
 
@@ -113,12 +114,6 @@ def _triton_stream():
 
 # the current device and its raw stream, as Triton's driver reads them, without torch.cuda's Python
 # (``current_device`` runs ``_lazy_init`` on every call); Triton's own functions where torch has no CUDA
-def _c_launcher_ok() -> bool:
-    import triton
-    from kiln.compat import triton_c_launcher_ok
-    return triton_c_launcher_ok(getattr(triton, "__version__", ""))
-
-
 _device = getattr(torch._C, "_cuda_getDevice", None) or (lambda: _STREAM[0][0]() if _STREAM else 0)
 _stream_of = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (lambda dev: _triton_stream())
 
@@ -167,6 +162,11 @@ def launch(kernel, args, grid, consts, warps):
             pass
 
 
+def _c_launcher_ok() -> bool:
+    import triton
+    return triton_c_launcher_ok(getattr(triton, "__version__", ""))
+
+
 def _launcher(ck):
     """(fn, head, packed_metadata) such that ``fn(gx, 1, 1, stream, *head, pm, None, None, None, *args)``
     launches ``ck``: Triton's C launcher itself when the kernel needs no scratch memory (the
@@ -176,8 +176,7 @@ def _launcher(ck):
     if c_launch is not None and _c_launcher_ok() and not getattr(run, "global_scratch_size", 1) \
             and not getattr(run, "profile_scratch_size", 1) and hasattr(run, "launch_pdl"):
         return c_launch, (ck.function, run.launch_cooperative_grid, run.launch_pdl, None, None), ck.packed_metadata
-    return (lambda gx, gy, gz, stream, function, *rest: run(gx, gy, gz, stream, function, *rest)), \
-        (ck.function,), ck.packed_metadata
+    return run, (ck.function,), ck.packed_metadata
 
 
 def _generic_ints(args, nt) -> bool:
@@ -258,12 +257,7 @@ def restride(t: torch.Tensor, shape, stride):
     return out
 
 
-def _empty_cuda():
-    from kiln.compat import empty_strided_cuda_fn
-    return empty_strided_cuda_fn()
-
-
-empty_cuda = _empty_cuda()
+empty_cuda = empty_strided_cuda_fn()   # (size, stride, dtype) on the current CUDA device
 
 
 def seed() -> int:

@@ -266,16 +266,16 @@ def _copy_runs(nodes) -> dict:
 
     for n in nodes:
         ok = n.op == "call_function" and n.target is torch.ops.aten.copy_.default and not n.users \
-            and len(n.args) == 2 and not n.kwargs and n.args[0].op == "placeholder" \
-            and isinstance(n.args[1], fx.Node)
+            and len(n.args) == 2 and not n.kwargs and all(isinstance(a, fx.Node) for a in n.args) \
+            and n.args[0].op == "placeholder"
         if ok:
             d, s = n.args[0].meta.get("val"), n.args[1].meta.get("val")
             ok = isinstance(d, torch.Tensor) and isinstance(s, torch.Tensor) and d.shape == s.shape \
                 and d.dtype == s.dtype and d.device == s.device
-        touched = {c.args[0] for c in run} | {c.args[1] for c in run}
-        if ok and run and (n.args[0] in touched or n.args[1] in {c.args[0] for c in run}
-                           or d.device != run[0].args[0].meta["val"].device):
-            close()
+        if ok and run:
+            dsts, srcs = {c.args[0] for c in run}, {c.args[1] for c in run}
+            if n.args[0] in dsts | srcs or n.args[1] in dsts or d.device != run[0].args[0].meta["val"].device:
+                close()
         if ok:
             run.append(n)
         else:
