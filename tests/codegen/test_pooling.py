@@ -77,3 +77,20 @@ def test_max_pool_window_of_minus_infinity_points_inside_the_input():
     g, = torch.autograd.grad(out[out.isfinite()].sum(), x)
     rg, = torch.autograd.grad(ref[ref.isfinite()].sum(), x)
     torch.testing.assert_close(g, rg)
+
+
+def test_max_pool_backward_gathers_like_aten():
+    """The backward decomposition: each input element sums the gradients of the windows that chose it."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    for shape, k, s, p in [((2, 4, 9, 9), 3, 2, 1), ((1, 3, 6, 7), 2, 2, 0), ((1, 2, 7, 5), 3, 1, 1)]:
+        x = torch.randn(shape, requires_grad=True)
+
+        def f(x):
+            return F.max_pool2d(torch.relu(x), k, s, p) * 2
+        out = kiln.compile(f, codegen="triton")(x)
+        go = torch.randn_like(out)
+        g, = torch.autograd.grad(out, x, go)
+        rg, = torch.autograd.grad(f(x), x, go)
+        torch.testing.assert_close(g, rg)
+        torch._dynamo.reset()
