@@ -94,36 +94,6 @@ def _max_pool2d_with_indices(x, kernel_size, stride=(), padding=0, dilation=1, c
     return best, where
 
 
-def _max_pool2d_backward(grad, x, kernel_size, stride, padding, dilation, ceil_mode, indices):
-    """The gradient of 2-D max pooling as a gather: each input element sums the gradients of the
-    windows that chose it (at most ``ceil(k / s)`` per axis; accumulated in float32 for half types,
-    as ATen's kernel). One pointwise kernel instead of ATen's, fused with the ReLU backward after it.
-    The same cases as ``_max_pool2d_with_indices`` keep the ATen kernel."""
-    kh, kw = _pair(kernel_size)
-    sh, sw = _pair(stride, (kh, kw))
-    ph, pw = _pair(padding)
-    if ceil_mode or _pair(dilation) != (1, 1) or x.dim() != 4 or not grad.is_floating_point() \
-            or not all(isinstance(v, int) for v in (kh, kw, sh, sw, ph, pw)):
-        return NotImplemented
-    H, W = x.shape[-2:]
-    oh, ow = grad.shape[-2:]
-    acc = torch.float32 if grad.dtype in (torch.float16, torch.bfloat16) else grad.dtype
-    h = torch.arange(H, device=x.device).reshape(H, 1)
-    w = torch.arange(W, device=x.device).reshape(1, W)
-    me = h * W + w
-    total = None
-    for i in range(kh):
-        for j in range(kw):
-            rn, cn = h + (ph - i), w + (pw - j)     # window (rn / sh, cn / sw) holds (h, w) at (i, j)
-            r, c = torch.div(rn, sh, rounding_mode="floor"), torch.div(cn, sw, rounding_mode="floor")
-            ok = (rn >= 0) & (rn % sh == 0) & (r < oh) & (cn >= 0) & (cn % sw == 0) & (c < ow)
-            r, c = r.clamp(0, oh - 1), c.clamp(0, ow - 1)
-            chose = ok & (indices[:, :, r, c] == me)
-            part = torch.where(chose, grad[:, :, r, c].to(acc), 0.0)
-            total = part if total is None else total + part
-    return total.to(grad.dtype)
-
-
 # Ops that must stay whole: library calls that no decomposition beats (eval BatchNorm: on the ATen
 # target only, see above).
 KEEP = [aten.convolution, aten.convolution_backward, aten.mm, aten.addmm, aten.bmm, aten.baddbmm,
@@ -145,7 +115,6 @@ def _table(target: str):
     if target == "triton":
         table[aten._native_batch_norm_legit_no_training.default] = _batch_norm_eval
         table[aten.max_pool2d_with_indices.default] = _max_pool2d_with_indices
-        table[aten.max_pool2d_with_indices_backward.default] = _max_pool2d_backward
     return table
 
 
