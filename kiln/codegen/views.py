@@ -30,6 +30,8 @@ def is_view_op(target) -> bool:
     """An op whose result is one strided view of its input's storage: its schema says it aliases
     (``view``, ``permute``, ``slice``, ...), or ``_unsafe_view`` (a view whose schema does not say so)."""
     return target is _aten._unsafe_view.default or (bool(getattr(target, "is_view", False)) and target not in SPLITS)
+
+
 # externs whose outputs are dense row-major: at run time their strides are the recorded ones
 DENSE_EXTERNS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default}
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from kiln.codegen.views import SPLITS, ViewPlan, is_view_op
+from kiln.codegen.views import SPLITS, ViewPlan, is_kernel, is_view_op
 from kiln.compat import reinterpret_fn
 
 _PY_OPS = {
@@ -289,8 +289,7 @@ def _kernel_devices(nodes) -> dict:
     modules allocate on and launch to the current device."""
     out = {}
     for n in nodes:
-        if n.op != "call_function" or not isinstance(getattr(n.target, "source", None), str) \
-                or getattr(n.target, "interpret", True):
+        if n.op != "call_function" or not is_kernel(n.target) or getattr(n.target, "interpret", True):
             continue
         vals = n.meta.get("val")
         for v in (vals if isinstance(vals, (tuple, list)) else (vals,)):

@@ -37,7 +37,7 @@ def split_conv_bias(gm: fx.GraphModule) -> int:
         with g.inserting_after(view):
             add = g.call_function(aten.add.Tensor, (conv, view))
         conv.meta = {**n.meta, "val": val}   # the layout of a convolution does not depend on its bias
-        view.meta["val"] = infer_val(view, mode)
+        infer_val(view, mode)   # sets view.meta["val"]
         add.meta = {**n.meta, "val": val}
         n.replace_all_uses_with(add)
         g.erase_node(n)
