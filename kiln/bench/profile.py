@@ -90,7 +90,8 @@ def profile_backend(case, dtype, backend, steps=3, top=25, host=False):
     return {"case": case.name, "backend": backend, "compile_s": round(compile_s, 2), "wall_ms": round(wall, 3),
             "host_ms": round(host, 3), "gpu_ms": round(gpu_us / steps / 1e3, 3), "kernels_per_step": n_kernels,
             "top": [(name[:110], c / steps, round(us / steps / 1e3, 4)) for name, (c, us) in rows],
-            "host_profile": host_text}
+            "host_profile": host_text,
+            "host_ops": prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top) if host_text else None}
 
 
 def launch_probe(backends, n=2000):
@@ -121,7 +122,7 @@ def main(argv=None):
     p.add_argument("--dtype", default="fp32", help="micro cases: fp32 or bf16; models ignore it")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--launch", action="store_true", help="also run the per-call overhead probe")
-    p.add_argument("--host", action="store_true", help="also cProfile the host side of a few steps")
+    p.add_argument("--host", action="store_true", help="also cProfile the host side of a few steps and list the ATen ops by host time")
     p.add_argument("--sources", help="write every kiln kernel's source into this directory")
     p.add_argument("--json")
     a = p.parse_args(argv)
@@ -147,6 +148,7 @@ def main(argv=None):
                 print(f"  {ms:8.3f} ms  x{c:5.1f}  {kname}", flush=True)
             if r.get("host_profile"):
                 print(r["host_profile"], flush=True)
+                print(r["host_ops"], flush=True)
             torch.cuda.empty_cache()
     if a.sources:   # the text of every kiln kernel, to read the top ones by name
         import os

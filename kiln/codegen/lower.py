@@ -172,7 +172,11 @@ class Lowering:
             return value.buffer
         val = node.meta.get("val") if node is not None else None
         base = getattr(value, "view_base", None)
-        if base is not None and node is not None and is_tensor(val) and base.buffer.node is node.args[0]:
+        if base is not None and node is not None and base.buffer is None \
+                and getattr(base, "view_base", None) is not None and isinstance(node.args[0], torch.fx.Node):
+            self.realize(base, node.args[0])   # a view of a view: the inner one becomes an ATen view first
+        if base is not None and node is not None and is_tensor(val) and base.buffer is not None \
+                and base.buffer.node is node.args[0]:
             buf = self._node_buffer(node, "view", val)   # keep the ATen view of the stored base
             self.kept.add(node)
             value.buffer = buf

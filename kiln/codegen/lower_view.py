@@ -1,8 +1,13 @@
 """Lowerings of view ops: reshape, permute, expand, squeeze/unsqueeze, slice, select, flip.
 
-A view of a materialized tensor stays an ATen view (free at run time, and kernels read it with
-its own strides): the lowering returns ``KEEP``. A view of a value still being computed becomes
-index arithmetic on that value, so the computation fuses through the view.
+Every view becomes index arithmetic on its input, so a kernel reads through it: a view of a value
+still being computed fuses the computation through the view, and a kernel reading a view of a
+stored tensor (a graph input, a library call's result) gets that tensor itself, with no view call
+left in the wrapper (GPT-2's wrappers made about 650 of them a step, each a microsecond of host
+time). Where the view itself must exist (a library call or a graph output reads it), ``realize``
+makes it an ATen view of its stored base (``view_base``), never a copy; a chain of views becomes a
+chain of ATen views. ``FUSE_STORED_VIEWS = False`` keeps views of stored tensors as ATen views (the
+lowering returns ``KEEP``), for comparison.
 """
 from __future__ import annotations
 
@@ -11,6 +16,9 @@ import sympy
 from kiln.codegen.indexing import ONE, ZERO, contiguous_strides, size_expr, unflatten
 from kiln.codegen.loops import Pointwise, Unsupported
 from kiln.codegen.lower import KEEP, aten, register
+
+
+FUSE_STORED_VIEWS = True   # see the module docstring
 
 
 def _shape(meta):
@@ -23,11 +31,11 @@ def _remap(ctx, a, fn):
         raise Unsupported("view of a non-tensor")
     buf = a.buffer
     base = buf is not None and buf.node is not None and buf.node is ctx.node.args[0]
-    if base and buf.kind in ("input", "extern", "view"):
+    if base and buf.kind in ("input", "extern", "view") and not FUSE_STORED_VIEWS:
         return KEEP
     out = ctx.pointwise(lambda idx: a(fn(idx)), shape=_shape(ctx.meta), dtype=a.dtype)
-    if base:  # a view of a kernel's output: fuse through it, stay an ATen view if materialized
-        out.view_base = a
+    if base or (buf is None and getattr(a, "view_base", None) is not None):
+        out.view_base = a   # a view of a stored tensor (or of such a view): fuse through it, an ATen view if stored
     return out
 
 

@@ -17,9 +17,14 @@ eager strides (user outputs, updated inputs, and in a joint graph the gradients:
 comes back with the weight's strides; AOTAutograd's tangents keep eager strides since the outputs do),
 or an ``as_strided`` view where only size-1 dimensions' strides moved (a 1x1 weight's gradient). A
 view that a channels-last input would break reads a contiguous copy, and ``as_strided`` reads a copy
-with the eager strides. Weights are left alone (the convolution converts them; under freezing the
-conversion is folded away). Graphs with symbolic shapes are left alone (as inductor does). Fake values
+with the eager strides. Graphs with symbolic shapes are left alone (as inductor does). Fake values
 are re-derived only where an input's value changed.
+
+A KxK weight goes channels-last in the graph too, once, shared by the convolution and its backward.
+Given an NCHW weight, cuDNN copies it to NHWC inside every call (an ATen ``contiguous``: about 20 us
+of host time and a kernel, in the forward and again in the backward). Under autocast the weight's
+cast to bf16 then writes NHWC itself (the clone fuses into it); a weight that is a graph input gets
+one kiln copy kernel. Frozen weights (``get_attr``) are left to freezing, which stores them NHWC.
 """
 from __future__ import annotations
 
@@ -38,6 +43,7 @@ STRIDED = (aten.as_strided.default,)   # reads storage through explicit strides
 # convolution op -> (index of the activation whose device decides, indices that should be NHWC)
 CONVS = {aten.convolution.default: (0, (0,)),
          aten.convolution_backward.default: (1, (0, 1))}   # (grad_output, input, weight, ...)
+WEIGHT = {aten.convolution.default: 1, aten.convolution_backward.default: 2}
 
 
 def _val(n):
@@ -47,6 +53,13 @@ def _val(n):
 def _is_cl(v) -> bool:
     return isinstance(v, torch.Tensor) and v.dim() == 4 and v.is_contiguous(memory_format=CL) \
         and not v.is_contiguous()
+
+
+def _weight_to_convert(w) -> bool:
+    """A computed or input 4-D weight that is not NHWC already (a 1x1 weight is both layouts at once)."""
+    v = _val(w)
+    return isinstance(w, fx.Node) and w.op != "get_attr" and isinstance(v, torch.Tensor) and v.dim() == 4 \
+        and not v.is_contiguous(memory_format=CL)
 
 
 def _symbolic(v) -> bool:
@@ -61,7 +74,7 @@ def _convs(gm) -> dict:
             at, idx = CONVS[n.target]
             v = _val(n.args[at])
             if isinstance(v, torch.Tensor) and v.dim() == 4 and (DEVICES is None or v.device.type in DEVICES):
-                out[n] = idx
+                out[n] = idx + (WEIGHT[n.target],)
     return out
 
 
@@ -138,7 +151,9 @@ def to_channels_last(gm: fx.GraphModule) -> int:
             continue
         for i in convs.get(n, ()):
             a = n.args[i]
-            if isinstance(a, fx.Node) and not _is_cl(_val(a)):
+            convert = _weight_to_convert(a) if i == WEIGHT[n.target] else \
+                isinstance(a, fx.Node) and not _is_cl(_val(a))
+            if convert:
                 if a not in nhwc:
                     nhwc[a] = copy_before(gm, n, a, CL, fake)
                 n.update_arg(i, nhwc[a])

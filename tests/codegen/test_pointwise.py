@@ -40,9 +40,23 @@ def test_views_fuse_through_index_arithmetic():
     check(fn, torch.randn(4, 8), n_kernels=1)   # same number of elements: one kernel walks both
 
 
-def test_views_of_inputs_stay_aten_views():
+def test_views_of_inputs_fuse_into_the_kernel():
+    """A kernel reads an input through a view's index arithmetic: no view call left in the wrapper."""
     gm = check(lambda x: (x.permute(1, 0) * 2).sin(), torch.randn(4, 8), n_kernels=1)
-    assert aten_ops(gm) == [torch.ops.aten.permute.default]
+    assert aten_ops(gm) == []
+    gm = check(lambda x, b: x.view(2, 16) + b.view(1, 16).expand(2, 16).t().t(), torch.randn(4, 8),
+               torch.randn(16), n_kernels=1)
+    assert aten_ops(gm) == []
+
+
+def test_views_of_inputs_read_by_a_library_call_stay_views():
+    """A view chain that an extern (mm) and a kernel both read: ATen views for the extern, no copy."""
+    def fn(x, w):
+        wt = w.view(8, 4).t()   # view, then permute of the view
+        return x @ wt, (wt * 2).sum()
+    gm = check(fn, torch.randn(3, 4), torch.randn(32), n_kernels=1)
+    assert [op for op in aten_ops(gm) if op is not torch.ops.aten.mm.default] == \
+        [torch.ops.aten.view.default, torch.ops.aten.permute.default]
 
 
 def test_broadcast_and_type_promotion():

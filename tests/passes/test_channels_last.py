@@ -43,13 +43,14 @@ def test_convolutions_read_channels_last_and_outputs_keep_eager_strides(any_devi
     gm, state = _trace(net, x)
     with torch.no_grad():
         ref = net(x)
-    assert C.to_channels_last(gm) == 1   # only the entry: the second conv reads NHWC already
+    assert C.to_channels_last(gm) == 3   # the entry and the two 3x3 weights: the second conv reads NHWC already
     convs = [n for n in gm.graph.nodes if n.target is torch.ops.aten.convolution.default]
-    assert all(n.args[0].meta["val"].is_contiguous(memory_format=torch.channels_last) for n in convs)
-    # the first conversion is the only copy on the way in: the second conv's input is NHWC already
+    assert all(n.args[i].meta["val"].is_contiguous(memory_format=torch.channels_last)
+               for n in convs for i in (0, 1))
+    # one activation copy on the way in (the second conv's input is NHWC already), one per weight
     clones = [n for n in gm.graph.nodes if n.target is torch.ops.aten.clone.default
               and n.kwargs.get("memory_format") is torch.channels_last]
-    assert len(clones) == 1
+    assert sorted(tuple(c.args[0].meta["val"].shape) for c in clones) == [(2, 3, 8, 8), (8, 3, 3, 3), (8, 8, 3, 3)]
     with torch.no_grad():
         out = gm(x, *state)
     for o, r in zip(out, ref):
