@@ -15,6 +15,7 @@ import sympy
 import torch
 import torch.fx
 
+from kiln.codegen.chain import pairs
 from kiln.codegen.fallback import KernelCall, NoFallback, extract
 from kiln.codegen.kernel import PLACEHOLDER, kernel_for
 from kiln.codegen.loops import Unsupported, release_indirect
@@ -76,9 +77,12 @@ def _plan(gm, opts):
     kernels = []
     graph = gm.graph
     fakes = _FakeMaker(graph)
-    for g in groups:
+    planned = pairs(groups, lw.buffers, autotune)   # small kernels chained into the one they read
+    groups = [g for g, _ in planned]
+    for g, src in planned:
         device = g.nodes[0].device
-        src = emit(g, lw.buffers, device, PLACEHOLDER, autotune)
+        if src is None:
+            src = emit(g, lw.buffers, device, PLACEHOLDER, autotune)
         k = kernel_for(src.text, src.kind, device.type != "cuda", len(src.outputs))
         log(4, f"codegen: kernel {k.name} ({len(g.nodes)} buffers, {g.kind})\n{k.source}")
         sym_nodes = [_symbol_node(graph, s) for s in src.scalars]

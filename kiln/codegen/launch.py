@@ -260,6 +260,18 @@ def restride(t: torch.Tensor, shape, stride):
 empty_cuda = empty_strided_cuda_fn()   # (size, stride, dtype) on the current CUDA device
 
 
+def cuda_here() -> torch.device:
+    return torch.device("cuda", _device())
+
+
+def semaphore(cache: dict, device) -> torch.Tensor:
+    """A kernel's zeroed int32 counter on ``device`` (made once; the kernel sets it back to 0)."""
+    s = cache.get(device)
+    if s is None:
+        s = cache[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return s
+
+
 def seed() -> int:
     """A fresh philox seed from torch's default generator (repeatable under manual_seed)."""
     return int(torch.randint(0, 2 ** 31 - 1, (), dtype=torch.int64).item())
@@ -341,6 +353,7 @@ def kernel_def(k, name):
     """The ``@triton.jit`` function text of emitted kernel ``k``."""
     static_x, static_r = _static(k)
     params = [k.inputs[b] for b in k.inputs] + [k.out_args[b.name] for b in k.g.stored]
+    params += [p[4] for p in k.partials] + (["sem_ptr"] if k.last_program else []) + k.extra_params
     params += [k.sizes[s] for s in sorted(k.sizes, key=str)] + list(k.seeds.values())
     # Triton's interpreter cannot loop to a runtime int: numels are constexpr there
     ann = ": tl.constexpr" if k.interpret else ""
@@ -362,8 +375,8 @@ def kernel_def(k, name):
         body.append(f"rbase = tl.arange(0, RBLOCK)[None, :]{cast}")
         if k.persistent:
             body += ["rindex = rbase", "rmask = rindex < rnumel"]
-    if k.outer:   # one program walks all rows, accumulating the outer reductions
-        body += k.pre
+    if k.outer and not k.last_program or k.single_program:   # one program walks all rows
+        body += k.pre if k.outer else []   # ... accumulating the outer reductions
         body.append("for xoffset in range(0, xnumel, XBLOCK):")
         ind = "    "
     else:
@@ -372,15 +385,56 @@ def kernel_def(k, name):
     body.append(ind + ("xindex = xoffset + tl.arange(0, XBLOCK)[:, None]" if k.red else
                        "xindex = xoffset + tl.arange(0, XBLOCK)"))
     body.append(ind + "xmask = xindex < xnumel")
+    if k.last_program:
+        body += k.pre
     _render(k.top.lines, ind, body)
-    if k.outer:
+    if k.last_program:
+        body += _last_program(k)
+    elif k.outer:
         _render(k.post.lines, "", body)
+    body += k.tail_lines
     return "\n".join(["@triton.jit", f"def {name}({', '.join(params)}):"] + ["    " + b for b in body])
+
+
+PARTS_BLOCK = 1024   # partial results the last program combines per step
+
+
+def _last_program(k):
+    """The end of a row kernel whose outer reductions span many programs: each program stores its
+    partial result of every outer reduction (``part_ptrN[pid]``) and counts itself done on ``sem_ptr``;
+    the last to arrive reads all partials in program order (a fixed order: the result does not depend
+    on timing), computes the scalar epilogue and sets the counter back to 0 for the next launch.
+    The barrier makes the program's stores visible before its count; the partials are loaded past L1
+    (``.cg``), where another SM's writes are not seen. ``sem_ptr`` is one counter per launch site, so a
+    kernel module must not run on two streams at once."""
+    from kiln.codegen.triton_ops import TL_DTYPE, neutral, reduce_code
+    out = []
+    for var, kind, dt, acc, part in k.partials:
+        out.append(f"tl.store({part} + tl.program_id(0) + tl.full([1, 1], 0, tl.int32), "
+                   f"{reduce_code(kind, acc, k.interpret, axis=0)})")
+    cg = "" if k.interpret else ", cache_modifier='.cg'"
+    out += ["tl.debug_barrier()",
+            "n_programs = (xnumel + XBLOCK - 1) // XBLOCK",
+            "if tl.atomic_add(sem_ptr, 1) == n_programs - 1:"]
+    for var, kind, dt, acc, part in k.partials:
+        n = neutral(kind, dt)
+        comb = {"sum": "{a} + {v}", "prod": "{a} * {v}", "max": "tl.maximum({a}, {v})",
+                "min": "tl.minimum({a}, {v})"}[kind]
+        out += [f"    {acc}_all = tl.full([{PARTS_BLOCK}, 1], {n}, {TL_DTYPE[dt]})",
+                f"    for p_offset in range(0, xnumel, {PARTS_BLOCK}):",   # xnumel >= n_programs, a constant
+                f"        p_index = p_offset + tl.arange(0, {PARTS_BLOCK})[:, None]",
+                f"        p_value = tl.load({part} + p_index, p_index < n_programs, {n}{cg})",
+                f"        {acc}_all = {comb.format(a=f'{acc}_all', v='p_value')}",
+                f"    {var} = {reduce_code(kind, f'{acc}_all', k.interpret, axis=0)}"]
+    _render(k.post.lines, "    ", out)
+    out.append("    tl.atomic_xchg(sem_ptr, 0)")
+    return out
 
 
 def kernel_args(k, ins, outs):
     """Launcher-side argument names for kernel ``k`` (``ins``/``outs``: buffer name -> local)."""
     args = [ins[b] for b in k.inputs] + [outs[b.name] for b in k.g.stored]
+    args += [f"part{i}" for i in range(len(k.partials))] + (["sem"] if k.last_program else []) + k.extra_args
     args += [k.sizes[s] for s in sorted(k.sizes, key=str)] + list(k.seeds.values())
     static_x, static_r = _static(k)
     if not static_x:
@@ -402,12 +456,12 @@ def launch_line(k, name, args, names):
     if k.xnumel.is_Integer and k.rnumel.is_Integer and not k.autotune:
         cfg = config(kind, int(k.xnumel), int(k.rnumel), k.persistent, inner, k.interpret)
     meta = dict(kind=kind, persistent=k.persistent, inner=inner, interpret=k.interpret, autotune=k.autotune,
-                outer=k.outer)
+                outer=k.outer and not k.last_program)
     if cfg is not None and not k.interpret and "xnumel" not in args and "rnumel" not in args:
         xb, rb, warps = cfg   # all static: grid and block sizes are constants of the module
         if int(k.xnumel) <= 0:
             return []
-        grid = (1,) if k.outer else ((int(k.xnumel) + xb - 1) // xb,)
+        grid = (1,) if k.outer and not k.last_program else ((int(k.xnumel) + xb - 1) // xb,)
         consts = (xb,) if kind == "pointwise" else (xb, rb)
         return [f"launch.launch({name}, ({', '.join(args)},), {grid}, {consts}, {warps})"]
     return [f"xnumel, rnumel = {pyexpr(k.xnumel, names)}, {pyexpr(k.rnumel, names)}",
@@ -470,14 +524,46 @@ def assemble(k, name):
 
     def body(names):
         out = [alloc_line(outs[b.name], b, names, device) for b in k.g.stored]
+        for i, (_, _, dt, _, _) in enumerate(k.partials):   # one partial per program at most
+            n = pyexpr(k.xnumel, names)
+            out.append(f"part{i} = torch.empty(({n},), dtype={dt}, device={device or 'launch.cuda_here()'})")
+        if k.last_program:
+            out.append(f"sem = launch.semaphore(SEMAPHORES, {device or 'launch.cuda_here()'})")
         out += [f"{seed} = launch.seed()" for seed in k.seeds.values()]
         out += launch_line(k, name, kernel_args(k, ins, outs), names)
         locs = [outs[b.name] for b in k.g.stored]
         out.append(f"return {locs[0]}" if len(locs) == 1 else f"return ({', '.join(locs)},)")
         return out
-    text, scalars = module([k], [lambda: kernel_def(k, name)], inputs, k.buffers, body)
+    defs = [lambda: kernel_def(k, name)] + (["SEMAPHORES = {}   # device -> this kernel's counter"]
+                                            if k.last_program else [])
+    text, scalars = module([k], defs, inputs, k.buffers, body)
     kind = "reduction" if k.red else "pointwise"
     return Source(text, inputs, [b.name for b in k.g.stored], scalars, kind)
+
+
+def assemble_chain(head, tail, name, tail_name, source_cls):
+    """The module text for kernel ``head`` whose last program runs ``tail`` (``codegen/chain.py``): the
+    tail's body as a ``@triton.jit`` helper, its outputs allocated beside the head's and returned after
+    them, and the head's counter."""
+    inputs = list(head.inputs)
+    ins = {b: f"in{i}" for i, b in enumerate(inputs)}
+    outs = {b.name: f"out{i}" for i, b in enumerate(head.g.stored)}
+    device = device_expr(head.interpret, bool(inputs), head.g.nodes[0].device)
+
+    def body(names):
+        out = [alloc_line(outs[b.name], b, names, device) for b in head.g.stored]
+        out += [alloc_line(f"tail{i}", b, names, device) for i, b in enumerate(tail.g.stored)]
+        out.append(f"sem = launch.semaphore(SEMAPHORES, {device or 'launch.cuda_here()'})")
+        out += [f"{seed} = launch.seed()" for seed in head.seeds.values()]
+        out += launch_line(head, name, kernel_args(head, ins, outs), names)
+        locs = [outs[b.name] for b in head.g.stored] + [f"tail{i}" for i in range(len(tail.g.stored))]
+        out.append(f"return ({', '.join(locs)},)")
+        return out
+    defs = [lambda: kernel_def(tail, tail_name), lambda: kernel_def(head, name),
+            "SEMAPHORES = {}   # device -> this kernel's counter"]
+    text, scalars = module([head, tail], defs, inputs, head.buffers, body)
+    kind = "reduction" if head.red else "pointwise"
+    return source_cls(text, inputs, [b.name for b in head.g.stored] + [b.name for b in tail.g.stored], scalars, kind)
 
 
 def _tuple(xs):

@@ -29,7 +29,9 @@ from kiln.codegen.loops import Pointwise, Reduction, Scatter
 
 MAX_GROUP = 64          # buffers per kernel
 NEAR = 32               # graph nodes between a kernel's members (see Scheduler._far)
-OUTER_MAX = 1 << 18     # a reduction over all rows joins the row kernel up to this many elements
+OUTER_MAX = 1 << 18     # a row kernel with a reduction over all rows runs as one program up to this many
+                        # elements; above, each program reduces its rows and the last one to finish
+                        # combines their results (triton.TritonKernel.last_program)
 
 
 @dataclass(eq=False)
@@ -343,8 +345,7 @@ class Scheduler:
         xs = g.xs
         if isinstance(c, Reduction) and not c.split and len(c.reduced) == len(c.ranges) and len(c.ranges) > 0 \
                 and c.kind in ("sum", "max", "min", "prod") and _same(squeeze(c.ranges), xs):
-            total = prod(xs) * prod(g.rs)
-            if total.is_Integer and int(total) <= OUTER_MAX and int(prod(xs)) > 1:
+            if not prod(xs).is_Integer or int(prod(xs)) > 1:
                 return "outer"
         if isinstance(c, Pointwise) and not squeeze(buf.shape) and "outer" in g.roles.values():
             return "scalar"

@@ -14,7 +14,7 @@ import torch
 from kiln.codegen import launch
 from kiln.codegen.indexing import RINDEX, XINDEX, FloorDiv, ModIdx, prod, simplify
 from kiln.codegen.loops import Expr, Reduction, Unsupported, ops, upcast
-from kiln.codegen.schedule import body, current
+from kiln.codegen.schedule import OUTER_MAX, body, current
 from kiln.codegen.triton_ops import HELPERS, TL_DTYPE, neutral, reduce_code, template
 
 PERSISTENT_MAX = 2048   # static rows up to this many elements stay in registers
@@ -81,6 +81,13 @@ class TritonKernel:
         self.names = {b.name for b in group.nodes}
         self.roles = dict(group.roles)
         self.outer = bool(self.roles)
+        total = self.xnumel * self.rnumel
+        # many rows: every program reduces its own rows, the last to finish combines the partials
+        self.last_program = self.outer and not (total.is_Integer and int(total) <= OUTER_MAX)
+        self.partials = []   # (result var, kind, acc dtype, accumulator, scratch arg) per outer reduction
+        self.single_program = False   # one program walks every row (a chained tail, codegen/chain.py)
+        self.load_suffix = ""         # extra tl.load arguments (a tail reads its head's stores past L1)
+        self.extra_params, self.extra_args, self.tail_lines = [], [], []   # a head's chained tail
         self.post = None
         self.inputs, self.sizes, self.seeds, self.helpers = {}, {}, {}, set()
         self.libdevice = False
@@ -220,7 +227,8 @@ class TritonKernel:
                 # interpreted kernel cannot call unless Triton itself was imported in interpreter mode)
                 shape = "[XBLOCK]" if not self.red else ("[XBLOCK, RBLOCK]" if lv == "xr" else "[XBLOCK, 1]")
                 idx = f"({idx}) + tl.full({shape}, 0, tl.int32)"
-            return f"tl.load({ptr} + ({idx}), {m}, other=0)" if m else f"tl.load({ptr} + ({idx}))"
+            sfx = self.load_suffix
+            return f"tl.load({ptr} + ({idx}), {m}, other=0{sfx})" if m else f"tl.load({ptr} + ({idx}){sfx})"
         if op == "index":
             idx = self.index(a[0], a[2], scope, mask)
             return f"({idx}) + tl.full([1], 0, {TL_DTYPE[e.dtype]})" if e.dtype != torch.bool else f"(({idx}) != 0)"
@@ -309,6 +317,11 @@ class TritonKernel:
 
     # -- kernel body ----------------------------------------------------------------------
     def generate(self, name):
+        self.prepare()
+        return self._assemble(name)
+
+    def prepare(self):
+        """Plan and write the kernel body (``top``, ``post``); ``launch.kernel_def`` renders it."""
         self.top = Scope()
         if self.outer:
             self.post, self.pre = Scope(), []
@@ -319,7 +332,7 @@ class TritonKernel:
             self._straight(plan)
         if self.outer:
             self._outer(plan)
-        return self._assemble(name)
+        return self
 
     def _plan(self):
         """(reductions, stores, later): resolved row reductions and stored values in topological
@@ -354,7 +367,10 @@ class TritonKernel:
                 var = self.tmp("red")
                 if kind == "prod":
                     self.helpers.add("_kiln_prod")
-                self.post.lines.append(f"{var} = {reduce_code(kind, acc, self.interpret, axis=0)}")
+                if self.last_program:
+                    self.partials.append((var, kind, dt, acc, f"part_ptr{len(self.partials)}"))
+                else:
+                    self.post.lines.append(f"{var} = {reduce_code(kind, acc, self.interpret, axis=0)}")
                 self.red_vars[buf.name] = var
             if value is not None:
                 value = ops.cast(value, buf.dtype)

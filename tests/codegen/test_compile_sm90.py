@@ -94,7 +94,7 @@ def _compile_all(fn, shapes, dtype=torch.float32, n_diff=0, int_args=(), autocas
             assert not k.interpret
             done.add(k.name)
             compile_for_target(k, [a.meta["val"] if hasattr(a, "meta") else a for a in node.args])
-    return len(done)
+    return gm
 
 
 def _attn(q, k, v, causal=True):
@@ -144,6 +144,24 @@ def test_long_row_reductions():
 def test_softmax_cross_entropy():
     _compile_all(lambda x, y: F.cross_entropy(x, y) + torch.log_softmax(x, -1).mean(), [(8, 100)],
                  n_diff=1, int_args=[((8,), 100)])
+
+
+def test_chained_tail_and_last_program_kernels():
+    """A split column reduction's final pass chained into its partial kernel (a layer norm's weight
+    gradient at 8192x4096: one kernel) and a loss whose mean over 8192 rows is combined by the row
+    kernel's last program: the counter, the barrier, the helper call and the .cg loads compile."""
+    def bwd(g, x, mean, rstd, w, b):
+        return torch.ops.aten.native_layer_norm_backward.default(g, x, [x.shape[-1]], mean, rstd, w, b,
+                                                                 [True, True, True])
+    gm = _compile_all(bwd, [(8192, 4096), (8192, 4096), (8192, 1), (8192, 1), (4096,), (4096,)])
+    assert len(kernels(gm)) == 2   # dx by rows; dw and db by column chunks, their final pass chained
+    gm = _compile_all(lambda x, y: F.cross_entropy(x, y), [(8192, 50257)], int_args=[((8192,), 50257)])
+    assert len(kernels(gm)) == 1
+    _compile_all(lambda x, y: F.cross_entropy(x, y), [(8192, 1000)], n_diff=1, int_args=[((8192,), 1000)])
+    import kiln.codegen.kernel as K
+    sources = [k.source for k in K._CACHE.values() if not k.interpret]
+    assert any("_tail(" in s and "cache_modifier='.cg'" in s for s in sources)
+    assert any("part_ptr0" in s and "atomic_xchg" in s for s in sources)
 
 
 def test_rms_norm_bf16():
@@ -234,4 +252,4 @@ def test_max_pool_forward_and_backward():
     def f(x):
         y, i = F.max_pool2d(torch.relu(x), 3, 2, 1, return_indices=True)
         return y * 2, i
-    assert _compile_all(f, [(2, 4, 9, 9)], n_diff=1) >= 1
+    assert kernels(_compile_all(f, [(2, 4, 9, 9)], n_diff=1))

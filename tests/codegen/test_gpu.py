@@ -32,10 +32,11 @@ def test_layer_norm_backward():
     def bwd(g, x, mean, rstd, w, b):
         return torch.ops.aten.native_layer_norm_backward.default(g, x, [x.shape[-1]], mean, rstd, w, b,
                                                                  [True, True, True])
-    x, w, b, g = r(512, 768), r(768), r(768), r(512, 768)
-    _, mean, rstd = torch.ops.aten.native_layer_norm.default(x, [768], w, b, 1e-5)
-    gm = check(bwd, g, x, mean, rstd, w, b, atol=1e-3, rtol=1e-3)
-    assert len(kernels(gm)) <= 2
+    for rows, cols in [(512, 768), (8192, 768), (8192, 4096)]:   # the last two split dw and db by chunks
+        x, w, b, g = r(rows, cols), r(cols), r(cols), r(rows, cols)
+        _, mean, rstd = torch.ops.aten.native_layer_norm.default(x, [cols], w, b, 1e-5)
+        gm = check(bwd, g, x, mean, rstd, w, b, atol=2e-3, rtol=1e-3)
+        assert len(kernels(gm)) <= 2
 
 
 def test_rms_norm_bf16_and_backward():
@@ -50,7 +51,7 @@ def test_softmax_and_cross_entropy(n):
     check(lambda x: torch.softmax(x, -1), x, n_kernels=1, atol=1e-5, rtol=1e-4)
     t = torch.randint(0, n, (128,), device=DEV)
     gm = check(lambda x, t: F.cross_entropy(x, t), x, t, atol=1e-4, rtol=1e-4)
-    assert len(kernels(gm)) <= 2
+    assert len(kernels(gm)) == 1
     check(grads(lambda x, t: F.cross_entropy(x, t), 1), x, t, torch.tensor(1.0, device=DEV), atol=1e-5, rtol=1e-4)
 
 

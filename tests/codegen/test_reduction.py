@@ -3,6 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kiln.codegen import launch
 from tests.codegen.util import aten_ops, check, fused, kernels
 
 
@@ -103,10 +104,27 @@ def test_whole_tensor_reduction_of_row_results_joins_the_row_kernel():
     check(fn, torch.randn(9, 13), n_kernels=1, atol=1e-5, rtol=1e-5)
 
 
-def test_large_outer_reduction_stays_a_second_kernel(monkeypatch):
-    import kiln.codegen.schedule as sched
-    monkeypatch.setattr(sched, "OUTER_MAX", 64)
-    check(lambda x: x.sum(1).mean(), torch.randn(9, 13), n_kernels=2, atol=1e-5, rtol=1e-5)
+def test_large_outer_reduction_combines_in_the_last_program(monkeypatch):
+    """Above OUTER_MAX each program reduces its rows and the last to finish combines the partials: still
+    one kernel, right for every reduction kind, every program count and a scalar epilogue."""
+    import kiln.codegen.triton as tr
+    monkeypatch.setattr(tr, "OUTER_MAX", 64)
+    monkeypatch.setattr(launch, "PARTS_BLOCK", 2)   # several steps over the partials
+    config = launch.config
+    monkeypatch.setattr(launch, "config", lambda *a: (min(4, config(*a)[0]),) + config(*a)[1:])  # many programs
+    def fn(x):
+        m = x.amax(1)
+        return (m, (x - m[:, None]).exp().sum(1).log().mean(), x.sum(1).max(), x.sum(1).min() * 2,
+                (x.abs().amax(1) + 1).prod(), x.sum(1).mean())
+    for shape in [(9, 13), (2, 200), (33, 5)]:
+        gm = check(fn, torch.randn(*shape), n_kernels=1, atol=1e-4, rtol=1e-4)
+    src = "\n".join(k.source for k in kernels(gm))
+    assert "atomic_add" in src and "atomic_xchg" in src
+    x = torch.randn(33, 5)
+    for a, b in zip(gm(x), fn(x)):   # a second launch of the same kernel: the counter was set back to 0
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    x, t = torch.randn(40, 17), torch.randint(0, 17, (40,))
+    check(lambda x, t: F.cross_entropy(x, t), x, t, n_kernels=1, atol=1e-5, rtol=1e-5)
 
 
 def test_split_reductions(monkeypatch):
@@ -114,13 +132,25 @@ def test_split_reductions(monkeypatch):
     monkeypatch.setattr(lr, "SPLIT_MIN_R", 64)
     monkeypatch.setattr(lr, "SPLIT_MIN_NUMEL", 256)
     monkeypatch.setattr(lr, "SPLIT_MIN_CHUNK", 64)
-    # a full sum (padded chunks), a column sum and a max: each a partial and a final kernel
-    check(lambda x: x.sum(), torch.randn(1000), n_kernels=2, atol=1e-4, rtol=1e-5)
-    check(lambda x: (x * 2).sum(0), torch.randn(300, 5), n_kernels=2, atol=1e-4, rtol=1e-5)
-    check(lambda x: x.amax(), torch.randn(7, 131), n_kernels=2)
-    # the weight and bias gradients of a norm: both partials in one kernel, both finals in another
-    check(lambda g, x: ((g * x).sum(0), g.sum(0)), torch.randn(512, 16), torch.randn(512, 16), n_kernels=2,
-          atol=1e-4, rtol=1e-4)
+    import kiln.codegen.chain as chain
+    config = launch.config
+    cases = [  # a full sum (padded chunks), a column sum, a max, and a norm's weight and bias gradients
+        (lambda x: x.sum(), [torch.randn(1000)]), (lambda x: (x * 2).sum(0), [torch.randn(300, 5)]),
+        (lambda x: x.amax(), [torch.randn(7, 131)]),
+        (lambda g, x: ((g * x).sum(0), g.sum(0)), [torch.randn(512, 16), torch.randn(512, 16)])]
+    for fn, args in cases:
+        # the partial and the final pass: two kernels, or one when the final is chained to the
+        # partial's last program (with the partials spread over many programs, or in one)
+        monkeypatch.setattr(chain, "ENABLED", False)
+        check(fn, *args, n_kernels=2, atol=1e-4, rtol=1e-4)
+        monkeypatch.setattr(chain, "ENABLED", True)
+        check(fn, *args, n_kernels=1, atol=1e-4, rtol=1e-4)
+        monkeypatch.setattr(launch, "config", lambda *a: (min(2, config(*a)[0]),) + config(*a)[1:])
+        gm = check(fn, *args, n_kernels=1, atol=1e-4, rtol=1e-4)
+        assert "_tail(" in kernels(gm)[0].source
+        args = [torch.randn_like(a) for a in args]   # new values: stale partials would show
+        torch.testing.assert_close(gm(*args), fn(*args), atol=1e-4, rtol=1e-4)   # again: the counter was reset
+        monkeypatch.setattr(launch, "config", config)
     monkeypatch.undo()
     assert lr.split_count((4, 1000000), [1]) > 1 and lr.split_count((64, 100000), [1]) == 1
     assert lr.split_count((65536, 512), [0]) > 1 and lr.split_count((64, 512), [0]) == 1

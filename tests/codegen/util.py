@@ -54,9 +54,13 @@ def assert_close(out, ref, atol=1e-5, rtol=1e-5):
 
 
 def check(fn, *args, n_kernels=None, atol=1e-5, rtol=1e-5, ref_fp64=False, mode="fake"):
-    """Fuse ``fn``, run it on ``args`` and compare with eager; returns the graph module."""
+    """Fuse ``fn``, run it on ``args`` and compare with eager; returns the graph module. Every kernel
+    must have run (a kernel that raised and fell back to ATen would give eager's values)."""
+    from kiln.debug import counters
     gm, n = fused(fn, *args, mode=mode)
+    before = counters["codegen"]["runtime_fallback"]
     out = gm(*args)
+    assert counters["codegen"]["runtime_fallback"] == before, "a kernel fell back to ATen (see the log)"
     if ref_fp64:
         ref = fn(*[_ref(a) for a in args])
     else:

@@ -1,0 +1,106 @@
+"""Chained kernels: a small kernel that only reads another kernel's results runs inside it.
+
+A split reduction is two kernels: the partial results over chunks of each row, then a short
+reduction of the partials (a layer norm's weight and bias gradients, a full sum). The second one
+is tiny (a few thousand elements) but costs a launch and a kernel boundary. ``chain(head, tail)``
+writes them as one kernel: the head's programs run as before; each then counts itself done on a
+counter (``sem_ptr``), and the last one to arrive runs the tail's body in a loop over all of the
+tail's elements, as one program, through a ``@triton.jit`` helper (its own names, inlined by
+Triton). It then sets the counter back to 0 for the next launch.
+
+The order of events is the one a second launch gives: the barrier before the count makes the
+program's stores visible to the device, and the tail loads past L1 (``.cg``), where the other
+programs' writes are not seen. The tail reads only what the head stores (not the head's inputs,
+which a later node could have changed in place), has static sizes, no random numbers and at most
+``TAIL_MAX`` elements; the head is an ordinary kernel (not one with its own last program). The
+counter is one per launch site, so a chained kernel must not run on two streams at once.
+"""
+from __future__ import annotations
+
+from kiln.codegen import launch
+from kiln.codegen.kernel import PLACEHOLDER
+from kiln.codegen.schedule import Group
+
+TAIL_MAX = 1 << 16   # elements a chained tail may reduce or write (one program does them all)
+ENABLED = True       # False: every group is a kernel of its own (for comparison)
+
+
+def _fits(head, tail) -> bool:
+    if tail.g.kind == "scatter" or head.g.kind == "scatter" or head.outer or tail.outer:
+        return False
+    total = tail.xnumel * tail.rnumel
+    if not (total.is_Integer and 0 < int(total) <= TAIL_MAX) or tail.sizes or tail.seeds:
+        return False
+    stored = set(head.out_args)
+    return bool(tail.inputs) and set(tail.inputs) <= stored and not head.seeds \
+        and tail.g.nodes[0].device == head.g.nodes[0].device
+
+
+def chain(head_group, tail_group, buffers, interpret, autotune):
+    """The ``triton.Source`` of ``tail_group`` run by ``head_group``'s last program, or None when the
+    pair does not qualify (see the module docstring)."""
+    from kiln.codegen.triton import Source, TritonKernel
+    head = TritonKernel(head_group, buffers, interpret, autotune).prepare()
+    tail = TritonKernel(tail_group, buffers, interpret, False)
+    tail.single_program = True
+    tail.load_suffix = "" if interpret else ", cache_modifier='.cg'"
+    tail.prepare()
+    if not _fits(head, tail):
+        return None
+    kind = "reduction" if tail.red else "pointwise"
+    inner = bool(tail.dims) and tail.dims[-1][1]
+    xb, rb, _ = launch.config(kind, int(tail.xnumel), int(tail.rnumel), tail.persistent, inner, interpret)
+    static_x, static_r = launch._static(tail)
+    call = [head.out_args[b] for b in tail.inputs] + [f"tail_ptr{i}" for i in range(len(tail.g.stored))]
+    call += ([] if static_x else [str(int(tail.xnumel))]) + ([] if static_r or not tail.red else [str(int(tail.rnumel))])
+    call += [str(xb)] + ([str(rb)] if tail.red else [])
+    head.extra_params = [f"tail_ptr{i}" for i in range(len(tail.g.stored))] + ["sem_ptr"]
+    head.extra_args = [f"tail{i}" for i in range(len(tail.g.stored))] + ["sem"]
+    tail_name = PLACEHOLDER + "_tail"
+    head.tail_lines = ["tl.debug_barrier()",
+                       "n_programs = (xnumel + XBLOCK - 1) // XBLOCK",
+                       "if tl.atomic_add(sem_ptr, 1) == n_programs - 1:",
+                       f"    {tail_name}({', '.join(call)})",
+                       "    tl.atomic_xchg(sem_ptr, 0)"]
+    return launch.assemble_chain(head, tail, PLACEHOLDER, tail_name, Source)
+
+
+def merged(head_group, tail_group) -> Group:
+    """One group standing for a chained pair in the graph rewrite (members, stored buffers)."""
+    return Group(head_group.dims, head_group.nodes + tail_group.nodes, head_group.kind,
+                 head_group.stored + tail_group.stored, dict(head_group.roles))
+
+
+def pairs(groups, buffers, autotune):
+    """[(group, Source or None)] in order: each chainable tail folded into the kernel before it that
+    stores what it reads (None: emit the group on its own)."""
+    from kiln.codegen import triton
+    out, i = [], 0
+    while i < len(groups):
+        g = groups[i]
+        tail = _tail_for(g, groups[i + 1:]) if ENABLED else None
+        interpret = g.nodes[0].device.type != "cuda" and not triton.EMIT_FOR_GPU
+        src = chain(g, tail, buffers, interpret, autotune and not interpret) if tail is not None else None
+        if src is not None:
+            out.append((merged(g, tail), src))
+            groups = groups[:i + 1] + [h for h in groups[i + 1:] if h is not tail]
+        else:
+            out.append((g, None))
+        i += 1
+    return out
+
+
+def _tail_for(head, later):
+    """The first later group whose reads are all among ``head``'s stored buffers (a cheap check on
+    the groups; ``chain`` checks the emitted kernels)."""
+    from kiln.codegen.schedule import body, loads
+    stored = {b.name for b in head.stored}
+    if not stored or head.kind == "scatter":
+        return None
+    for h in later:
+        if h.kind == "scatter" or h.roles:
+            continue
+        reads = {n for b in h.nodes for n, _ in loads(body(b, h.dims, h.role(b)))} - {b.name for b in h.nodes}
+        if reads and reads <= stored:
+            return h
+    return None
