@@ -75,32 +75,42 @@ def pairs(groups, buffers, autotune):
     """[(group, Source or None)] in order: each chainable tail folded into the kernel before it that
     stores what it reads (None: emit the group on its own)."""
     from kiln.codegen import triton
-    out, i = [], 0
-    while i < len(groups):
-        g = groups[i]
-        tail = _tail_for(g, groups[i + 1:]) if ENABLED else None
+    tails = _tails(groups) if ENABLED else {}
+    folded = set()
+    out = []
+    for g in groups:
+        if id(g) in folded:
+            continue
+        tail = tails.get(id(g))
         interpret = g.nodes[0].device.type != "cuda" and not triton.EMIT_FOR_GPU
         src = chain(g, tail, buffers, interpret, autotune and not interpret) if tail is not None else None
         if src is not None:
             out.append((merged(g, tail), src))
-            groups = groups[:i + 1] + [h for h in groups[i + 1:] if h is not tail]
+            folded.add(id(tail))
         else:
             out.append((g, None))
-        i += 1
     return out
 
 
-def _tail_for(head, later):
-    """The first later group whose reads are all among ``head``'s stored buffers (a cheap check on
-    the groups; ``chain`` checks the emitted kernels)."""
+def _tails(groups) -> dict:
+    """{id(head): tail}: for each small group whose reads are all stored by one earlier group, that
+    group (the first such tail per head; ``chain`` checks the emitted kernels)."""
+    from kiln.codegen.indexing import prod
     from kiln.codegen.schedule import body, loads
-    stored = {b.name for b in head.stored}
-    if not stored or head.kind == "scatter":
-        return None
-    for h in later:
-        if h.kind == "scatter" or h.roles:
+    owner = {b.name: g for g in groups for b in g.stored}
+    out, taken = {}, set()
+    for h in groups:
+        total = prod([s for s, _ in h.dims])
+        if h.kind == "scatter" or h.roles or not (total.is_Integer and int(total) <= TAIL_MAX):
             continue
-        reads = {n for b in h.nodes for n, _ in loads(body(b, h.dims, h.role(b)))} - {b.name for b in h.nodes}
-        if reads and reads <= stored:
-            return h
-    return None
+        mine = {b.name for b in h.nodes}
+        reads = {n for b in h.nodes for n, _ in loads(body(b, h.dims, h.role(b)))} - mine
+        heads = {id(owner.get(n)) for n in reads}
+        if len(heads) != 1 or None in {owner.get(n) for n in reads}:
+            continue
+        head = owner[next(iter(reads))]
+        if head is h or head.kind == "scatter" or id(head) in out or id(head) in taken:
+            continue
+        out[id(head)] = h
+        taken.add(id(h))
+    return out
