@@ -12,8 +12,8 @@ The order of events is the one a second launch gives: the barrier before the cou
 program's stores visible to the device, and the tail loads past L1 (``.cg``), where the other
 programs' writes are not seen. The tail reads only what the head stores (not the head's inputs,
 which a later node could have changed in place), has static sizes, no random numbers and at most
-``TAIL_MAX`` elements; the head is an ordinary kernel (not one with its own last program). The
-counter is one per launch site, so a chained kernel must not run on two streams at once.
+``TAIL_MAX`` elements; the head is an ordinary kernel with a static, non-empty row count (not one
+with its own last program). There is one counter per kernel module, device and stream.
 """
 from __future__ import annotations
 
@@ -31,6 +31,8 @@ def _fits(head, tail) -> bool:
     total = tail.xnumel * tail.rnumel
     if not (total.is_Integer and 0 < int(total) <= TAIL_MAX) or tail.sizes or tail.seeds:
         return False
+    if not (head.xnumel.is_Integer and int(head.xnumel) > 0):   # a head that may not launch at all
+        return False
     stored = set(head.out_args)
     return bool(tail.inputs) and set(tail.inputs) <= stored and not head.seeds \
         and tail.g.nodes[0].device == head.g.nodes[0].device
@@ -39,7 +41,7 @@ def _fits(head, tail) -> bool:
 def chain(head_group, tail_group, buffers, interpret, autotune):
     """The ``triton.Source`` of ``tail_group`` run by ``head_group``'s last program, or None when the
     pair does not qualify (see the module docstring)."""
-    from kiln.codegen.triton import Source, TritonKernel
+    from kiln.codegen.triton import TritonKernel
     head = TritonKernel(head_group, buffers, interpret, autotune).prepare()
     tail = TritonKernel(tail_group, buffers, interpret, False)
     tail.single_program = True
@@ -62,7 +64,7 @@ def chain(head_group, tail_group, buffers, interpret, autotune):
                        "if tl.atomic_add(sem_ptr, 1) == n_programs - 1:",
                        f"    {tail_name}({', '.join(call)})",
                        "    tl.atomic_xchg(sem_ptr, 0)"]
-    return launch.assemble_chain(head, tail, PLACEHOLDER, tail_name, Source)
+    return launch.assemble(head, PLACEHOLDER, tail, tail_name)
 
 
 def merged(head_group, tail_group) -> Group:

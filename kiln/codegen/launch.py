@@ -265,10 +265,12 @@ def cuda_here() -> torch.device:
 
 
 def semaphore(cache: dict, device) -> torch.Tensor:
-    """A kernel's zeroed int32 counter on ``device`` (made once; the kernel sets it back to 0)."""
-    s = cache.get(device)
+    """A kernel's zeroed int32 counter for ``device`` and, on CUDA, the current stream (made once; the
+    kernel sets it back to 0; launches on two streams at once count on two counters)."""
+    key = (device, _stream_of(device.index)) if device.type == "cuda" else device
+    s = cache.get(key)
     if s is None:
-        s = cache[device] = torch.zeros(1, dtype=torch.int32, device=device)
+        s = cache[key] = torch.zeros(1, dtype=torch.int32, device=device)
     return s
 
 
@@ -405,8 +407,8 @@ def _last_program(k):
     the last to arrive reads all partials in program order (a fixed order: the result does not depend
     on timing), computes the scalar epilogue and sets the counter back to 0 for the next launch.
     The barrier makes the program's stores visible before its count; the partials are loaded past L1
-    (``.cg``), where another SM's writes are not seen. ``sem_ptr`` is one counter per launch site, so a
-    kernel module must not run on two streams at once."""
+    (``.cg``), where another SM's writes are not seen. ``sem_ptr`` is one counter per kernel module,
+    device and stream (``semaphore``)."""
     from kiln.codegen.triton_ops import TL_DTYPE, neutral, reduce_code
     out = []
     for var, kind, dt, acc, part in k.partials:
@@ -514,56 +516,36 @@ def device_expr(interpret, has_inputs, device):
     return "in0.device" if has_inputs else f"torch.device({str(device)!r})"
 
 
-def assemble(k, name):
-    """The module text for emitted kernel ``k`` (a ``triton.TritonKernel`` after planning)."""
+def assemble(k, name, tail=None, tail_name=None):
+    """The module text for emitted kernel ``k`` (a ``triton.TritonKernel`` after planning). With ``tail``
+    (``codegen/chain.py``), ``k``'s last program runs the tail's body, a ``@triton.jit`` helper named
+    ``tail_name``; the tail's outputs are allocated beside ``k``'s and returned after them."""
     from kiln.codegen.triton import Source
     inputs = list(k.inputs)
     ins = {b: f"in{i}" for i, b in enumerate(inputs)}
     outs = {b.name: f"out{i}" for i, b in enumerate(k.g.stored)}
     device = device_expr(k.interpret, bool(inputs), k.g.nodes[0].device)
+    tail_bufs = list(tail.g.stored) if tail is not None else []
+    counter = k.last_program or tail is not None
 
     def body(names):
         out = [alloc_line(outs[b.name], b, names, device) for b in k.g.stored]
+        out += [alloc_line(f"tail{i}", b, names, device) for i, b in enumerate(tail_bufs)]
         for i, (_, _, dt, _, _) in enumerate(k.partials):   # one partial per program at most
             n = pyexpr(k.xnumel, names)
             out.append(f"part{i} = torch.empty(({n},), dtype={dt}, device={device or 'launch.cuda_here()'})")
-        if k.last_program:
+        if counter:
             out.append(f"sem = launch.semaphore(SEMAPHORES, {device or 'launch.cuda_here()'})")
         out += [f"{seed} = launch.seed()" for seed in k.seeds.values()]
         out += launch_line(k, name, kernel_args(k, ins, outs), names)
-        locs = [outs[b.name] for b in k.g.stored]
+        locs = [outs[b.name] for b in k.g.stored] + [f"tail{i}" for i in range(len(tail_bufs))]
         out.append(f"return {locs[0]}" if len(locs) == 1 else f"return ({', '.join(locs)},)")
         return out
-    defs = [lambda: kernel_def(k, name)] + (["SEMAPHORES = {}   # device -> this kernel's counter"]
-                                            if k.last_program else [])
-    text, scalars = module([k], defs, inputs, k.buffers, body)
+    defs = [lambda: kernel_def(tail, tail_name)] if tail is not None else []
+    defs += [lambda: kernel_def(k, name)] + (["SEMAPHORES = {}   # device -> this kernel's counter"] if counter else [])
+    text, scalars = module([k] + ([tail] if tail is not None else []), defs, inputs, k.buffers, body)
     kind = "reduction" if k.red else "pointwise"
-    return Source(text, inputs, [b.name for b in k.g.stored], scalars, kind)
-
-
-def assemble_chain(head, tail, name, tail_name, source_cls):
-    """The module text for kernel ``head`` whose last program runs ``tail`` (``codegen/chain.py``): the
-    tail's body as a ``@triton.jit`` helper, its outputs allocated beside the head's and returned after
-    them, and the head's counter."""
-    inputs = list(head.inputs)
-    ins = {b: f"in{i}" for i, b in enumerate(inputs)}
-    outs = {b.name: f"out{i}" for i, b in enumerate(head.g.stored)}
-    device = device_expr(head.interpret, bool(inputs), head.g.nodes[0].device)
-
-    def body(names):
-        out = [alloc_line(outs[b.name], b, names, device) for b in head.g.stored]
-        out += [alloc_line(f"tail{i}", b, names, device) for i, b in enumerate(tail.g.stored)]
-        out.append(f"sem = launch.semaphore(SEMAPHORES, {device or 'launch.cuda_here()'})")
-        out += [f"{seed} = launch.seed()" for seed in head.seeds.values()]
-        out += launch_line(head, name, kernel_args(head, ins, outs), names)
-        locs = [outs[b.name] for b in head.g.stored] + [f"tail{i}" for i in range(len(tail.g.stored))]
-        out.append(f"return ({', '.join(locs)},)")
-        return out
-    defs = [lambda: kernel_def(tail, tail_name), lambda: kernel_def(head, name),
-            "SEMAPHORES = {}   # device -> this kernel's counter"]
-    text, scalars = module([head, tail], defs, inputs, head.buffers, body)
-    kind = "reduction" if head.red else "pointwise"
-    return source_cls(text, inputs, [b.name for b in head.g.stored] + [b.name for b in tail.g.stored], scalars, kind)
+    return Source(text, inputs, [b.name for b in k.g.stored + tail_bufs], scalars, kind)
 
 
 def _tuple(xs):
