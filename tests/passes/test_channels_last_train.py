@@ -292,3 +292,39 @@ def test_batch_norm_statistics_reduce_through_the_nhwc_view(any_device):
     _train(Residual(), torch.randn(2, 4, 6, 6), "triton", steps=1,
            post_grad_custom_pre_pass=_nchw_row_reductions(seen))
     assert seen == [(0, True), (0, True)]
+
+
+class MixedConvs(nn.Module):
+    """Dilated depthwise, transposed (plain and grouped) and 1x1 convolutions."""
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.ReLU(),
+                                 nn.Conv2d(8, 8, 3, padding=2, dilation=2, groups=8),
+                                 nn.ConvTranspose2d(8, 6, 3, stride=2, padding=1, output_padding=1), nn.ReLU(),
+                                 nn.Conv2d(6, 4, 1), nn.ConvTranspose2d(4, 2, 4, stride=2, groups=2))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def _weight_layouts(seen):
+    """A post-grad hook recording whether each convolution's weight is NHWC (forward and backward)."""
+    def hook(graph):
+        for n in graph.nodes:
+            if n.target in (aten.convolution.default, aten.convolution_backward.default):
+                w = n.args[1 if n.target is aten.convolution.default else 2].meta["val"]
+                seen.append((n.target is aten.convolution.default, w.shape[-1],
+                             w.is_contiguous(memory_format=CL)))
+    return hook
+
+
+@pytest.mark.parametrize("codegen", CODEGENS)
+def test_weights_go_nhwc_for_every_kind_of_convolution(any_device, codegen):
+    """KxK weights of plain, depthwise-dilated and transposed convolutions are NHWC in the forward and the
+    backward (cuDNN would copy them in each call), the 1x1 weight is both layouts, and training matches."""
+    _train(MixedConvs(), torch.randn(2, 4, 9, 9), codegen)
+    seen = []
+    opts = {**_options(codegen, []), "post_grad_custom_post_pass": _weight_layouts(seen)}
+    f = torch.compile(MixedConvs(), backend="kiln", options=opts)
+    f(torch.randn(2, 4, 9, 9, requires_grad=True)).sum().backward()
+    assert {fw for fw, _, _ in seen} == {True, False} and all(cl for _, _, cl in seen), seen
