@@ -260,15 +260,26 @@ def _same_layout(buf, val):
 
 
 def cheap(value: Pointwise) -> bool:
-    """Few enough ops (and no RNG) to recompute in every user instead of storing."""
+    """Few enough ops (and no RNG) to recompute in every user instead of storing. Ops on indices and
+    constants alone (a padding's or a causal mask's bounds tests) are not counted: they read nothing."""
     idx = [sympy.Symbol(f"c{i}", integer=True, nonnegative=True) for i in range(len(value.shape))]
     n = 0
+    reads: dict = {}
     for e in value(idx).walk():
         if e.op == "rand":
             return False
-        if e.op not in ("load", "const", "index", "cast"):
+        if e.op not in ("load", "const", "index", "cast") and _reads(e, reads):
             n += 1
     return n <= CHEAP_OPS
+
+
+def _reads(e, memo) -> bool:
+    """Whether ``e`` loads anything (memoized by node: expressions share subtrees)."""
+    hit = memo.get(id(e))
+    if hit is None:
+        hit = e.op in ("load", "rand") or any(_reads(c, memo) for c in e.children())
+        memo[id(e)] = hit
+    return hit
 
 
 # -- shared helpers for lowerings ---------------------------------------------------------
