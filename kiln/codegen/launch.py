@@ -415,6 +415,8 @@ def _last_program(k):
         out.append(f"tl.store({part} + tl.program_id(0) + tl.full([1, 1], 0, tl.int32), "
                    f"{reduce_code(kind, acc, k.interpret, axis=0)})")
     cg = "" if k.interpret else ", cache_modifier='.cg'"
+    # Triton's interpreter loops only to constants: there, step over xnumel (>= n_programs, masked)
+    bound = "xnumel" if k.interpret else "n_programs"
     out += ["tl.debug_barrier()",
             "n_programs = (xnumel + XBLOCK - 1) // XBLOCK",
             "if tl.atomic_add(sem_ptr, 1) == n_programs - 1:"]
@@ -423,7 +425,7 @@ def _last_program(k):
         comb = {"sum": "{a} + {v}", "prod": "{a} * {v}", "max": "tl.maximum({a}, {v})",
                 "min": "tl.minimum({a}, {v})"}[kind]
         out += [f"    {acc}_all = tl.full([{PARTS_BLOCK}, 1], {n}, {TL_DTYPE[dt]})",
-                f"    for p_offset in range(0, xnumel, {PARTS_BLOCK}):",   # xnumel >= n_programs, a constant
+                f"    for p_offset in range(0, {bound}, {PARTS_BLOCK}):",
                 f"        p_index = p_offset + tl.arange(0, {PARTS_BLOCK})[:, None]",
                 f"        p_value = tl.load({part} + p_index, p_index < n_programs, {n}{cg})",
                 f"        {acc}_all = {comb.format(a=f'{acc}_all', v='p_value')}",
