@@ -45,7 +45,7 @@ def chain(head_group, tail_group, buffers, interpret, autotune):
     head = TritonKernel(head_group, buffers, interpret, autotune).prepare()
     tail = TritonKernel(tail_group, buffers, interpret, False)
     tail.single_program = True
-    tail.load_suffix = "" if interpret else ", cache_modifier='.cg'"
+    tail.load_suffix = launch.past_l1(interpret)
     tail.prepare()
     if not _fits(head, tail):
         return None
@@ -59,11 +59,7 @@ def chain(head_group, tail_group, buffers, interpret, autotune):
     head.extra_params = [f"tail_ptr{i}" for i in range(len(tail.g.stored))] + ["sem_ptr"]
     head.extra_args = [f"tail{i}" for i in range(len(tail.g.stored))] + ["sem"]
     tail_name = PLACEHOLDER + "_tail"
-    head.tail_lines = ["tl.debug_barrier()",
-                       "n_programs = (xnumel + XBLOCK - 1) // XBLOCK",
-                       "if tl.atomic_add(sem_ptr, 1) == n_programs - 1:",
-                       f"    {tail_name}({', '.join(call)})",
-                       "    tl.atomic_xchg(sem_ptr, 0)"]
+    head.tail_lines = launch.LAST_PROGRAM_IF + [f"    {tail_name}({', '.join(call)})", launch.LAST_PROGRAM_RESET]
     return launch.assemble(head, PLACEHOLDER, tail, tail_name)
 
 
@@ -107,10 +103,10 @@ def _tails(groups) -> dict:
             continue
         mine = {b.name for b in h.nodes}
         reads = {n for b in h.nodes for n, _ in loads(body(b, h.dims, h.role(b)))} - mine
-        heads = {id(owner.get(n)) for n in reads}
-        if len(heads) != 1 or None in {owner.get(n) for n in reads}:
+        heads = {owner.get(n) for n in reads}
+        if len(heads) != 1 or None in heads:
             continue
-        head = owner[next(iter(reads))]
+        head = heads.pop()
         if head is h or head.kind == "scatter" or id(head) in out or id(head) in taken:
             continue
         out[id(head)] = h

@@ -414,12 +414,10 @@ def _last_program(k):
     for var, kind, dt, acc, part in k.partials:
         out.append(f"tl.store({part} + tl.program_id(0) + tl.full([1, 1], 0, tl.int32), "
                    f"{reduce_code(kind, acc, k.interpret, axis=0)})")
-    cg = "" if k.interpret else ", cache_modifier='.cg'"
+    cg = past_l1(k.interpret)
     # Triton's interpreter loops only to constants: there, step over xnumel (>= n_programs, masked)
     bound = "xnumel" if k.interpret else "n_programs"
-    out += ["tl.debug_barrier()",
-            "n_programs = (xnumel + XBLOCK - 1) // XBLOCK",
-            "if tl.atomic_add(sem_ptr, 1) == n_programs - 1:"]
+    out += LAST_PROGRAM_IF
     for var, kind, dt, acc, part in k.partials:
         n = neutral(kind, dt)
         comb = {"sum": "{a} + {v}", "prod": "{a} * {v}", "max": "tl.maximum({a}, {v})",
@@ -431,8 +429,22 @@ def _last_program(k):
                 f"        {acc}_all = {comb.format(a=f'{acc}_all', v='p_value')}",
                 f"    {var} = {reduce_code(kind, f'{acc}_all', k.interpret, axis=0)}"]
     _render(k.post.lines, "    ", out)
-    out.append("    tl.atomic_xchg(sem_ptr, 0)")
+    out.append(LAST_PROGRAM_RESET)
     return out
+
+
+# The gate of a kernel's last program (``_last_program``, ``chain.py``): make this program's stores
+# visible, count it done, and let only the last one in; that one sets the counter back to 0 at its end.
+LAST_PROGRAM_IF = ["tl.debug_barrier()",
+                   "n_programs = (xnumel + XBLOCK - 1) // XBLOCK",
+                   "if tl.atomic_add(sem_ptr, 1) == n_programs - 1:"]
+LAST_PROGRAM_RESET = "    tl.atomic_xchg(sem_ptr, 0)"
+
+
+def past_l1(interpret: bool) -> str:
+    """Extra ``tl.load`` arguments for reading other programs' stores of this launch (L1 is not
+    coherent across SMs); nothing under the interpreter."""
+    return "" if interpret else ", cache_modifier='.cg'"
 
 
 def kernel_args(k, ins, outs):
