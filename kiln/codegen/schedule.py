@@ -29,9 +29,6 @@ from kiln.codegen.loops import Pointwise, Reduction, Scatter
 
 MAX_GROUP = 64          # buffers per kernel
 NEAR = 32               # graph nodes between a kernel's members (see Scheduler._far)
-OUTER_MAX = 1 << 18     # a row kernel with a reduction over all rows runs as one program up to this many
-                        # elements; above, each program reduces its rows and the last one to finish
-                        # combines their results (triton.TritonKernel.last_program)
 
 
 @dataclass(eq=False)

@@ -14,10 +14,13 @@ import torch
 from kiln.codegen import launch
 from kiln.codegen.indexing import RINDEX, XINDEX, FloorDiv, ModIdx, prod, simplify
 from kiln.codegen.loops import Expr, Reduction, Unsupported, ops, upcast
-from kiln.codegen.schedule import OUTER_MAX, body, current
+from kiln.codegen.schedule import body, current
 from kiln.codegen.triton_ops import HELPERS, TL_DTYPE, neutral, reduce_code, template
 
 PERSISTENT_MAX = 2048   # static rows up to this many elements stay in registers
+OUTER_MAX = 1 << 18     # a row kernel with a reduction over all its rows runs as one program up to this
+                        # many elements; above, each program reduces its rows and the last one to finish
+                        # combines their results (``last_program``)
 OUTER_PERSISTENT_MAX = 64   # ... and columns (reductions over a non-innermost dim) up to this many
 LEVELS = {"c": 0, "x": 1, "xr": 2, "s": 3}   # constant, per row, per element, after all rows
 
