@@ -82,14 +82,16 @@ class KernelCall:
             raise AttributeError(attr)
         return getattr(self.kernel, attr)
 
-    def __call__(self, *args):
+    def __call__(self, *args, **kwargs):
+        """``kwargs``: ``into`` (a buffer the kernel may write its output into), which the fallback,
+        computing new tensors, does without."""
         k = self.kernel
         if k.ran:
-            return k(*args)
+            return k(*args, **kwargs)
         if k.failed is not None and self.fallback is not None:
             return self.fallback(*args)
         try:
-            out = k(*args)
+            out = k(*args, **kwargs)
         except Exception as e:
             if self.fallback is None:
                 raise

@@ -83,7 +83,7 @@ def _plan(gm, opts):
         device = g.nodes[0].device
         if src is None:
             src = emit(g, lw.buffers, device, PLACEHOLDER, autotune)
-        k = kernel_for(src.text, src.kind, device.type != "cuda", len(src.outputs))
+        k = kernel_for(src.text, src.kind, device.type != "cuda", len(src.outputs), getattr(src, "reuse", ()))
         log(4, f"codegen: kernel {k.name} ({len(g.nodes)} buffers, {g.kind})\n{k.source}")
         sym_nodes = [_symbol_node(graph, s) for s in src.scalars]
         vals = [fakes(lw.buffers[name]) for name in src.outputs]

@@ -57,8 +57,9 @@ def interpret_mode(flag: bool):
 class Kernel:
     """One generated kernel module, loaded on first call."""
 
-    def __init__(self, name: str, source: str, interpret: bool, n_outputs: int):
+    def __init__(self, name: str, source: str, interpret: bool, n_outputs: int, reuse=()):
         self.name, self.source, self.interpret, self.n_outputs = name, source, interpret, n_outputs
+        self.reuse = reuse   # inputs the output may be written into (``launch.reusable_inputs``)
         self.__name__ = name
         self._call = None
         self.ran = False      # has completed a call (later errors are real errors)
@@ -71,8 +72,8 @@ class Kernel:
                     self._call = _load_module(self.name, self.source, self.interpret).call
         return self._call
 
-    def __call__(self, *args):
-        return (self._call or self.load())(*args)
+    def __call__(self, *args, **kwargs):
+        return (self._call or self.load())(*args, **kwargs)
 
     def __repr__(self):
         return f"<kiln kernel {self.name}>"
@@ -121,13 +122,13 @@ def reset() -> None:
         table.clear()
 
 
-def kernel_for(text: str, kind: str, interpret: bool, n_outputs: int) -> Kernel:
+def kernel_for(text: str, kind: str, interpret: bool, n_outputs: int, reuse=()) -> Kernel:
     """The cached Kernel for module ``text`` (whose kernel is named ``PLACEHOLDER``)."""
     digest = hashlib.sha256(text.encode()).hexdigest()[:12]
     name = f"kiln_{'red' if kind == 'reduction' else ('scatter' if kind == 'scatter' else 'pw')}_{digest}"
     with _LOCK:
         k = _CACHE.get(name)
         if k is None:
-            k = Kernel(name, text.replace(PLACEHOLDER, name), interpret, n_outputs)
+            k = Kernel(name, text.replace(PLACEHOLDER, name), interpret, n_outputs, reuse)
             _CACHE[name] = k
     return k

@@ -484,8 +484,9 @@ def launch_line(k, name, args, names):
             f"launch.run({name}, ({', '.join(args)},), xnumel, rnumel, {cfg}, {meta!r})"]
 
 
-def module(kernels, defs, inputs, buffers, body_fn):
-    """Module text: imports, helpers, kernel ``defs`` and ``call`` (body from ``body_fn(names)``)."""
+def module(kernels, defs, inputs, buffers, body_fn, into=False):
+    """Module text: imports, helpers, kernel ``defs`` and ``call`` (body from ``body_fn(names)``;
+    ``into``: ``call`` takes an optional tensor to write its output into)."""
     names, bind_lines, scalars = bind_sizes(kernels, inputs, buffers)
     # the input dtypes are part of the text: equal text then means an equal kernel for every
     # argument, which lets a launch site reuse its compiled kernel (``launch``) without re-checking
@@ -499,7 +500,7 @@ def module(kernels, defs, inputs, buffers, body_fn):
         lines += ["", HELPERS[h]]
     for d in defs:
         lines += ["", d() if callable(d) else d]
-    args = [f"in{i}" for i in range(len(inputs))] + [names[s] for s in scalars]
+    args = [f"in{i}" for i in range(len(inputs))] + [names[s] for s in scalars] + (["into=None"] if into else [])
     lines += ["", "", f"def call({', '.join(args)}):"]
     lines += ["    " + b for b in bind_lines]
     for i, b in enumerate(inputs):
@@ -508,7 +509,7 @@ def module(kernels, defs, inputs, buffers, body_fn):
             st = _tuple(buf.stride)
             lines.append(f"    if in{i}.stride() != {st}:")
             lines.append(f"        in{i} = launch.restride(in{i}, {_tuple(buf.shape)}, {st})")
-    lines += ["    " + b for b in body_fn(names)]
+    lines += ["    " + ln for b in body_fn(names) for ln in b.split("\n")]
     return "\n".join(lines) + "\n", scalars
 
 
@@ -541,9 +542,13 @@ def assemble(k, name, tail=None, tail_name=None):
     device = device_expr(k.interpret, bool(inputs), k.g.nodes[0].device)
     tail_bufs = list(tail.g.stored) if tail is not None else []
     counter = k.last_program or tail is not None
+    reuse = [] if tail is not None else reusable_inputs(k)
 
     def body(names):
         out = [alloc_line(outs[b.name], b, names, device) for b in k.g.stored]
+        if reuse:   # the wrapper may hand over a dying input of the output's layout (``reusable_inputs``)
+            st = _tuple(k.g.stored[0].stride)
+            out[0] = f"if into is not None and into.stride() == {st}:\n    out0 = into\nelse:\n    {out[0]}"
         out += [alloc_line(f"tail{i}", b, names, device) for i, b in enumerate(tail_bufs)]
         for i, (_, _, dt, _, _) in enumerate(k.partials):   # one partial per program at most
             n = pyexpr(k.xnumel, names)
@@ -557,9 +562,40 @@ def assemble(k, name, tail=None, tail_name=None):
         return out
     defs = [lambda: kernel_def(tail, tail_name)] if tail is not None else []
     defs += [lambda: kernel_def(k, name)] + (["SEMAPHORES = {}   # device -> this kernel's counter"] if counter else [])
-    text, scalars = module([k] + ([tail] if tail is not None else []), defs, inputs, k.buffers, body)
+    text, scalars = module([k] + ([tail] if tail is not None else []), defs, inputs, k.buffers, body,
+                           into=bool(reuse))
     kind = "reduction" if k.red else "pointwise"
-    return Source(text, inputs, [b.name for b in k.g.stored + tail_bufs], scalars, kind)
+    src = Source(text, inputs, [b.name for b in k.g.stored + tail_bufs], scalars, kind)
+    src.reuse = tuple(reuse)
+    return src
+
+
+def reusable_inputs(k) -> list:
+    """Indices of the inputs of kernel ``k`` that its one output may be written into: a pointwise kernel
+    with one stored output, an input of the output's dtype, shape and strides, read only at the element
+    the kernel writes (so each program reads its elements before it stores them). The wrapper passes
+    such an input as ``into`` where it dies at the call (``wrapper._Emitter._into``): its memory is
+    reused instead of a new buffer of the same size living beside it."""
+    from kiln.codegen.indexing import equal
+    from kiln.codegen.schedule import body, current, loads
+    if k.red or k.outer or len(k.g.stored) != 1:
+        return []
+    ob = k.g.stored[0]
+    if not all(sympy.sympify(x).is_Integer for x in (*ob.shape, *ob.stride)):
+        return []
+    here = current(ob, k.dims)
+    reads: dict = {}
+    for m in k.g.nodes:
+        for name, index in loads(body(m, k.dims, k.g.role(m))):
+            reads.setdefault(name, []).append(index)
+    out = []
+    for i, name in enumerate(k.inputs):
+        b = k.buffers[name]
+        same = b.dtype == ob.dtype and len(b.shape) == len(ob.shape) and all(
+            sympy.sympify(x) == sympy.sympify(y) for x, y in zip((*b.shape, *b.stride), (*ob.shape, *ob.stride)))
+        if same and reads.get(name) and all(equal(ix, here, k.ranges) for ix in reads[name]):
+            out.append(i)
+    return out
 
 
 def _tuple(xs):

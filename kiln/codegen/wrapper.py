@@ -83,6 +83,7 @@ class _Emitter:
         self.names: dict[fx.Node, str] = {}
         self.global_ids: dict[int, str] = {}
         self.local_names = {self._fresh(n.name) for n in gm.graph.nodes}
+        self.last_use: dict = {}   # value -> the node that reads it last (set by ``emit``)
 
     # -- naming ---------------------------------------------------------------------------------
     def bind(self, obj, hint: str) -> str:
@@ -152,6 +153,7 @@ class _Emitter:
                 reads = n.args[0].all_input_nodes
             for inp in reads:
                 last_use[inp] = n
+        self.last_use = last_use
         frees: dict[fx.Node, list[fx.Node]] = {}
         out_node = next(n for n in reversed(nodes) if n.op == "output")
         for value, user in last_use.items():
@@ -247,7 +249,36 @@ class _Emitter:
         if fmt is not None and not n.kwargs:
             return fmt.format(*[self.lit(a) for a in n.args])
         args = [self.lit(a) for a in n.args] + [f"{k}={self.lit(v)}" for k, v in n.kwargs.items()]
+        into = self._into(n)
+        if into is not None:
+            args.append(f"into={self.lit(into)}")
         return f"{self.target_name(n.target)}({', '.join(args)})"
+
+    def _into(self, n: fx.Node):
+        """An argument of kernel node ``n`` whose memory the kernel may write its output into
+        (``launch.reusable_inputs``): a value that dies at ``n``, owns its storage (not a view, not a
+        graph input, output or constant) and is read by kernels only (no view or library call holds it)."""
+        for i in getattr(n.target, "reuse", ()) if is_kernel(n.target) and REUSE_INPUTS else ():
+            a = n.args[i] if i < len(n.args) else None
+            if not isinstance(a, fx.Node) or a.op != "call_function" or a in self.outputs \
+                    or self.last_use.get(a) is not n or not all(is_kernel(u.target) for u in a.users):
+                continue
+            owner = a.args[0] if a.target is operator.getitem else a
+            if owner is not a and (owner.op != "call_function" or owner in self.skipped):
+                continue
+            if is_kernel(owner.target) or _fresh_result(owner.target):
+                return a
+        return None
+
+
+REUSE_INPUTS = True   # False: every kernel output gets a new buffer (for comparison)
+
+
+def _fresh_result(target) -> bool:
+    """An ATen op whose results are new tensors (no result aliases an input, no input is mutated)."""
+    schema = getattr(target, "_schema", None)
+    return isinstance(target, torch._ops.OpOverload) and schema is not None and not schema.is_mutable \
+        and not any(r.alias_info is not None for r in schema.returns)
 
 
 def _copy_runs(nodes) -> dict:
