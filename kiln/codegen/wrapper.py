@@ -266,8 +266,8 @@ class _Emitter:
             owner = a.args[0] if a.target is operator.getitem else a
             if owner is not a and (owner.op != "call_function" or owner in self.skipped):
                 continue
-            if is_kernel(owner.target) or _fresh_result(owner.target):
-                return a
+            if is_kernel(owner.target) or (_fresh_result(owner.target) and not is_view_op(owner.target)):
+                return a   # (``_unsafe_view``'s schema does not say that it aliases: is_view_op does)
         return None
 
 

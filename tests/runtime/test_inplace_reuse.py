@@ -99,3 +99,12 @@ def test_training_matches_eager_with_reuse():
         ref(x).square().sum().backward()
     for p, q in zip(net.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_fresh_results_are_told_from_views():
+    aten = torch.ops.aten
+    assert W._fresh_result(aten.mm.default) and W._fresh_result(aten.convolution.default)
+    assert not W._fresh_result(aten.permute.default) and not W._fresh_result(aten.add_.Tensor)
+    assert not W._fresh_result(aten.split_with_sizes.default)
+    from kiln.codegen.views import is_view_op
+    assert W._fresh_result(aten._unsafe_view.default) and is_view_op(aten._unsafe_view.default)  # hence both
