@@ -17,7 +17,7 @@ with its own last program). There is one counter per kernel module, device and s
 """
 from __future__ import annotations
 
-from kiln.codegen import launch
+from kiln.codegen import launch, modsource
 from kiln.codegen.kernel import PLACEHOLDER
 from kiln.codegen.schedule import Group
 
@@ -45,22 +45,22 @@ def chain(head_group, tail_group, buffers, interpret, autotune):
     head = TritonKernel(head_group, buffers, interpret, autotune).prepare()
     tail = TritonKernel(tail_group, buffers, interpret, False)
     tail.single_program = True
-    tail.load_suffix = launch.past_l1(interpret)
+    tail.load_suffix = modsource.past_l1(interpret)
     tail.prepare()
     if not _fits(head, tail):
         return None
     kind = "reduction" if tail.red else "pointwise"
     inner = bool(tail.dims) and tail.dims[-1][1]
     xb, rb, _ = launch.config(kind, int(tail.xnumel), int(tail.rnumel), tail.persistent, inner, interpret)
-    static_x, static_r = launch._static(tail)
+    static_x, static_r = modsource._static(tail)
     call = [head.out_args[b] for b in tail.inputs] + [f"tail_ptr{i}" for i in range(len(tail.g.stored))]
     call += ([] if static_x else [str(int(tail.xnumel))]) + ([] if static_r or not tail.red else [str(int(tail.rnumel))])
     call += [str(xb)] + ([str(rb)] if tail.red else [])
     head.extra_params = [f"tail_ptr{i}" for i in range(len(tail.g.stored))] + ["sem_ptr"]
     head.extra_args = [f"tail{i}" for i in range(len(tail.g.stored))] + ["sem"]
     tail_name = PLACEHOLDER + "_tail"
-    head.tail_lines = launch.LAST_PROGRAM_IF + [f"    {tail_name}({', '.join(call)})", launch.LAST_PROGRAM_RESET]
-    return launch.assemble(head, PLACEHOLDER, tail, tail_name)
+    head.tail_lines = modsource.LAST_PROGRAM_IF + [f"    {tail_name}({', '.join(call)})", modsource.LAST_PROGRAM_RESET]
+    return modsource.assemble(head, PLACEHOLDER, tail, tail_name)
 
 
 def merged(head_group, tail_group) -> Group:

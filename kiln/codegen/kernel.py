@@ -59,7 +59,7 @@ class Kernel:
 
     def __init__(self, name: str, source: str, interpret: bool, n_outputs: int, reuse=()):
         self.name, self.source, self.interpret, self.n_outputs = name, source, interpret, n_outputs
-        self.reuse = reuse   # inputs the output may be written into (``launch.reusable_inputs``)
+        self.reuse = reuse   # inputs the output may be written into (``modsource.reusable_inputs``)
         self.__name__ = name
         self._call = None
         self.ran = False      # has completed a call (later errors are real errors)

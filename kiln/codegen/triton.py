@@ -11,7 +11,7 @@ from __future__ import annotations
 import sympy
 import torch
 
-from kiln.codegen import launch
+from kiln.codegen import modsource
 from kiln.codegen.indexing import RINDEX, XINDEX, FloorDiv, ModIdx, prod, simplify
 from kiln.codegen.loops import Expr, Reduction, Unsupported, ops, upcast
 from kiln.codegen.schedule import body, current
@@ -324,7 +324,7 @@ class TritonKernel:
         return self._assemble(name)
 
     def prepare(self):
-        """Plan and write the kernel body (``top``, ``post``); ``launch.kernel_def`` renders it."""
+        """Plan and write the kernel body (``top``, ``post``); ``modsource.kernel_def`` renders it."""
         self.top = Scope()
         if self.outer:
             self.post, self.pre = Scope(), []
@@ -491,7 +491,7 @@ class TritonKernel:
         target.lines.append(f"tl.store({self.out_args[buf.name]} + ({icode}), {v}, {self._mask(slv, None)})")
 
     def _assemble(self, name):
-        return launch.assemble(self, name)
+        return modsource.assemble(self, name)
 
 
 def red_ref(buf):
@@ -505,7 +505,7 @@ EMIT_FOR_GPU = False
 
 
 def emit(group, buffers, device, name="kernel", autotune=False) -> Source:
-    """Generate the Triton module for one group (see ``launch.assemble`` for the launcher)."""
+    """Generate the Triton module for one group (see ``modsource.assemble`` for the launcher)."""
     interpret = device.type != "cuda" and not EMIT_FOR_GPU
     if group.kind == "scatter":
         from kiln.codegen.triton_scatter import emit_scatter

@@ -6,7 +6,7 @@ computed target index.
 """
 from __future__ import annotations
 
-from kiln.codegen import launch
+from kiln.codegen import modsource
 from kiln.codegen.loops import Buffer, ops
 from kiln.codegen.schedule import Group, place, squeeze
 from kiln.codegen.triton import Scope, Source, TritonKernel
@@ -52,15 +52,15 @@ def emit_scatter(group, buffers, interpret, name) -> Source:
     inputs = list(dict.fromkeys(list(copy.inputs) + list(scatter.inputs)))
     ins = {b: f"in{i}" for i, b in enumerate(inputs)}
     outs = {buf.name: "out0"}
-    device = launch.device_expr(interpret, bool(inputs), buf.device)
+    device = modsource.device_expr(interpret, bool(inputs), buf.device)
 
     def body(names):
-        out = [launch.alloc_line("out0", buf, names, device)]
-        out += launch.launch_line(copy, f"{name}_copy", launch.kernel_args(copy, ins, outs), names)
+        out = [modsource.alloc_line("out0", buf, names, device)]
+        out += modsource.launch_line(copy, f"{name}_copy", modsource.kernel_args(copy, ins, outs), names)
         out += [f"{seed} = launch.seed()" for seed in scatter.seeds.values()]
-        out += launch.launch_line(scatter, name, launch.kernel_args(scatter, ins, outs), names)
+        out += modsource.launch_line(scatter, name, modsource.kernel_args(scatter, ins, outs), names)
         out.append("return out0")
         return out
-    defs = [lambda: launch.kernel_def(copy, f"{name}_copy"), lambda: launch.kernel_def(scatter, name)]
-    text, scalars = launch.module([copy, scatter], defs, inputs, buffers, body)
+    defs = [lambda: modsource.kernel_def(copy, f"{name}_copy"), lambda: modsource.kernel_def(scatter, name)]
+    text, scalars = modsource.module([copy, scatter], defs, inputs, buffers, body)
     return Source(text, inputs, [buf.name], scalars, "scatter")

@@ -256,7 +256,7 @@ class _Emitter:
 
     def _into(self, n: fx.Node):
         """An argument of kernel node ``n`` whose memory the kernel may write its output into
-        (``launch.reusable_inputs``): a value that dies at ``n``, owns its storage (not a view, not a
+        (``modsource.reusable_inputs``): a value that dies at ``n``, owns its storage (not a view, not a
         graph input, output or constant) and is read by kernels only (no view or library call holds it)."""
         for i in getattr(n.target, "reuse", ()) if is_kernel(n.target) and REUSE_INPUTS else ():
             a = n.args[i] if i < len(n.args) else None

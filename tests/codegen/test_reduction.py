@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kiln.codegen import launch
+from kiln.codegen import launch, modsource
 from tests.codegen.util import aten_ops, check, fused, kernels
 
 
@@ -109,7 +109,7 @@ def test_large_outer_reduction_combines_in_the_last_program(monkeypatch):
     one kernel, right for every reduction kind, every program count and a scalar epilogue."""
     import kiln.codegen.triton as tr
     monkeypatch.setattr(tr, "OUTER_MAX", 64)
-    monkeypatch.setattr(launch, "PARTS_BLOCK", 2)   # several steps over the partials
+    monkeypatch.setattr(modsource, "PARTS_BLOCK", 2)   # several steps over the partials
     config = launch.config
     monkeypatch.setattr(launch, "config", lambda *a: (min(4, config(*a)[0]),) + config(*a)[1:])  # many programs
     def fn(x):

@@ -1,4 +1,4 @@
-"""A kernel writes its output into an input that dies at the call (``launch.reusable_inputs``,
+"""A kernel writes its output into an input that dies at the call (``modsource.reusable_inputs``,
 ``wrapper._Emitter._into``): same values as eager, less memory, and never where the input lives on."""
 import re
 
