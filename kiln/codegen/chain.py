@@ -26,7 +26,8 @@ ENABLED = True       # False: every group is a kernel of its own (for comparison
 
 
 def _fits(head, tail) -> bool:
-    if tail.g.kind == "scatter" or head.g.kind == "scatter" or head.outer or tail.outer:
+    """The checks on the emitted pair (``_tails`` already left out scatters and tails with roles)."""
+    if head.outer:
         return False
     total = tail.xnumel * tail.rnumel
     if not (total.is_Integer and 0 < int(total) <= TAIL_MAX) or tail.sizes or tail.seeds:

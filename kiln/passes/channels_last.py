@@ -41,9 +41,9 @@ DEVICES = ("cuda",)   # where channels-last pays (tests set None: any device)
 VIEWS = (aten.view.default, aten._unsafe_view.default)
 STRIDED = (aten.as_strided.default,)   # reads storage through explicit strides
 # convolution op -> (index of the activation whose device decides, indices that should be NHWC)
-CONVS = {aten.convolution.default: (0, (0,)),
-         aten.convolution_backward.default: (1, (0, 1))}   # (grad_output, input, weight, ...)
-WEIGHT = {aten.convolution.default: 1, aten.convolution_backward.default: 2}
+CONVS = {aten.convolution.default: (0, (0, 1)),
+         aten.convolution_backward.default: (1, (0, 1, 2))}   # (grad_output, input, weight, ...)
+WEIGHT = {aten.convolution.default: 1, aten.convolution_backward.default: 2}   # which of those is the weight
 
 
 def _val(n):
@@ -74,7 +74,7 @@ def _convs(gm) -> dict:
             at, idx = CONVS[n.target]
             v = _val(n.args[at])
             if isinstance(v, torch.Tensor) and v.dim() == 4 and (DEVICES is None or v.device.type in DEVICES):
-                out[n] = idx + (WEIGHT[n.target],)
+                out[n] = idx
     return out
 
 
