@@ -21,7 +21,9 @@ if __name__ == "__main__":
     a, rest = p.parse_known_args()
     if a.child:
         mod = importlib.import_module(a.module)
-        setattr(mod, a.name, type(getattr(mod, a.name))(a.values[0]))
+        old = getattr(mod, a.name)
+        v = a.values[0]
+        setattr(mod, a.name, v.lower() in ("1", "true") if isinstance(old, bool) else type(old)(v))
         from kiln.bench.cli import main
         sys.exit(main(["--suite", "micro", "--backends", "kiln", "--device", "cuda", "--dtype", a.dtype,
                        "--cases", a.cases, "--no-warm", "--no-record"]))

@@ -144,8 +144,11 @@ class FnWorkload(Workload):
         self.model, self.inputs, self.dtype, self.train = fn, tuple(inputs), dtype, train
         with torch.no_grad():
             out = fn(*self.inputs)
-        gen = torch.Generator(device=out.device).manual_seed(seed + 1)
-        self.grad = torch.randn(out.shape, dtype=out.dtype, device=out.device, generator=gen)
+        if out.device.type == "meta":   # kiln.bench.offline: shapes only
+            self.grad = torch.empty(out.shape, dtype=out.dtype, device=out.device)
+        else:
+            gen = torch.Generator(device=out.device).manual_seed(seed + 1)
+            self.grad = torch.randn(out.shape, dtype=out.dtype, device=out.device, generator=gen)
         ins = self.state()
         grads = [t for t in self.state() if t.requires_grad]
         self.min_bytes = nbytes(ins) + nbytes([out]) + (nbytes([out]) + nbytes(ins) + nbytes(grads) if train else 0)

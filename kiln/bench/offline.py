@@ -94,8 +94,13 @@ def main(argv=None):
     torch.manual_seed(0)
     with torch.device("meta"):
         wl = case.build("meta", "fp32", "gpu")
-    autocast, wl.autocast = wl.autocast, None   # autocast for CUDA is entered by capture()
-    graphs, _ = capture(wl.model, lambda f, b: (wl._loss(f) if wl.train else wl.call(f, b)), wl.inputs, autocast)
+    autocast = getattr(wl, "autocast", None)   # autocast for CUDA is entered by capture()
+    if hasattr(wl, "_loss"):   # a model case
+        wl.autocast = None
+        call = lambda f, b: (wl._loss(f) if wl.train else wl.call(f, b))  # noqa: E731
+    else:                      # a micro case: a function of leaf inputs
+        call = lambda f, b: f(*b)  # noqa: E731
+    graphs, _ = capture(wl.model, call, wl.inputs, autocast)
     opts = {"debug": a.debug}
     if a.dump:
         os.makedirs(a.dump, exist_ok=True)

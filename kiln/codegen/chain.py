@@ -22,6 +22,7 @@ from kiln.codegen.kernel import PLACEHOLDER
 from kiln.codegen.schedule import Group
 
 TAIL_MAX = 1 << 16   # elements a chained tail may reduce or write (one program does them all)
+TAIL_TILE = 4096     # elements of a reducing tail's tile on the GPU
 ENABLED = True       # False: every group is a kernel of its own (for comparison)
 
 
@@ -53,6 +54,10 @@ def chain(head_group, tail_group, buffers, interpret, autotune):
     kind = "reduction" if tail.red else "pointwise"
     inner = bool(tail.dims) and tail.dims[-1][1]
     xb, rb, _ = launch.config(kind, int(tail.xnumel), int(tail.rnumel), tail.persistent, inner, interpret)
+    if tail.red and tail.persistent and not interpret:
+        # one program does the whole tail with the head's warps: a tile of TAIL_TILE elements per step
+        # (a [64, S] tile took 48 dependent steps for a 3072-column bias gradient)
+        xb = max(xb, min(launch.next_pow2(int(tail.xnumel)), max(1, TAIL_TILE // rb)))
     static_x, static_r = modsource._static(tail)
     call = [head.out_args[b] for b in tail.inputs] + [f"tail_ptr{i}" for i in range(len(tail.g.stored))]
     call += ([] if static_x else [str(int(tail.xnumel))]) + ([] if static_r or not tail.red else [str(int(tail.rnumel))])

@@ -56,7 +56,8 @@ def _record(mod, example_args):
     def fake_run(fn, args, xnumel, rnumel, cfg, meta):
         xnumel = int(xnumel)
         if cfg is None:
-            cfg = launch.config(meta["kind"], max(xnumel, 1), int(rnumel), meta["persistent"], meta["inner"], False)
+            cfg = launch.config(meta["kind"], max(xnumel, 1), int(rnumel), meta["persistent"], meta["inner"], False,
+                                meta.get("narrow", False))
         launches.append((fn, args, cfg, meta))
 
     def fake_launch(fn, args, grid, consts, warps):   # a launch fixed at generation time

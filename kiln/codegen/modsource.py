@@ -37,13 +37,29 @@ def pyexpr(e, names):
     raise ValueError(f"cannot print size {e}")
 
 
-def _render(lines, indent, out):
+# A mask over a static size that the block divides is all true: written as a constant (a
+# compile-time branch on the block size), Triton drops it from loads, stores and selects.
+EVEN_MASKS = True
+
+
+def mask_lines(var, index, numel, shape, static):
+    """``var = index < numel``, or a constant-true mask when ``numel`` is static and the block
+    (the last name in ``shape``'s non-1 dims) divides it."""
+    plain = f"{var} = {index} < {numel}"
+    if not (static and EVEN_MASKS):
+        return [plain]
+    block = "XBLOCK" if var == "xmask" else "RBLOCK"
+    return [f"if {numel} % {block} == 0:", f"    {var} = tl.full({shape}, True, tl.int1)", "else:",
+            f"    {plain}"]
+
+
+def _render(lines, indent, out, static_r=False):
     for line in lines:
         if isinstance(line, tuple):
             out.append(f"{indent}for roffset in range(0, rnumel, RBLOCK):")
             out.append(f"{indent}    rindex = roffset + rbase")
-            out.append(f"{indent}    rmask = rindex < rnumel")
-            _render(line[1].lines, indent + "    ", out)
+            out += [f"{indent}    {ln}" for ln in mask_lines("rmask", "rindex", "rnumel", "[1, RBLOCK]", static_r)]
+            _render(line[1].lines, indent + "    ", out, static_r)
         else:
             out.append(indent + line)
 
@@ -89,6 +105,8 @@ def bind_sizes(kernels, inputs, buffers):
 def kernel_def(k, name):
     """The ``@triton.jit`` function text of emitted kernel ``k``."""
     static_x, static_r = _static(k)
+    # integer numels are known when Triton compiles (constants, or constexpr under the interpreter)
+    known_x, known_r = k.xnumel.is_Integer, k.rnumel.is_Integer
     params = [k.inputs[b] for b in k.inputs] + [k.out_args[b.name] for b in k.g.stored]
     params += [p[4] for p in k.partials] + (["sem_ptr"] if k.last_program else []) + k.extra_params
     params += [k.sizes[s] for s in sorted(k.sizes, key=str)] + list(k.seeds.values())
@@ -111,7 +129,7 @@ def kernel_def(k, name):
         cast = ".to(tl.int64)" if k.i64 else ""
         body.append(f"rbase = tl.arange(0, RBLOCK)[None, :]{cast}")
         if k.persistent:
-            body += ["rindex = rbase", "rmask = rindex < rnumel"]
+            body += ["rindex = rbase"] + mask_lines("rmask", "rindex", "rnumel", "[1, RBLOCK]", known_r)
     if k.outer and not k.last_program or k.single_program:   # one program walks all rows
         body += k.pre if k.outer else []   # ... accumulating the outer reductions
         body.append("for xoffset in range(0, xnumel, XBLOCK):")
@@ -121,10 +139,11 @@ def kernel_def(k, name):
         body.append(f"xoffset = {pid} * XBLOCK")
     body.append(ind + ("xindex = xoffset + tl.arange(0, XBLOCK)[:, None]" if k.red else
                        "xindex = xoffset + tl.arange(0, XBLOCK)"))
-    body.append(ind + "xmask = xindex < xnumel")
+    xshape = "[XBLOCK, 1]" if k.red else "[XBLOCK]"
+    body += [ind + ln for ln in mask_lines("xmask", "xindex", "xnumel", xshape, known_x)]
     if k.last_program:
         body += k.pre
-    _render(k.top.lines, ind, body)
+    _render(k.top.lines, ind, body, known_r)
     if k.last_program:
         body += _last_program(k)
     elif k.outer:
@@ -200,14 +219,21 @@ def _static(k):
     return k.xnumel.is_Integer and not k.interpret, k.rnumel.is_Integer and not k.interpret
 
 
+def narrow_data(k) -> bool:
+    """Whether kernel ``k`` reads or writes 2-byte elements (``launch.config``'s ``narrow``)."""
+    bufs = [k.buffers[b] for b in k.inputs] + list(k.g.stored)
+    return any(b.dtype.itemsize <= 2 for b in bufs)
+
+
 def launch_line(k, name, args, names):
     kind = "reduction" if k.red else "pointwise"
     inner = bool(k.dims) and k.dims[-1][1]
     cfg = None
+    narrow = narrow_data(k)
     if k.xnumel.is_Integer and k.rnumel.is_Integer and not k.autotune:
-        cfg = launch.config(kind, int(k.xnumel), int(k.rnumel), k.persistent, inner, k.interpret)
+        cfg = launch.config(kind, int(k.xnumel), int(k.rnumel), k.persistent, inner, k.interpret, narrow)
     meta = dict(kind=kind, persistent=k.persistent, inner=inner, interpret=k.interpret, autotune=k.autotune,
-                outer=k.outer and not k.last_program)
+                outer=k.outer and not k.last_program, narrow=narrow)
     if cfg is not None and not k.interpret and "xnumel" not in args and "rnumel" not in args:
         xb, rb, warps = cfg   # all static: grid and block sizes are constants of the module
         if int(k.xnumel) <= 0:

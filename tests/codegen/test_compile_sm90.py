@@ -162,6 +162,12 @@ def test_chained_tail_and_last_program_kernels():
     sources = [k.source for k in K._CACHE.values() if not k.interpret]
     assert any("_tail(" in s and "cache_modifier='.cg'" in s for s in sources)
     assert any("part_ptr0" in s and "atomic_xchg" in s for s in sources)
+    # the tail steps over the 4096 columns in tiles of chain.TAIL_TILE elements, not 64 columns
+    import re
+
+    from kiln.codegen.chain import TAIL_TILE
+    calls = [m for s in sources for m in re.findall(r"_tail\((?:\w+, )+(\d+), (\d+)\)", s)]
+    assert calls and all(int(xb) * int(rb) >= min(TAIL_TILE, 4096 * int(rb)) for xb, rb in calls), calls
 
 
 def test_rms_norm_bf16():
@@ -228,7 +234,7 @@ def test_integer_and_bool_reductions():
     _compile_all(f, [(16, 40)], int_args=[((16, 40), 100)])
 
 
-@pytest.mark.parametrize("cols", [64, 3000])
+@pytest.mark.parametrize("cols", [64, 5000])   # persistent and looped rows
 def test_scalar_load_in_masked_region(cols):
     """The GPT-2 crash: a load at a constant address (the loss normaliser) inside a padded
     (masked) region got the block mask on a scalar pointer, which Triton rejects at compile time."""

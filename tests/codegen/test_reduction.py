@@ -4,7 +4,11 @@ import torch
 import torch.nn.functional as F
 
 from kiln.codegen import launch, modsource
+from kiln.codegen.triton import PERSISTENT_MAX
 from tests.codegen.util import aten_ops, check, fused, kernels
+
+
+LOOPED = PERSISTENT_MAX + 904   # a row length that loops (and is no multiple of a block)
 
 
 def layer_norm(x, w, b):
@@ -34,7 +38,7 @@ def grads(fn, n_inputs):
 
 
 @pytest.mark.parametrize("fn", [layer_norm, layer_norm_manual], ids=["F.layer_norm", "manual"])
-@pytest.mark.parametrize("n", [8, 3000], ids=["persistent", "looped"])
+@pytest.mark.parametrize("n", [8, LOOPED], ids=["persistent", "looped"])
 def test_layer_norm_forward_is_one_kernel(fn, n):
     check(fn, torch.randn(4, n), torch.randn(n), torch.randn(n), n_kernels=1, atol=1e-4, rtol=1e-4)
 
@@ -68,7 +72,7 @@ def test_rms_norm_half():
     check(rms_norm, x, w, n_kernels=1, atol=1e-2, rtol=1e-2, ref_fp64=True)
 
 
-@pytest.mark.parametrize("n", [10, 2500], ids=["persistent", "looped"])
+@pytest.mark.parametrize("n", [10, LOOPED], ids=["persistent", "looped"])
 def test_softmax_forward_one_kernel_backward_one_kernel(n):
     x = torch.randn(3, n)
     check(lambda x: torch.softmax(x, -1), x, n_kernels=1, atol=1e-5, rtol=1e-4)
@@ -77,6 +81,67 @@ def test_softmax_forward_one_kernel_backward_one_kernel(n):
     gm, n_k = fused(lambda g, y: torch.ops.aten._softmax_backward_data.default(g, y, -1, torch.float32),
                     torch.randn(3, n), torch.softmax(x, -1))
     assert n_k == 1
+
+
+def _one_loop_pair(gm):
+    """Whether a kernel of ``gm`` updates a running max and a rescaled running sum in one loop."""
+    srcs = [k.source for k in kernels(gm)]
+    return any("tl.maximum(_acc" in s and "* tl.exp((_acc" in s for s in srcs)
+
+
+@pytest.mark.parametrize("fn", [lambda x: torch.softmax(x, -1), lambda x: torch.log_softmax(x, -1),
+                                lambda x: torch.logsumexp(x, -1)], ids=["softmax", "log_softmax", "logsumexp"])
+def test_online_softmax_rows_with_infinities(fn):
+    """Looped rows: the max and the sum of exponentials in one pass (the sum rescaled as the max grows)
+    must equal eager on rows whose max comes late, rows of -inf (nan in eager), rows with +inf,
+    masked rows and huge values, at a row length that is not a multiple of the block."""
+    n = LOOPED
+    x = torch.randn(8, n) * 3
+    x[0] = torch.linspace(-50, 80, n)               # the max keeps growing: every block rescales
+    x[1] = float("-inf")                             # eager: nan
+    x[2, :n // 2] = float("-inf")                      # -inf blocks before the first finite value
+    x[3, 7] = float("inf")                           # eager: nan where the max is inf
+    x[4] = torch.randn(n) * 1e4                      # exp underflows for all but the max
+    x[5, ::2] = float("-inf")
+    x[6] = 88.0                                      # exp(88) near the fp32 limit, all equal
+    gm = check(fn, x, atol=1e-5, rtol=1e-4)
+    assert _one_loop_pair(gm) == (fn(torch.zeros(1, 1)).shape != (1,))   # logsumexp keeps two passes
+
+
+def test_online_softmax_switch_gives_the_same_values(monkeypatch):
+    import kiln.codegen.triton as tr
+    x = torch.randn(5, LOOPED)
+    on = check(lambda x: torch.softmax(x, -1), x, atol=1e-5, rtol=1e-4)
+    assert _one_loop_pair(on)
+    monkeypatch.setattr(tr, "ONLINE_SOFTMAX", False)
+    off = check(lambda x: torch.softmax(x, -1), x, atol=1e-5, rtol=1e-4)
+    assert not _one_loop_pair(off)
+
+
+def test_online_cross_entropy_bf16_logits():
+    """Cross-entropy over long bf16 rows (GPT-2's loss shape, small): forward and backward against fp64."""
+    x = (torch.randn(6, LOOPED) * 4).to(torch.bfloat16)
+    t = torch.tensor([1, LOOPED - 1, 3, 0, -100, 1500])
+    gm = check(lambda x, t: F.cross_entropy(x.float(), t), x, t, atol=1e-4, rtol=1e-4, ref_fp64=True)
+    assert _one_loop_pair(gm)
+    check(grads(lambda x, t: F.cross_entropy(x.float(), t), 1), x, t, torch.tensor(1.0), atol=1e-2, rtol=1e-2,
+          ref_fp64=True)
+
+
+def test_row_loops_set_l2_eviction_policies(monkeypatch):
+    """A buffer that a later row loop reads again is loaded evict_last (it stays in L2 for the next
+    pass), its last read evict_first; a one-loop kernel streams (evict_first); the switch removes them."""
+    import kiln.codegen.triton as tr
+    x = torch.randn(3, LOOPED)
+    src = kernels(check(lambda x: torch.softmax(x, -1), x, atol=1e-5, rtol=1e-4))[0].source
+    first, second = src.split("for roffset")[1:3]
+    assert "evict_last" in first and "evict_first" not in first
+    assert "evict_first" in second and "evict_last" not in second
+    src = kernels(check(lambda x: x.sum(-1), x, atol=1e-4, rtol=1e-4))[0].source
+    assert "evict_first" in src and "evict_last" not in src
+    monkeypatch.setattr(tr, "EVICT_POLICIES", False)
+    src = kernels(check(lambda x: torch.softmax(x, -1), x, atol=1e-5, rtol=1e-4))[0].source
+    assert "eviction_policy" not in src and "\x00" not in src
 
 
 def test_softmax_over_outer_dim():
@@ -132,6 +197,7 @@ def test_split_reductions(monkeypatch):
     monkeypatch.setattr(lr, "SPLIT_MIN_R", 64)
     monkeypatch.setattr(lr, "SPLIT_MIN_NUMEL", 256)
     monkeypatch.setattr(lr, "SPLIT_MIN_CHUNK", 64)
+    monkeypatch.setattr(lr, "SPLIT_MIN_CHUNK_OUTER", 64)
     import kiln.codegen.chain as chain
     config = launch.config
     cases = [  # a full sum (padded chunks), a column sum, a max, and a norm's weight and bias gradients
@@ -162,7 +228,7 @@ def test_variance_and_std():
     check(fn, torch.randn(6, 9), atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("n", [8, 3000], ids=["persistent", "looped"])
+@pytest.mark.parametrize("n", [8, LOOPED], ids=["persistent", "looped"])
 def test_min_max_arg_prod_any_all(n):
     def fn(x):
         return (x.argmax(1), x.argmin(0), x.max(1), x.amin(1, keepdim=True), x[:, :6].prod(1),
