@@ -65,7 +65,8 @@ def chain(head_group, tail_group, buffers, interpret, autotune):
     head.extra_params = [f"tail_ptr{i}" for i in range(len(tail.g.stored))] + ["sem_ptr"]
     head.extra_args = [f"tail{i}" for i in range(len(tail.g.stored))] + ["sem"]
     tail_name = PLACEHOLDER + "_tail"
-    head.tail_lines = modsource.LAST_PROGRAM_IF + [f"    {tail_name}({', '.join(call)})", modsource.LAST_PROGRAM_RESET]
+    head.tail_lines = modsource.last_program_if(head) + [f"    {tail_name}({', '.join(call)})",
+                                                          modsource.LAST_PROGRAM_RESET]
     return modsource.assemble(head, PLACEHOLDER, tail, tail_name)
 
 

@@ -82,6 +82,8 @@ def run(kernel, args, xnumel, rnumel, cfg, meta):
                      meta.get("narrow", False))
     xb, rb, warps = cfg
     grid = (1,) if meta.get("outer") else ((xnumel + xb - 1) // xb,)
+    if meta.get("programs"):   # folded column partials: one program per chunk of rows
+        grid = (meta["programs"],)
     consts = (xb,) if kind == "pointwise" else (xb, rb)
     if meta.get("interpret"):
         _jit_launch(kernel, grid, args, consts, warps)

@@ -44,7 +44,7 @@ EVEN_MASKS = True
 
 def mask_lines(var, index, numel, shape, static):
     """``var = index < numel``, or a constant-true mask when ``numel`` is static and the block
-    (the last name in ``shape``'s non-1 dims) divides it."""
+    (XBLOCK for ``xmask``, else RBLOCK) divides it."""
     plain = f"{var} = {index} < {numel}"
     if not (static and EVEN_MASKS):
         return [plain]
@@ -130,6 +130,17 @@ def kernel_def(k, name):
         body.append(f"rbase = tl.arange(0, RBLOCK)[None, :]{cast}")
         if k.persistent:
             body += ["rindex = rbase"] + mask_lines("rmask", "rindex", "rnumel", "[1, RBLOCK]", known_r)
+    if k.programs:   # folded column partials: each program walks its chunk of rows
+        pid = "tl.program_id(0).to(tl.int64)" if k.i64 else "tl.program_id(0)"
+        body += [f"xpid = {pid}"] + k.pre + [f"for xoffset in range(0, {k.chunk}, XBLOCK):"]
+        body.append(f"    xindex = xpid * {k.chunk} + xoffset + tl.arange(0, XBLOCK)[:, None]")
+        # rows past the chunk's end belong to the next program (chunks divide the rows exactly)
+        body += ["    " + ln for ln in mask_lines("xmask", "(xoffset + tl.arange(0, XBLOCK)[:, None])",
+                                                  str(k.chunk), "[XBLOCK, 1]", True)]
+        _render(k.top.lines, "    ", body, known_r)
+        _render(k.post.lines, "", body)
+        body += k.tail_lines
+        return "\n".join(["@triton.jit", f"def {name}({', '.join(params)}):"] + ["    " + b for b in body])
     if k.outer and not k.last_program or k.single_program:   # one program walks all rows
         body += k.pre if k.outer else []   # ... accumulating the outer reductions
         body.append("for xoffset in range(0, xnumel, XBLOCK):")
@@ -192,6 +203,14 @@ def _last_program(k):
 LAST_PROGRAM_IF = ["tl.debug_barrier()",
                    "n_programs = (xnumel + XBLOCK - 1) // XBLOCK",
                    "if tl.atomic_add(sem_ptr, 1) == n_programs - 1:"]
+
+
+def last_program_if(k) -> list:
+    """``LAST_PROGRAM_IF`` for kernel ``k`` (a kernel of folded column partials has one program per
+    chunk of rows)."""
+    if k.programs:
+        return [LAST_PROGRAM_IF[0], f"n_programs = {k.programs}", LAST_PROGRAM_IF[2]]
+    return LAST_PROGRAM_IF
 LAST_PROGRAM_RESET = "    tl.atomic_xchg(sem_ptr, 0)"
 
 
@@ -233,12 +252,14 @@ def launch_line(k, name, args, names):
     if k.xnumel.is_Integer and k.rnumel.is_Integer and not k.autotune:
         cfg = launch.config(kind, int(k.xnumel), int(k.rnumel), k.persistent, inner, k.interpret, narrow)
     meta = dict(kind=kind, persistent=k.persistent, inner=inner, interpret=k.interpret, autotune=k.autotune,
-                outer=k.outer and not k.last_program, narrow=narrow)
+                outer=k.outer and not k.last_program, narrow=narrow, programs=k.programs)
     if cfg is not None and not k.interpret and "xnumel" not in args and "rnumel" not in args:
         xb, rb, warps = cfg   # all static: grid and block sizes are constants of the module
         if int(k.xnumel) <= 0:
             return []
         grid = (1,) if k.outer and not k.last_program else ((int(k.xnumel) + xb - 1) // xb,)
+        if k.programs:
+            grid = (k.programs,)
         consts = (xb,) if kind == "pointwise" else (xb, rb)
         return [f"launch.launch({name}, ({', '.join(args)},), {grid}, {consts}, {warps})"]
     return [f"xnumel, rnumel = {pyexpr(k.xnumel, names)}, {pyexpr(k.rnumel, names)}",

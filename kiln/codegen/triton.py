@@ -14,7 +14,7 @@ import torch
 from kiln.codegen import modsource
 from kiln.codegen.indexing import RINDEX, XINDEX, FloorDiv, ModIdx, prod, simplify
 from kiln.codegen.loops import Expr, Reduction, Unsupported, ops, upcast
-from kiln.codegen.schedule import body, current
+from kiln.codegen.schedule import XPID, body, colpart_shape, current
 from kiln.codegen.triton_ops import HELPERS, TL_DTYPE, neutral, reduce_code, template
 
 PERSISTENT_MAX = 4096   # static rows up to this many elements stay in registers (an H200 profile of the
@@ -87,7 +87,10 @@ class TritonKernel:
         self.ranges = group.ranges
         self.names = {b.name for b in group.nodes}
         self.roles = dict(group.roles)
-        self.outer = bool(self.roles)
+        self.outer = any(r in ("outer", "scalar") for r in self.roles.values())
+        # folded column partials: one program per chunk of rows (``lower_reduce.fold_split``)
+        fold = [colpart_shape(b) for b in group.nodes if self.roles.get(b.name) == "colpart"]
+        self.programs, self.chunk = (int(fold[0][0]), int(fold[0][1])) if fold else (None, None)
         total = self.xnumel * self.rnumel
         # many rows: every program reduces its own rows, the last to finish combines the partials
         self.last_program = self.outer and not (total.is_Integer and int(total) <= OUTER_MAX)
@@ -309,7 +312,7 @@ class TritonKernel:
         if e.is_Integer:
             return str(int(e))
         if e.is_Symbol:
-            if e in (XINDEX, RINDEX):
+            if e in (XINDEX, RINDEX, XPID):
                 return e.name
             if e in sub:
                 return sub[e]
@@ -337,7 +340,7 @@ class TritonKernel:
     def prepare(self):
         """Plan and write the kernel body (``top``, ``post``); ``modsource.kernel_def`` renders it."""
         self.top = Scope()
-        if self.outer:
+        if self.outer or self.programs:
             self.post, self.pre = Scope(), []
         plan = self._plan()
         if self.red and not self.persistent:
@@ -346,19 +349,23 @@ class TritonKernel:
             self._straight(plan)
         if self.outer:
             self._outer(plan)
+        if self.programs:
+            self._colparts(plan[3])
         self._evictions()
         return self
 
     def _plan(self):
         """(reductions, stores, later): resolved row reductions and stored values in topological
         order, and the outer reductions and scalar stores that follow the loop over rows."""
-        reductions, stores, later = [], [], []
+        reductions, stores, later, colparts = [], [], [], []
         for buf in self.g.nodes:
             role = self.roles.get(buf.name, "row")
             e = self.resolve(body(buf, self.dims, role))
             is_red = isinstance(buf.compute, Reduction)
             value = red_ref(buf) if is_red else e
-            if role == "row":
+            if role == "colpart":
+                colparts.append((buf, e))
+            elif role == "row":
                 if is_red:
                     reductions.append((buf, e))
                 if buf in self.g.stored:
@@ -366,7 +373,7 @@ class TritonKernel:
             else:
                 later.append((buf, e if is_red else None, value if buf in self.g.stored else None))
         self.out_args = {b.name: f"out_ptr{i}" for i, b in enumerate(self.g.stored)}
-        return reductions, stores, later
+        return reductions, stores, later, colparts
 
     def _outer(self, plan):
         """Accumulate outer reductions across rows, then write the scalar results."""
@@ -392,6 +399,27 @@ class TritonKernel:
                 v = self._tensor(self.emit(value, self.post), value)
                 self.post.lines.append(f"tl.store({self.out_args[buf.name]} + tl.full([1, 1], 0, tl.int32), "
                                        f"tl.broadcast_to({v}, [1, 1]))")
+
+    def _colparts(self, colparts):
+        """Folded column partials: each program accumulates its chunk's rows column by column in an
+        [XBLOCK, RBLOCK] tile (one step per block of rows), then reduces the tile's rows and stores
+        the chunk's partial result at (program, column)."""
+        for buf, e in colparts:
+            kind, dt = buf.compute.kind, buf.compute.acc_dtype
+            acc = f"_col{len(self.pre)}"
+            self.pre.append(f"{acc} = tl.full([XBLOCK, RBLOCK], {neutral(kind, dt)}, {TL_DTYPE[dt]})")
+            v = self._reduce_value(buf, e, self.top)
+            comb = {"sum": f"{acc} + {v}", "prod": f"{acc} * {v}",
+                    "max": f"tl.maximum({acc}, {v})", "min": f"tl.minimum({acc}, {v})"}[kind]
+            self.top.lines.append(f"{acc} = tl.where(xmask & rmask, {comb}, {acc})")
+            if kind == "prod":
+                self.helpers.add("_kiln_prod")
+            var = self.tmp("red")
+            self.post.lines.append(f"{var} = {reduce_code(kind, acc, self.interpret, axis=0)}")
+            if buf in self.g.stored:
+                idx = self.pexpr(simplify(current(buf, self.dims, "colpart"), self.ranges))
+                v = var if buf.dtype == dt else f"{var}.to({TL_DTYPE[buf.dtype]})"
+                self.post.lines.append(f"tl.store({self.out_args[buf.name]} + ({idx}), {v}, rmask)")
 
     def _reduce_final(self, buf, acc, scope, index=None):
         """Reduce the [XBLOCK, RBLOCK] tile ``acc`` to the row result (``index``: the rindex of

@@ -147,14 +147,19 @@ def test_softmax_cross_entropy():
 
 
 def test_chained_tail_and_last_program_kernels():
-    """A split column reduction's final pass chained into its partial kernel (a layer norm's weight
-    gradient at 8192x4096: one kernel) and a loss whose mean over 8192 rows is combined by the row
-    kernel's last program: the counter, the barrier, the helper call and the .cg loads compile."""
+    """A layer norm backward at 8192x4096: dx by rows with the weight and bias gradients' partials
+    folded into the row kernel (one program per chunk of rows), then their final pass; a split full
+    sum whose final pass is chained into its partial kernel; a loss whose mean over 8192 rows is
+    combined by the row kernel's last program: the counter, the barrier, the helper call and the .cg
+    loads compile."""
     def bwd(g, x, mean, rstd, w, b):
         return torch.ops.aten.native_layer_norm_backward.default(g, x, [x.shape[-1]], mean, rstd, w, b,
                                                                  [True, True, True])
     gm = _compile_all(bwd, [(8192, 4096), (8192, 4096), (8192, 1), (8192, 1), (4096,), (4096,)])
-    assert len(kernels(gm)) == 2   # dx by rows; dw and db by column chunks, their final pass chained
+    assert len(kernels(gm)) == 2   # dx and the column partials by rows; the partials' final pass
+    assert any("xpid" in k.source and "_col0" in k.source for k in kernels(gm))
+    gm = _compile_all(lambda x: x.sum(), [(4096, 1024)])
+    assert len(kernels(gm)) == 1 and "_tail(" in kernels(gm)[0].source
     gm = _compile_all(lambda x, y: F.cross_entropy(x, y), [(8192, 50257)], int_args=[((8192,), 50257)])
     assert len(kernels(gm)) == 1
     _compile_all(lambda x, y: F.cross_entropy(x, y), [(8192, 1000)], n_diff=1, int_args=[((8192,), 1000)])
@@ -162,12 +167,14 @@ def test_chained_tail_and_last_program_kernels():
     sources = [k.source for k in K._CACHE.values() if not k.interpret]
     assert any("_tail(" in s and "cache_modifier='.cg'" in s for s in sources)
     assert any("part_ptr0" in s and "atomic_xchg" in s for s in sources)
-    # the tail steps over the 4096 columns in tiles of chain.TAIL_TILE elements, not 64 columns
+    # a split column sum too wide to fold (5000 columns): its chained final steps over the columns in
+    # tiles of chain.TAIL_TILE elements (64 columns at most, before)
     import re
 
     from kiln.codegen.chain import TAIL_TILE
-    calls = [m for s in sources for m in re.findall(r"_tail\((?:\w+, )+(\d+), (\d+)\)", s)]
-    assert calls and all(int(xb) * int(rb) >= min(TAIL_TILE, 4096 * int(rb)) for xb, rb in calls), calls
+    gm = _compile_all(lambda x: x.sum(0), [(65536, 5000)])
+    calls = re.findall(r"_tail\((?:\w+, )+(\d+), (\d+)\)", kernels(gm)[0].source)
+    assert len(kernels(gm)) == 1 and calls and int(calls[0][0]) * int(calls[0][1]) >= TAIL_TILE, calls
 
 
 def test_rms_norm_bf16():

@@ -144,6 +144,84 @@ def test_row_loops_set_l2_eviction_policies(monkeypatch):
     assert "eviction_policy" not in src and "\x00" not in src
 
 
+@pytest.fixture
+def small_folds(monkeypatch):
+    """Fold column reductions of small test tensors: 8 programs of at least 4 rows."""
+    import kiln.codegen.lower_reduce as lr
+    for name, v in (("SPLIT_MIN_R", 32), ("SPLIT_MIN_NUMEL", 256), ("FOLD_PROGRAMS", 8), ("FOLD_MIN_CHUNK", 4)):
+        monkeypatch.setattr(lr, name, v)
+    return monkeypatch
+
+
+def _folded(gm):
+    return [k for k in kernels(gm) if "xpid" in k.source]
+
+
+@pytest.mark.parametrize("fn,shape,tol", [
+    (lambda x: x.sum(0), (40, 48), 1e-4),                 # a bias gradient: 5 rows per program, 48 of 64 lanes
+    (lambda x: (x.amax(0), x.amin(0)), (64, 33), 0),
+    (lambda x: (x * 3).sum((0, 1)), (4, 16, 24), 1e-4),   # rows over two dims
+    (lambda x: x.float().sum(0).to(torch.bfloat16), (96, 40), 2e-2),
+], ids=["sum", "max_min", "two_row_dims", "cast"])
+def test_folded_column_reduction(small_folds, fn, shape, tol):
+    """A column reduction of short rows runs as one program per chunk of rows (each row read once,
+    along its columns), its final pass over the chunks chained: one kernel, right on new values too
+    (the chained final's counter is reset). Kept folded with no row kernel to join (``UNFOLD``)."""
+    import kiln.codegen.schedule as sch
+    small_folds.setattr(sch, "UNFOLD", False)
+    x = torch.randn(shape)
+    gm = check(fn, x, n_kernels=1, atol=tol, rtol=tol)
+    assert _folded(gm)
+    x = torch.randn(shape)
+    torch.testing.assert_close(gm(x), fn(x), atol=tol, rtol=tol)
+
+
+def test_norm_backward_folds_weight_gradients_into_the_row_kernel(small_folds):
+    """RMSNorm and layer norm backward: dx by rows, and the weight (and bias) gradients' partials in
+    the same kernel, the weights' gradients being sums over the rows it already reads."""
+    x, w, b, g = torch.randn(64, 48), torch.randn(48), torch.randn(48), torch.randn(64, 48)
+    gm = check(grads(rms_norm, 2), x, w, g, atol=1e-4, rtol=1e-4)
+    assert len(kernels(gm)) == 1 and _folded(gm)
+    bwd = lambda g, x, m, r, w, b: torch.ops.aten.native_layer_norm_backward.default(  # noqa: E731
+        g, x, [48], m, r, w, b, [True, True, True])
+    _, mean, rstd = torch.ops.aten.native_layer_norm.default(x, [48], w, b, 1e-5)
+    gm = check(bwd, g, x, mean, rstd, w, b, atol=1e-4, rtol=1e-4)
+    assert len(kernels(gm)) == 1
+    assert _folded(gm)[0].source.count("_col") >= 4   # two accumulators: the weight's and the bias's
+
+
+def test_pointwise_producer_joins_the_folded_bias_gradient(small_folds):
+    """GELU backward and its bias gradient: the pointwise gradient and the column sum of it in one
+    kernel over (rows, columns) when kept folded; by default (no row reduction shares its reads) the
+    classic split: column tiles, no program per chunk of rows. Right either way."""
+    import kiln.codegen.schedule as sch
+    fn = grads(lambda x, b: F.gelu(x + b, approximate="tanh"), 2)
+    x, b, g = torch.randn(64, 40), torch.randn(40), torch.randn(64, 40)
+    gm = check(fn, x, b, g, atol=1e-4, rtol=1e-4)
+    assert not _folded(gm)
+    check(lambda x: x.sum(0), torch.randn(40, 48), atol=1e-4, rtol=1e-4)
+    assert not _folded(check(lambda x: (x.amax(0), x.sum(0)), torch.randn(64, 48), atol=1e-4, rtol=1e-4))
+    small_folds.setattr(sch, "UNFOLD", False)
+    gm = check(fn, x, b, g, atol=1e-4, rtol=1e-4)
+    assert _folded(gm) and len(kernels(gm)) == 1
+
+
+def test_folded_partials_with_an_unchained_final(small_folds):
+    import kiln.codegen.chain as chain
+    import kiln.codegen.schedule as sch
+    small_folds.setattr(sch, "UNFOLD", False)
+    small_folds.setattr(chain, "TAIL_MAX", 16)   # 8 programs x 48 columns: the final is a kernel of its own
+    gm = check(lambda x: x.sum(0), torch.randn(40, 48), n_kernels=2, atol=1e-4, rtol=1e-4)
+    assert _folded(gm)
+
+
+def test_fold_switch(small_folds):
+    import kiln.codegen.lower_reduce as lr
+    small_folds.setattr(lr, "FOLD", False)
+    gm = check(lambda x: x.sum(0), torch.randn(40, 48), atol=1e-4, rtol=1e-4)
+    assert not _folded(gm)
+
+
 def test_softmax_over_outer_dim():
     check(lambda x: torch.softmax(x, 0), torch.randn(5, 7, 3), n_kernels=1, atol=1e-5, rtol=1e-5)
 
