@@ -24,6 +24,7 @@ OUTER_MAX = 1 << 18     # a row kernel with a reduction over all its rows runs a
                         # combines their results (``last_program``)
 EVICT = "\x00"          # brackets a row loop's load pointer until ``_evictions`` writes its policy
 EVICT_POLICIES = True
+EVICT_SINGLE_PASS = False   # also stream (evict_first) buffers a kernel reads in one pass only
 ONLINE_SOFTMAX = True   # looped rows: a softmax's max and sum in one pass (``TritonKernel._online_pairs``)
 OUTER_PERSISTENT_MAX = 64   # ... and columns (reductions over a non-innermost dim) up to this many
 LEVELS = {"c": 0, "x": 1, "xr": 2, "s": 3}   # constant, per row, per element, after all rows
@@ -573,18 +574,26 @@ class TritonKernel:
 
     def _evictions(self):
         """L2 eviction policies of the row loops' loads: a buffer that a later loop reads again is
-        loaded ``evict_last`` (its rows stay in L2 for that pass), one read for the last time
-        ``evict_first`` (streamed through without pushing the others out). Without them, a softmax
-        backward's second pass over 8192-element fp32 rows missed L2 (an H200 profile: 0.27 ms
-        against 0.18 for inductor's, which sets the same policies)."""
+        loaded ``evict_last`` (its rows stay in L2 for that pass), and its last read ``evict_first``
+        (streamed through without pushing the others out). Without them, a softmax backward's second
+        pass over 8192-element fp32 rows missed L2 (an H200 profile: 0.27 ms against 0.18 for
+        inductor's). A buffer read in one pass only keeps the default policy: the next kernel may
+        read it from L2 (``EVICT_SINGLE_PASS`` marks those evict_first too)."""
         import re
         loops = [ln[1] for ln in self.top.lines if isinstance(ln, tuple)]
         pattern = re.compile(f"{EVICT}(\\w+){EVICT}")
         loaded = [{m for ln in lp.lines for m in pattern.findall(ln)} for lp in loops]
         for i, lp in enumerate(loops):
-            later = set().union(*loaded[i + 1:])
-            policy = (lambda m: ", eviction_policy='evict_last'" if m.group(1) in later and EVICT_POLICIES
-                      else (", eviction_policy='evict_first'" if EVICT_POLICIES else ""))
+            later, earlier = set().union(*loaded[i + 1:]), set().union(*loaded[:i])
+
+            def policy(m, later=later, earlier=earlier):
+                if not EVICT_POLICIES:
+                    return ""
+                if m.group(1) in later:
+                    return ", eviction_policy='evict_last'"
+                if m.group(1) in earlier or EVICT_SINGLE_PASS:
+                    return ", eviction_policy='evict_first'"
+                return ""
             lp.lines = [pattern.sub(policy, ln) for ln in lp.lines]
 
     def _store(self, buf, value, scope):
