@@ -289,8 +289,8 @@ class Reduction:
     out_shape: tuple
     split: bool = False   # the second half of a split reduction (never folded back into one program)
     fold: tuple = ()      # a column reduction's partial over row chunks, computed in a row kernel: the
-                          # sizes of the rows it reduces (``lower_reduce.fold_split``, role 'colpart')
-    fold_src: tuple = ()  # a folded partial's reduction before the split (``lower_reduce.rebuild_split``)
+                          # sizes of the rows it reduces (``fold.fold_split``, role 'colpart')
+    fold_src: tuple = ()  # a folded partial's reduction before the split (``fold.rebuild_split``)
 
     def full_index(self, out_idx):
         """Map an output index onto the kept dims of ``ranges`` (reduced dims left as None)."""

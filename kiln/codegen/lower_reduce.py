@@ -11,6 +11,7 @@ from __future__ import annotations
 import sympy
 import torch
 
+from kiln.codegen.fold import fold_split
 from kiln.codegen.indexing import ONE, ZERO, size_expr
 from kiln.codegen.loops import Pointwise, Reduction, Unsupported, ops, upcast
 from kiln.codegen.lower import aten, register, value_at
@@ -53,7 +54,7 @@ def reduce(ctx, kind, a: Pointwise, dims, keepdim=False, dtype=None, acc=None, b
     acc = acc or upcast(dtype)
     fn = body or (lambda idx: ops.cast(a(idx), acc))
     oshape = out_shape(a.shape, dims, keepdim)
-    fold = fold_split(a.shape, dims) if kind in SPLITTABLE and FOLD else 1
+    fold = fold_split(a.shape, dims) if kind in SPLITTABLE else 1
     if fold > 1:
         return _split_reduce(ctx, kind, a, dims, fn, acc, dtype, oshape, fold, fold=True)
     splits = split_count(a.shape, dims) if kind in SPLITTABLE else 1
@@ -83,42 +84,11 @@ def split_count(shape, dims) -> int:
     return s if s >= 2 else 1
 
 
-FOLD = True                # column reductions of rows that fit a persistent row kernel fold into one
-FOLD_PROGRAMS = 256        # programs (row chunks) of a folded column reduction, at most
-FOLD_MIN_CHUNK = 16        # rows a program reduces, at least
-
-
-def fold_split(shape, dims) -> int:
-    """Row chunks for a column reduction computed inside a row kernel (1: not one).
-
-    A reduction over the leading dims of ``shape`` that keeps a short static tail (at most
-    ``PERSISTENT_MAX`` elements: a row of a persistent row kernel) and many rows (a norm's weight and
-    bias gradients, a bias gradient) is split into ``S`` chunks of rows, ``S`` dividing the row count.
-    Its partial results are computed by a kernel over (rows, columns) whose ``S`` programs each walk
-    one chunk, reading each row once, coalesced along the columns; it joins the kernel that computes
-    the rows (a norm backward's row kernel, a pointwise producer) when the scheduler can place it
-    there (role 'colpart'), and the short reduction over the ``S`` partials follows."""
-    from kiln.codegen.triton import PERSISTENT_MAX
-    n = len(shape)
-    if not dims or list(dims) != list(range(len(dims))) or len(dims) == n:
-        return 1
-    r, c = numel(shape, dims), numel(shape, range(len(dims), n))
-    if not (r.is_Integer and c.is_Integer) or int(c) > PERSISTENT_MAX:
-        return 1
-    r, c = int(r), int(c)
-    if r < SPLIT_MIN_R or r * c < SPLIT_MIN_NUMEL:
-        return 1
-    s = FOLD_PROGRAMS
-    while s > 1 and (r % s or r // s < FOLD_MIN_CHUNK):
-        s //= 2
-    return s
-
-
 def _split_reduce(ctx, kind, a, dims, fn, acc, dtype, oshape, splits, fold=False):
     part_red = split_partial(kind, list(a.shape), dims, fn, acc, splits, fold)
     part = ctx.reduction(part_red, a.device)
     out = ctx.reduction(split_final(kind, part, part_red, acc, dtype, oshape), a.device)
-    if fold:   # what ``rebuild_split`` needs to make the classic split of this reduction instead
+    if fold:   # what ``fold.rebuild_split`` needs to make the classic split of this reduction instead
         part_red.fold_src = (kind, tuple(a.shape), tuple(dims), fn, acc, dtype, oshape, out.buffer.name)
     return out
 
@@ -160,27 +130,6 @@ def split_final(kind, part: Pointwise, part_red: Reduction, acc, dtype, oshape) 
     pos = part_red.reduced[0] - 1
     return Reduction(SPLITTABLE[kind], part_red.out_shape, (pos,), lambda idx: ops.cast(part(idx), acc), acc, dtype,
                      oshape, split=True)
-
-
-def rebuild_split(lowering, buf) -> None:
-    """Replace folded column partial ``buf`` (in ``lowering.computed``) by the classic split of its
-    reduction (``split_count`` chunks, reduced in column tiles), or by no split: the final's buffer
-    keeps its name and gets the new reduction of the new partials (``schedule.Scheduler._unfold``)."""
-    kind, shape, dims, fn, acc, dtype, oshape, final_name = buf.compute.fold_src
-    final = lowering.buffers[final_name]
-    at = lowering.computed.index(buf)
-    splits = split_count(shape, list(dims))
-    if splits <= 1:
-        del lowering.computed[at]
-        final.compute = Reduction(kind, shape, dims, fn, acc, dtype, oshape)
-        return
-    part_red = split_partial(kind, list(shape), list(dims), fn, acc, splits)
-    pshape = tuple(size_expr(s) for s in part_red.out_shape)
-    from kiln.codegen.loops import Buffer, contiguous_strides, new_name
-    part = Buffer(new_name(), pshape, contiguous_strides(pshape), acc, buf.device, "reduction", None, part_red)
-    lowering.buffers[part.name] = part
-    lowering.computed[at] = part
-    final.compute = split_final(kind, Pointwise.of_buffer(part), part_red, acc, dtype, oshape)
 
 
 def keep_index(idx, dims):

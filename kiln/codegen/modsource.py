@@ -174,7 +174,7 @@ def _last_program(k):
     The barrier makes the program's stores visible before its count; the partials are loaded past L1
     (``.cg``), where another SM's writes are not seen. ``sem_ptr`` is one counter per kernel module,
     device and stream (``semaphore``)."""
-    from kiln.codegen.triton_ops import TL_DTYPE, neutral, reduce_code
+    from kiln.codegen.triton_ops import TL_DTYPE, combine, neutral, reduce_code
     out = []
     for var, kind, dt, acc, part in k.partials:
         out.append(f"tl.store({part} + tl.program_id(0) + tl.full([1, 1], 0, tl.int32), "
@@ -185,13 +185,11 @@ def _last_program(k):
     out += LAST_PROGRAM_IF
     for var, kind, dt, acc, part in k.partials:
         n = neutral(kind, dt)
-        comb = {"sum": "{a} + {v}", "prod": "{a} * {v}", "max": "tl.maximum({a}, {v})",
-                "min": "tl.minimum({a}, {v})"}[kind]
         out += [f"    {acc}_all = tl.full([{PARTS_BLOCK}, 1], {n}, {TL_DTYPE[dt]})",
                 f"    for p_offset in range(0, {bound}, {PARTS_BLOCK}):",
                 f"        p_index = p_offset + tl.arange(0, {PARTS_BLOCK})[:, None]",
                 f"        p_value = tl.load({part} + p_index, p_index < n_programs, {n}{cg})",
-                f"        {acc}_all = {comb.format(a=f'{acc}_all', v='p_value')}",
+                f"        {acc}_all = {combine(kind, f'{acc}_all', 'p_value')}",
                 f"    {var} = {reduce_code(kind, f'{acc}_all', k.interpret, axis=0)}"]
     _render(k.post.lines, "    ", out)
     out.append(LAST_PROGRAM_RESET)

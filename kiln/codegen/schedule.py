@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 
 import sympy
 
-from kiln.codegen.indexing import (RINDEX, XINDEX, ZERO, FloorDiv, ModIdx, Ranges, contiguous_strides, equal,
-                                   memo_get, memo_put, prod, unflatten)
+from kiln.codegen.fold import colpart_body, colpart_dims, colpart_index, colpart_shape, equal_size, unfold
+from kiln.codegen.indexing import (RINDEX, XINDEX, ZERO, Ranges, contiguous_strides, equal, memo_get, memo_put, prod,
+                                   unflatten)
 from kiln.codegen.loops import Pointwise, Reduction, Scatter
 
 MAX_GROUP = 64          # buffers per kernel
-UNFOLD = True           # a folded column partial with no row kernel to join is split the classic way
 NEAR = 32               # graph nodes between a kernel's members (see Scheduler._far)
 
 
@@ -70,7 +70,7 @@ def node_dims(buf):
     columns, the columns reduced in the row kernel's sense)."""
     c = buf.compute
     if isinstance(c, Reduction) and c.fold:
-        return tuple((s, False) for s in c.fold if s != 1) + tuple((s, True) for s in c.ranges[2:] if s != 1)
+        return colpart_dims(c)
     if isinstance(c, Reduction):
         return tuple((s, d in c.reduced) for d, s in enumerate(c.ranges) if s != 1)
     if isinstance(c, Pointwise):
@@ -163,9 +163,6 @@ def _same(a, b):
     return len(a) == len(b) and all(x == y or sympy.expand(x - y) == 0 for x, y in zip(a, b))
 
 
-XPID = sympy.Symbol("xpid", integer=True, nonnegative=True)   # the program id (a colpart's row chunk)
-
-
 def body(buf, dims, role="row"):
     """The Expr a buffer's kernel evaluates under ``dims`` (None if it does not fit).
 
@@ -174,13 +171,7 @@ def body(buf, dims, role="row"):
     partial: the element of row ``xindex`` (chunk ``xindex // chunk``), column ``rindex``."""
     c = buf.compute
     if isinstance(c, Reduction) and c.fold:
-        rows, cols = prod(list(c.fold)), [s for s, r in dims if r]
-        if not (equal_size(prod([s for s, r in dims if not r]), rows) and _same(cols, squeeze(c.ranges[2:]))):
-            return None
-        chunk = c.ranges[1]
-        rs = iter(unflatten(RINDEX, cols))
-        return c.fn([FloorDiv(XINDEX, chunk), ModIdx(XINDEX, 1, chunk)] + [ZERO if s == 1 else next(rs)
-                                                                            for s in c.ranges[2:]])
+        return colpart_body(c, dims)
     if role == "outer":
         return c.fn(unflatten(XINDEX, list(c.ranges)))
     if role == "scalar":
@@ -198,24 +189,13 @@ def _key(d):
     return (sympy.expand(d[0]), d[1])
 
 
-def equal_size(a, b) -> bool:
-    return a == b or sympy.expand(a - b) == 0
-
-
-def colpart_shape(buf):
-    """(programs, rows per program) of a folded column partial, else None."""
-    c = buf.compute
-    return (c.ranges[0], c.ranges[1]) if isinstance(c, Reduction) and c.fold else None
-
-
 def current(buf, dims, role="row"):
     """Flat index of the element of ``buf`` computed at (xindex, rindex) (a colpart's: at its
     program's chunk ``XPID``, column ``rindex``, once the chunk's rows are reduced)."""
     if role in ("outer", "scalar"):
         return buf.index([ZERO] * len(buf.shape))
     if role == "colpart":
-        rs = iter(unflatten(RINDEX, [s for s, r in dims if r]))
-        return buf.index([XPID] + [ZERO if s == 1 else next(rs) for s in buf.shape[1:]])
+        return colpart_index(buf, dims)
     return buf.index(place(buf.shape, dims, buf.stride))
 
 
@@ -306,34 +286,8 @@ class Scheduler:
         return False
 
     # -- grouping ----------------------------------------------------------------------------
-    def _unfold(self):
-        """Keep a folded column partial only where a row reduction over the same rows and columns
-        reads one of the buffers it reads (a norm backward's row kernel, which it joins): there it
-        costs no extra reads. Elsewhere (a bias gradient, a pointwise producer's column sums) the
-        classic split measured faster on an H200 (GELU backward with its bias gradient, 8192x3072
-        bf16: 0.058 ms against 0.083 folded) and is rebuilt (``lower_reduce.rebuild_split``)."""
-        from kiln.codegen.lower_reduce import rebuild_split
-        folds = [b for b in self.lw.computed if colpart_shape(b) is not None]
-        if not folds:
-            return
-        rows = {}   # (rows, columns) -> names the row reductions over them read
-        for b in self.lw.computed:
-            c = b.compute
-            if isinstance(c, Reduction) and not c.fold and not c.split and c.reduced:
-                n = len(c.ranges)
-                if list(c.reduced) == list(range(n - len(c.reduced), n)):
-                    key = (sympy.expand(prod(c.ranges[:n - len(c.reduced)])), sympy.expand(prod(c.ranges[n - len(c.reduced):])))
-                    rows.setdefault(key, set()).update(n for n, _ in loads(body(b, node_dims(b))))
-        for b in folds:
-            c = b.compute
-            key = (sympy.expand(prod(list(c.fold))), sympy.expand(prod(list(c.ranges[2:]))))
-            mine = {n for n, _ in loads(body(b, node_dims(b)))}
-            if not mine & rows.get(key, set()):
-                rebuild_split(self.lw, b)
-
     def run(self):
-        if UNFOLD:
-            self._unfold()
+        unfold(self.lw)
         for buf in self.lw.computed:
             if isinstance(buf.compute, Scatter):
                 self.reads[buf] = {n for e in scatter_exprs(buf) for n, _ in loads(e)}

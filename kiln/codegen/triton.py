@@ -14,8 +14,9 @@ import torch
 from kiln.codegen import modsource
 from kiln.codegen.indexing import RINDEX, XINDEX, FloorDiv, ModIdx, prod, simplify
 from kiln.codegen.loops import Expr, Reduction, Unsupported, ops, upcast
-from kiln.codegen.schedule import XPID, body, colpart_shape, current
-from kiln.codegen.triton_ops import HELPERS, TL_DTYPE, neutral, reduce_code, template
+from kiln.codegen.fold import XPID, colpart_shape
+from kiln.codegen.schedule import body, current
+from kiln.codegen.triton_ops import HELPERS, TL_DTYPE, combine, neutral, reduce_code, template
 
 PERSISTENT_MAX = 4096   # static rows up to this many elements stay in registers (an H200 profile of the
                         # 8192x4096 layer norm backward: 0.111 ms looped at 2048, 0.090 persistent)
@@ -89,7 +90,7 @@ class TritonKernel:
         self.names = {b.name for b in group.nodes}
         self.roles = dict(group.roles)
         self.outer = any(r in ("outer", "scalar") for r in self.roles.values())
-        # folded column partials: one program per chunk of rows (``lower_reduce.fold_split``)
+        # folded column partials: one program per chunk of rows (``fold.fold_split``)
         fold = [colpart_shape(b) for b in group.nodes if self.roles.get(b.name) == "colpart"]
         self.programs, self.chunk = (int(fold[0][0]), int(fold[0][1])) if fold else (None, None)
         total = self.xnumel * self.rnumel
@@ -382,14 +383,8 @@ class TritonKernel:
             if e is not None:
                 kind, dt = buf.compute.kind, buf.compute.acc_dtype
                 acc = f"_outer_{buf.name}"
-                self.pre.append(f"{acc} = tl.full([XBLOCK, 1], {neutral(kind, dt)}, {TL_DTYPE[dt]})")
-                v = self._reduce_value(buf, e, self.top)
-                comb = {"sum": f"{acc} + {v}", "prod": f"{acc} * {v}",
-                        "max": f"tl.maximum({acc}, {v})", "min": f"tl.minimum({acc}, {v})"}[kind]
-                self.top.lines.append(f"{acc} = tl.where(xmask, {comb}, {acc})")
+                self._accumulate(buf, e, acc, "[XBLOCK, 1]", "xmask")
                 var = self.tmp("red")
-                if kind == "prod":
-                    self.helpers.add("_kiln_prod")
                 if self.last_program:
                     self.partials.append((var, kind, dt, acc, f"part_ptr{len(self.partials)}"))
                 else:
@@ -401,6 +396,16 @@ class TritonKernel:
                 self.post.lines.append(f"tl.store({self.out_args[buf.name]} + tl.full([1, 1], 0, tl.int32), "
                                        f"tl.broadcast_to({v}, [1, 1]))")
 
+    def _accumulate(self, buf, e, acc, shape, mask):
+        """Declare accumulator ``acc`` of ``shape`` before the rows (``pre``) and fold reduction
+        ``buf``'s element ``e`` into it at each row block (``top``) where ``mask`` holds."""
+        kind, dt = buf.compute.kind, buf.compute.acc_dtype
+        self.pre.append(f"{acc} = tl.full({shape}, {neutral(kind, dt)}, {TL_DTYPE[dt]})")
+        v = self._reduce_value(buf, e, self.top)
+        self.top.lines.append(f"{acc} = tl.where({mask}, {combine(kind, acc, v)}, {acc})")
+        if kind == "prod":
+            self.helpers.add("_kiln_prod")
+
     def _colparts(self, colparts):
         """Folded column partials: each program accumulates its chunk's rows column by column in an
         [XBLOCK, RBLOCK] tile (one step per block of rows), then reduces the tile's rows and stores
@@ -408,13 +413,7 @@ class TritonKernel:
         for buf, e in colparts:
             kind, dt = buf.compute.kind, buf.compute.acc_dtype
             acc = f"_col{len(self.pre)}"
-            self.pre.append(f"{acc} = tl.full([XBLOCK, RBLOCK], {neutral(kind, dt)}, {TL_DTYPE[dt]})")
-            v = self._reduce_value(buf, e, self.top)
-            comb = {"sum": f"{acc} + {v}", "prod": f"{acc} * {v}",
-                    "max": f"tl.maximum({acc}, {v})", "min": f"tl.minimum({acc}, {v})"}[kind]
-            self.top.lines.append(f"{acc} = tl.where(xmask & rmask, {comb}, {acc})")
-            if kind == "prod":
-                self.helpers.add("_kiln_prod")
+            self._accumulate(buf, e, acc, "[XBLOCK, RBLOCK]", "xmask & rmask")
             var = self.tmp("red")
             self.post.lines.append(f"{var} = {reduce_code(kind, acc, self.interpret, axis=0)}")
             if buf in self.g.stored:
@@ -554,9 +553,7 @@ class TritonKernel:
                     accs.append((buf, acc))
                     accs.append((partner[buf.name], ("online", acc, acc_sum, buf.name, dt)))
                     continue
-                comb = {"sum": f"{acc} + {v}", "prod": f"{acc} * {v}",
-                        "max": f"tl.maximum({acc}, {v})", "min": f"tl.minimum({acc}, {v})"}[kind]
-                loop.lines.append(f"{acc} = tl.where({m}, {comb}, {acc})")
+                loop.lines.append(f"{acc} = tl.where({m}, {combine(kind, acc, v)}, {acc})")
                 accs.append((buf, acc))
             for buf, v in xr_stores.get(s, []):
                 self._store(buf, v, loop)

@@ -154,6 +154,12 @@ def _kiln_randn(seed, offset):
 HELPER_DEPS = {"_kiln_rand": ["_kiln_philox", "_kiln_uniform"], "_kiln_randn": ["_kiln_philox", "_kiln_uniform"]}
 
 
+def combine(kind: str, acc: str, v: str) -> str:
+    """Triton source folding value ``v`` into accumulator ``acc`` for reduction ``kind``."""
+    return {"sum": f"{acc} + {v}", "prod": f"{acc} * {v}",
+            "max": f"tl.maximum({acc}, {v})", "min": f"tl.minimum({acc}, {v})"}[kind]
+
+
 def reduce_code(kind: str, x: str, interpret: bool, axis: int = 1) -> str:
     """Triton source reducing 2-D ``x`` over ``axis`` (keeping it), for sum/max/min/prod."""
     keep = "[:, None]" if axis == 1 else "[None, :]"

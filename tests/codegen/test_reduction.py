@@ -148,9 +148,12 @@ def test_row_loops_set_l2_eviction_policies(monkeypatch):
 @pytest.fixture
 def small_folds(monkeypatch):
     """Fold column reductions of small test tensors: 8 programs of at least 4 rows."""
+    import kiln.codegen.fold as fold
     import kiln.codegen.lower_reduce as lr
-    for name, v in (("SPLIT_MIN_R", 32), ("SPLIT_MIN_NUMEL", 256), ("FOLD_PROGRAMS", 8), ("FOLD_MIN_CHUNK", 4)):
+    for name, v in (("SPLIT_MIN_R", 32), ("SPLIT_MIN_NUMEL", 256)):
         monkeypatch.setattr(lr, name, v)
+    monkeypatch.setattr(fold, "FOLD_PROGRAMS", 8)
+    monkeypatch.setattr(fold, "FOLD_MIN_CHUNK", 4)
     return monkeypatch
 
 
@@ -168,8 +171,8 @@ def test_folded_column_reduction(small_folds, fn, shape, tol):
     """A column reduction of short rows runs as one program per chunk of rows (each row read once,
     along its columns), its final pass over the chunks chained: one kernel, right on new values too
     (the chained final's counter is reset). Kept folded with no row kernel to join (``UNFOLD``)."""
-    import kiln.codegen.schedule as sch
-    small_folds.setattr(sch, "UNFOLD", False)
+    import kiln.codegen.fold as fold
+    small_folds.setattr(fold, "UNFOLD", False)
     x = torch.randn(shape)
     gm = check(fn, x, n_kernels=1, atol=tol, rtol=tol)
     assert _folded(gm)
@@ -195,30 +198,30 @@ def test_pointwise_producer_joins_the_folded_bias_gradient(small_folds):
     """GELU backward and its bias gradient: the pointwise gradient and the column sum of it in one
     kernel over (rows, columns) when kept folded; by default (no row reduction shares its reads) the
     classic split: column tiles, no program per chunk of rows. Right either way."""
-    import kiln.codegen.schedule as sch
+    import kiln.codegen.fold as fold
     fn = grads(lambda x, b: F.gelu(x + b, approximate="tanh"), 2)
     x, b, g = torch.randn(64, 40), torch.randn(40), torch.randn(64, 40)
     gm = check(fn, x, b, g, atol=1e-4, rtol=1e-4)
     assert not _folded(gm)
     check(lambda x: x.sum(0), torch.randn(40, 48), atol=1e-4, rtol=1e-4)
     assert not _folded(check(lambda x: (x.amax(0), x.sum(0)), torch.randn(64, 48), atol=1e-4, rtol=1e-4))
-    small_folds.setattr(sch, "UNFOLD", False)
+    small_folds.setattr(fold, "UNFOLD", False)
     gm = check(fn, x, b, g, atol=1e-4, rtol=1e-4)
     assert _folded(gm) and len(kernels(gm)) == 1
 
 
 def test_folded_partials_with_an_unchained_final(small_folds):
     import kiln.codegen.chain as chain
-    import kiln.codegen.schedule as sch
-    small_folds.setattr(sch, "UNFOLD", False)
+    import kiln.codegen.fold as fold
+    small_folds.setattr(fold, "UNFOLD", False)
     small_folds.setattr(chain, "TAIL_MAX", 16)   # 8 programs x 48 columns: the final is a kernel of its own
     gm = check(lambda x: x.sum(0), torch.randn(40, 48), n_kernels=2, atol=1e-4, rtol=1e-4)
     assert _folded(gm)
 
 
 def test_fold_switch(small_folds):
-    import kiln.codegen.lower_reduce as lr
-    small_folds.setattr(lr, "FOLD", False)
+    import kiln.codegen.fold as fold
+    small_folds.setattr(fold, "FOLD", False)
     gm = check(lambda x: x.sum(0), torch.randn(40, 48), atol=1e-4, rtol=1e-4)
     assert not _folded(gm)
 
