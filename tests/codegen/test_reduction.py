@@ -109,7 +109,7 @@ def test_online_softmax_rows_with_infinities(fn):
 
 
 def test_online_softmax_switch_gives_the_same_values(monkeypatch):
-    import kiln.codegen.triton as tr
+    import kiln.codegen.triton_rows as tr
     x = torch.randn(5, LOOPED)
     on = check(lambda x: torch.softmax(x, -1), x, atol=1e-5, rtol=1e-4)
     assert _one_loop_pair(on)
@@ -132,7 +132,7 @@ def test_row_loops_set_l2_eviction_policies(monkeypatch):
     """A buffer that a later row loop reads again is loaded evict_last (it stays in L2 for the next
     pass), its last read evict_first; a one-loop kernel keeps the default policy (the next kernel may
     read its input from L2); the switch removes them."""
-    import kiln.codegen.triton as tr
+    import kiln.codegen.triton_rows as tr
     x = torch.randn(3, LOOPED)
     src = kernels(check(lambda x: torch.softmax(x, -1), x, atol=1e-5, rtol=1e-4))[0].source
     first, second = src.split("for roffset")[1:3]
