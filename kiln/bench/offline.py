@@ -89,6 +89,8 @@ def main(argv=None):
     p.add_argument("--debug", type=int, default=0, help="kiln debug level (1 prints stage times)")
     p.add_argument("--profile", default=None, help="write a cProfile of the compile (not the capture) here")
     p.add_argument("--budget", type=float, default=None)
+    p.add_argument("--set", action="append", default=[], metavar="OPTION=VALUE",
+                   help="a kiln option for this compile, e.g. pad_matmuls=always (pad_mm acts on CUDA only)")
     a = p.parse_args(argv)
     case = _case(a.case)
     torch.manual_seed(0)
@@ -107,6 +109,9 @@ def main(argv=None):
         opts["dump_dir"] = a.dump
     if a.budget is not None:
         opts["activation_memory_budget"] = a.budget
+    for item in a.set:
+        key, _, value = item.partition("=")
+        opts[key] = _value(value)
     from kiln.runtime.load import collect_sources
     prof = None
     if a.profile:
@@ -130,6 +135,18 @@ def main(argv=None):
           + (f"; wrappers and kernels under {a.dump}" if a.dump else ""))
     if a.sources:
         write_sources(a.sources, sources)
+
+
+def _value(text: str):
+    """An option value from the command line: a bool, int or float where it reads as one."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def write_sources(directory: str, sources: list) -> None:
