@@ -166,6 +166,20 @@ def parse_bytes(value) -> int:
                       f"like '4GiB' or '512MB' (units: {sorted(k for k in _UNITS if k)})")
 
 
+def parse_value(name: str, raw: str):
+    """Option ``name``'s value from text (an environment variable, a command line): read as the type
+    of its default (bools accept 1/true/yes/on)."""
+    _check_names([name])
+    default = {f.name: f.default for f in dataclasses.fields(Options)}[name]
+    if isinstance(default, bool):
+        return raw.lower() in ("1", "true", "yes", "on")
+    if isinstance(default, int):
+        return int(raw)
+    if isinstance(default, float):
+        return float(raw)
+    return raw
+
+
 def _from_env() -> dict:
     out = {}
     for f in dataclasses.fields(Options):
@@ -174,15 +188,7 @@ def _from_env() -> dict:
         raw = os.environ.get(ENV_NAMES[f.name])
         if raw is None or raw == "":
             continue
-        default = f.default
-        if isinstance(default, bool):
-            out[f.name] = raw.lower() in ("1", "true", "yes", "on")
-        elif isinstance(default, int):
-            out[f.name] = int(raw)
-        elif isinstance(default, float):
-            out[f.name] = float(raw)
-        else:
-            out[f.name] = raw
+        out[f.name] = parse_value(f.name, raw)
     return out
 
 

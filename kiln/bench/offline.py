@@ -109,9 +109,10 @@ def main(argv=None):
         opts["dump_dir"] = a.dump
     if a.budget is not None:
         opts["activation_memory_budget"] = a.budget
+    from kiln.options import parse_value
     for item in a.set:
         key, _, value = item.partition("=")
-        opts[key] = _value(value)
+        opts[key] = parse_value(key, value)
     from kiln.runtime.load import collect_sources
     prof = None
     if a.profile:
@@ -135,18 +136,6 @@ def main(argv=None):
           + (f"; wrappers and kernels under {a.dump}" if a.dump else ""))
     if a.sources:
         write_sources(a.sources, sources)
-
-
-def _value(text: str):
-    """An option value from the command line: a bool, int or float where it reads as one."""
-    if text.lower() in ("true", "false"):
-        return text.lower() == "true"
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
 
 
 def write_sources(directory: str, sources: list) -> None:

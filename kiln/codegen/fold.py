@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sympy
 
-from kiln.codegen.indexing import RINDEX, XINDEX, ZERO, FloorDiv, ModIdx, prod, size_expr, unflatten
+from kiln.codegen.indexing import RINDEX, XINDEX, ZERO, FloorDiv, ModIdx, prod, same_sizes, size_expr, unflatten
 from kiln.codegen.loops import Buffer, Pointwise, Reduction, contiguous_strides, new_name
 
 FOLD = True             # column reductions of rows that fit a persistent row kernel fold into one
@@ -54,10 +54,6 @@ def fold_split(shape, dims) -> int:
     return s
 
 
-def equal_size(a, b) -> bool:
-    return a == b or sympy.expand(a - b) == 0
-
-
 def colpart_shape(buf):
     """(programs, rows per program) of a folded column partial, else None."""
     c = buf.compute
@@ -72,10 +68,9 @@ def colpart_dims(c: Reduction) -> tuple:
 def colpart_body(c: Reduction, dims):
     """The element a folded partial reduces at row ``xindex`` (chunk ``xindex // chunk``), column
     ``rindex`` of a kernel over ``dims``; None when the kernel's rows or columns are not its own."""
-    rows, cols = prod(list(c.fold)), [s for s, r in dims if r]
-    if not (equal_size(prod([s for s, r in dims if not r]), rows) and
-            len(cols) == len([s for s in c.ranges[2:] if s != 1]) and
-            all(equal_size(a, b) for a, b in zip(cols, [s for s in c.ranges[2:] if s != 1]))):
+    cols = [s for s, r in dims if r]
+    if not (same_sizes([prod([s for s, r in dims if not r])], [prod(list(c.fold))]) and
+            same_sizes(cols, [s for s in c.ranges[2:] if s != 1])):
         return None
     chunk = c.ranges[1]
     rs = iter(unflatten(RINDEX, cols))

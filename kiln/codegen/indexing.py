@@ -85,6 +85,11 @@ def size_expr(s) -> sympy.Expr:
     return sympy.Integer(int(s))
 
 
+def same_sizes(a, b) -> bool:
+    """Two lists of sizes are equal element by element (symbolic sizes compared after expansion)."""
+    return len(a) == len(b) and all(x == y or sympy.expand(x - y) == 0 for x, y in zip(a, b))
+
+
 def prod(xs):
     out = ONE
     for x in xs:

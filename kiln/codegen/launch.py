@@ -81,14 +81,20 @@ def run(kernel, args, xnumel, rnumel, cfg, meta):
         cfg = config(kind, xnumel, rnumel, meta["persistent"], meta["inner"], meta.get("interpret"),
                      meta.get("narrow", False))
     xb, rb, warps = cfg
-    grid = (1,) if meta.get("outer") else ((xnumel + xb - 1) // xb,)
-    if meta.get("programs"):   # folded column partials: one program per chunk of rows
-        grid = (meta["programs"],)
+    grid = grid_of(xnumel, xb, meta)
     consts = (xb,) if kind == "pointwise" else (xb, rb)
     if meta.get("interpret"):
         _jit_launch(kernel, grid, args, consts, warps)
     else:
         _launch(kernel, grid, args, consts, warps)
+
+
+def grid_of(xnumel: int, xblock: int, meta) -> tuple:
+    """The launch grid: one program for a kernel that walks all rows itself (``outer``), one per chunk
+    of rows for folded column partials (``programs``), else one per block of XBLOCK rows."""
+    if meta.get("programs"):
+        return (meta["programs"],)
+    return (1,) if meta.get("outer") else ((xnumel + xblock - 1) // xblock,)
 
 
 def _jit_launch(kernel, grid, args, consts, warps):

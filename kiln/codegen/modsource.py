@@ -130,34 +130,31 @@ def kernel_def(k, name):
         body.append(f"rbase = tl.arange(0, RBLOCK)[None, :]{cast}")
         if k.persistent:
             body += ["rindex = rbase"] + mask_lines("rmask", "rindex", "rnumel", "[1, RBLOCK]", known_r)
+    pid = "tl.program_id(0).to(tl.int64)" if k.i64 else "tl.program_id(0)"
+    xshape = "[XBLOCK, 1]" if k.red else "[XBLOCK]"
+    xrange = "tl.arange(0, XBLOCK)[:, None]" if k.red else "tl.arange(0, XBLOCK)"
+    xmask = mask_lines("xmask", "xindex", "xnumel", xshape, known_x)
     if k.programs:   # folded column partials: each program walks its chunk of rows
-        pid = "tl.program_id(0).to(tl.int64)" if k.i64 else "tl.program_id(0)"
         body += [f"xpid = {pid}"] + k.pre + [f"for xoffset in range(0, {k.chunk}, XBLOCK):"]
-        body.append(f"    xindex = xpid * {k.chunk} + xoffset + tl.arange(0, XBLOCK)[:, None]")
+        body.append(f"    xindex = xpid * {k.chunk} + xoffset + {xrange}")
         # rows past the chunk's end belong to the next program (chunks divide the rows exactly)
-        body += ["    " + ln for ln in mask_lines("xmask", "(xoffset + tl.arange(0, XBLOCK)[:, None])",
-                                                  str(k.chunk), "[XBLOCK, 1]", True)]
-        _render(k.top.lines, "    ", body, known_r)
-        _render(k.post.lines, "", body)
-        body += k.tail_lines
-        return "\n".join(["@triton.jit", f"def {name}({', '.join(params)}):"] + ["    " + b for b in body])
-    if k.outer and not k.last_program or k.single_program:   # one program walks all rows
+        xmask = mask_lines("xmask", f"(xoffset + {xrange})", str(k.chunk), xshape, True)
+        ind = "    "
+    elif k.outer and not k.last_program or k.single_program:   # one program walks all rows
         body += k.pre if k.outer else []   # ... accumulating the outer reductions
         body.append("for xoffset in range(0, xnumel, XBLOCK):")
         ind = "    "
+        body.append(ind + f"xindex = xoffset + {xrange}")
     else:
-        pid = "tl.program_id(0).to(tl.int64)" if k.i64 else "tl.program_id(0)"
         body.append(f"xoffset = {pid} * XBLOCK")
-    body.append(ind + ("xindex = xoffset + tl.arange(0, XBLOCK)[:, None]" if k.red else
-                       "xindex = xoffset + tl.arange(0, XBLOCK)"))
-    xshape = "[XBLOCK, 1]" if k.red else "[XBLOCK]"
-    body += [ind + ln for ln in mask_lines("xmask", "xindex", "xnumel", xshape, known_x)]
+        body.append(f"xindex = xoffset + {xrange}")
+    body += [ind + ln for ln in xmask]
     if k.last_program:
         body += k.pre
     _render(k.top.lines, ind, body, known_r)
     if k.last_program:
         body += _last_program(k)
-    elif k.outer:
+    elif k.outer or k.programs:
         _render(k.post.lines, "", body)
     body += k.tail_lines
     return "\n".join(["@triton.jit", f"def {name}({', '.join(params)}):"] + ["    " + b for b in body])
@@ -182,7 +179,7 @@ def _last_program(k):
     cg = past_l1(k.interpret)
     # Triton's interpreter loops only to constants: there, step over xnumel (>= n_programs, masked)
     bound = "xnumel" if k.interpret else "n_programs"
-    out += LAST_PROGRAM_IF
+    out += last_program_if(k)
     for var, kind, dt, acc, part in k.partials:
         n = neutral(kind, dt)
         out += [f"    {acc}_all = tl.full([{PARTS_BLOCK}, 1], {n}, {TL_DTYPE[dt]})",
@@ -201,6 +198,7 @@ def _last_program(k):
 LAST_PROGRAM_IF = ["tl.debug_barrier()",
                    "n_programs = (xnumel + XBLOCK - 1) // XBLOCK",
                    "if tl.atomic_add(sem_ptr, 1) == n_programs - 1:"]
+LAST_PROGRAM_RESET = "    tl.atomic_xchg(sem_ptr, 0)"
 
 
 def last_program_if(k) -> list:
@@ -209,7 +207,6 @@ def last_program_if(k) -> list:
     if k.programs:
         return [LAST_PROGRAM_IF[0], f"n_programs = {k.programs}", LAST_PROGRAM_IF[2]]
     return LAST_PROGRAM_IF
-LAST_PROGRAM_RESET = "    tl.atomic_xchg(sem_ptr, 0)"
 
 
 def past_l1(interpret: bool) -> str:
@@ -255,9 +252,7 @@ def launch_line(k, name, args, names):
         xb, rb, warps = cfg   # all static: grid and block sizes are constants of the module
         if int(k.xnumel) <= 0:
             return []
-        grid = (1,) if k.outer and not k.last_program else ((int(k.xnumel) + xb - 1) // xb,)
-        if k.programs:
-            grid = (k.programs,)
+        grid = launch.grid_of(int(k.xnumel), xb, meta)
         consts = (xb,) if kind == "pointwise" else (xb, rb)
         return [f"launch.launch({name}, ({', '.join(args)},), {grid}, {consts}, {warps})"]
     return [f"xnumel, rnumel = {pyexpr(k.xnumel, names)}, {pyexpr(k.rnumel, names)}",

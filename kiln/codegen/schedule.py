@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 
 import sympy
 
-from kiln.codegen.fold import colpart_body, colpart_dims, colpart_index, colpart_shape, equal_size, unfold
+from kiln.codegen.fold import colpart_body, colpart_dims, colpart_index, colpart_shape, unfold
 from kiln.codegen.indexing import (RINDEX, XINDEX, ZERO, Ranges, contiguous_strides, equal, memo_get, memo_put, prod,
-                                   unflatten)
+                                   same_sizes, unflatten)
 from kiln.codegen.loops import Pointwise, Reduction, Scatter
 
 MAX_GROUP = 64          # buffers per kernel
@@ -118,14 +118,14 @@ def _place(shape, dims, stride=None):
     sq = squeeze(shape)
     full = [s for s, _ in dims]
     xs = [s for s, r in dims if not r]
-    if _same(sq, full):
+    if same_sizes(sq, full):
         vs = iter(domain_vars(dims))
-    elif len(xs) < len(full) and _same(sq, xs):
+    elif len(xs) < len(full) and same_sizes(sq, xs):
         vs = iter(unflatten(XINDEX, xs))
-    elif _same([prod(sq)], [prod(full)]):   # same elements, another shape: walk both in memory order
+    elif same_sizes([prod(sq)], [prod(full)]):   # same elements, another shape: walk both in memory order
         flat = sum((v * st for v, st in zip(domain_vars(dims), contiguous_strides(full))), ZERO)
         return memory_unflatten(flat, list(shape), stride)
-    elif len(xs) < len(full) and _same([prod(sq)], [prod(xs)]):
+    elif len(xs) < len(full) and same_sizes([prod(sq)], [prod(xs)]):
         return memory_unflatten(XINDEX, list(shape), stride)
     else:
         return None
@@ -157,10 +157,6 @@ def _dense_order(shape, stride):
             return None
         expect *= int(shape[d])
     return order
-
-
-def _same(a, b):
-    return len(a) == len(b) and all(x == y or sympy.expand(x - y) == 0 for x, y in zip(a, b))
 
 
 def body(buf, dims, role="row"):
@@ -356,7 +352,7 @@ class Scheduler:
             return "row"
         xs = g.xs
         if isinstance(c, Reduction) and not c.split and len(c.reduced) == len(c.ranges) and len(c.ranges) > 0 \
-                and c.kind in ("sum", "max", "min", "prod") and _same(squeeze(c.ranges), xs):
+                and c.kind in ("sum", "max", "min", "prod") and same_sizes(squeeze(c.ranges), xs):
             if not prod(xs).is_Integer or int(prod(xs)) > 1:
                 return "outer"
         if isinstance(c, Pointwise) and not squeeze(buf.shape) and "outer" in g.roles.values():
@@ -400,8 +396,7 @@ class Scheduler:
         if role == "colpart":
             mine = colpart_shape(buf)
             others = [colpart_shape(b) for b in g.nodes if g.role(b) == "colpart"]
-            return not roles & {"outer", "scalar"} and all(
-                equal_size(o[0], mine[0]) and equal_size(o[1], mine[1]) for o in others)
+            return not roles & {"outer", "scalar"} and all(same_sizes(o, mine) for o in others)
         return not (role in ("outer", "scalar") and "colpart" in roles)
 
     def _far(self, g, buf) -> bool:

@@ -117,13 +117,14 @@ class TritonKernel(RowPlan):
             # indices are simplified over this kernel's ranges here, not only when printed: an index
             # that folds to one without rindex is then a per-row value (hoisted out of the row loops,
             # see ``level``), and two spellings of one address become one Expr (one load)
-            idx = e.args[1] if e.op == "load" else e.args[0]
+            given = e.args[1] if e.op == "load" else e.args[0]
             binds = [(s, self.resolve(v)) for s, v in e.args[2]]
+            idx = given
             if not all(v is old for (_, v), (_, old) in zip(binds, e.args[2])):
                 from kiln.codegen.loops import indirect_symbol
                 idx = idx.xreplace({s: indirect_symbol(v) for s, v in binds})
             idx = simplify(idx, self.ranges)
-            if idx == (e.args[1] if e.op == "load" else e.args[0]):
+            if idx == given:
                 r = e
             else:
                 r = ops.load(self.buffers[e.args[0]], idx) if e.op == "load" else ops.index(idx, e.dtype)

@@ -19,6 +19,12 @@ def test_offline_softmax_emits_the_gpu_kernels(tmp_path):
 
 
 def test_option_values_from_the_command_line():
-    assert offline._value("always") == "always"
-    assert offline._value("True") is True and offline._value("false") is False
-    assert offline._value("3") == 3 and offline._value("0.5") == 0.5
+    """``--set`` reads a value as the type of the option's default, as the environment does."""
+    import pytest
+
+    from kiln.options import OptionError, parse_value
+    assert parse_value("pad_matmuls", "always") == "always"
+    assert parse_value("freezing", "True") is True and parse_value("freezing", "false") is False
+    assert parse_value("compile_workers", "3") == 3 and parse_value("activation_memory_budget", "0.5") == 0.5
+    with pytest.raises(OptionError, match="unknown kiln option"):
+        parse_value("no_such_option", "1")
