@@ -1,9 +1,10 @@
-"""GPU kernel time of micro cases under several settings of kiln's code-generation constants (GPU).
+"""GPU kernel time of micro cases under several settings of kiln's options (GPU).
 
     PYTHONPATH=. python benchmarks/kernel_probe.py --cases layer_norm,colsum768 \\
-        --variant base: --variant p4096:kiln.codegen.triton.PERSISTENT_MAX=4096 [--inductor]
+        --variant base: --variant p2048:tuning.persistent_max=2048 [--inductor]
 
-A variant is ``name:module.CONST=value,module.CONST=value`` (empty after the colon: the defaults).
+A variant is ``name:option=value,option=value`` (empty after the colon: the defaults); the options are
+those ``kiln options`` lists, code-generation constants being ``tuning.<name>``.
 Each case is compiled afresh under each variant in this one process and its forward+backward is
 profiled: the figure is the sum of the GPU kernels' times per step (``torch.profiler``), which does
 not depend on the host's speed the way step times do, so variants compare within one call.
@@ -13,7 +14,6 @@ Besides the micro suite, GPT-2-shaped cases: ``colsum768`` (a bias gradient's co
 from __future__ import annotations
 
 import argparse
-import importlib
 
 import torch
 import torch.nn.functional as F
@@ -41,21 +41,14 @@ def _extra(name):
     raise SystemExit(f"unknown case {name!r}")
 
 
-def _set(spec):
-    """Apply ``module.CONST=value,...``; returns the old values to restore."""
-    old = []
+def _options(spec) -> dict:
+    """``option=value,...`` as option overrides (values read as the option's type)."""
+    from kiln.options import parse_value
+    out = {}
     for item in filter(None, spec.split(",")):
-        path, value = item.split("=")
-        mod_name, const = path.rsplit(".", 1)
-        mod = importlib.import_module(mod_name)
-        cur = getattr(mod, const)
-        old.append((mod, const, cur))
-        if isinstance(cur, bool):
-            new = value.lower() in ("1", "true")
-        else:
-            new = type(cur)(value)
-        setattr(mod, const, new)
-    return old
+        name, value = item.split("=")
+        out[name] = parse_value(name, value)
+    return out
 
 
 def gpu_ms(wl, backend, steps=5):
@@ -89,7 +82,7 @@ def main(argv=None):
     p.add_argument("--inductor", action="store_true", help="also time inductor once per case")
     p.add_argument("--verbose", action="store_true", help="print each row's top kernels")
     a = p.parse_args(argv)
-    import kiln  # noqa: F401  (registers the backend)
+    import kiln   # registers the backend; kiln.config.patch scopes each variant
     variants = a.variant or ["base:"]
     cases = a.cases.split(",")
     table = {}
@@ -99,14 +92,11 @@ def main(argv=None):
             table[(case, "inductor")] = gpu_ms(wl, "inductor")
         for v in variants:
             name, spec = v.split(":", 1)
-            old = _set(spec)
             try:
-                table[(case, name)] = gpu_ms(wl, "kiln")
+                with kiln.config.patch(**_options(spec)):
+                    table[(case, name)] = gpu_ms(wl, "kiln")
             except Exception as e:   # a variant that breaks compilation is a result too
                 table[(case, name)] = (float("nan"), [(0.0, f"{type(e).__name__}: {e}"[:80])])
-            finally:
-                for mod, const, cur in old:
-                    setattr(mod, const, cur)
             print(f"{case:14} {name:12} {table[(case, name)][0]:.4f} ms", flush=True)
         del wl
         torch.cuda.empty_cache()

@@ -6,7 +6,6 @@ import functools
 import torch
 
 from kiln import config  # noqa: F401  (kiln.config.patch)
-from kiln import compile as _pipeline  # noqa: F401  the module; the function below takes its name
 from kiln.debug import counters  # noqa: F401
 from kiln.options import OptionError, Options  # noqa: F401
 
@@ -61,7 +60,7 @@ def __getattr__(name):
     lazy = {
         "fx_graph_cse": ("kiln.passes.cse", "fx_graph_cse"),
         "pattern_matcher": ("kiln.pattern_matcher", None),
-        "lowerings": ("kiln.lowerings", None),
+        "lowerings": ("kiln.passes.match.fx_lowerings", None),
         "passes": ("kiln.passes", None),
         "memory_efficient_fusion": ("kiln.mef", "memory_efficient_fusion"),
         "explain_memory": ("kiln.partition", "explain_memory"),

@@ -6,15 +6,20 @@ Levels: 1 stage names and times, 2 the graph after each stage, 3 remat decisions
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import sys
+import time
+
+import torch.fx as fx
+
+from kiln import options
 
 counters: "collections.defaultdict[str, collections.Counter]" = collections.defaultdict(collections.Counter)
 
 
 def level() -> int:
     """The debug level in force (options scope first, then KILN_DEBUG)."""
-    from kiln import options
     try:
         return options.active().debug
     except Exception:  # bad env must not break logging
@@ -29,6 +34,26 @@ def log(lvl: int, msg: str) -> None:
 
 # -- stages ------------------------------------------------------------------------------------
 _EXPLAIN_SINKS: list = []  # lists of (stage, graph text) while kiln.explain runs
+_OBSERVERS: list = []      # callables (event, data) while ``observe`` scopes run
+
+
+@contextlib.contextmanager
+def observe(fn):
+    """Call ``fn(event, data)`` with what the pipeline does in this scope: ``"graph"`` with
+    ``{trace, stage, gm}`` for every graph a stage produces, ``"partition"`` with ``{joint, saved,
+    num_fwd_outputs}`` for every cut of a joint graph. Tools (``kiln.bench.graph_peak``,
+    ``peak_sweep``) read the pipeline this way instead of patching it."""
+    _OBSERVERS.append(fn)
+    try:
+        yield fn
+    finally:
+        _OBSERVERS.remove(fn)
+
+
+def notify(event: str, **data) -> None:
+    """Hand ``event`` to the observers in scope (``observe``)."""
+    for fn in list(_OBSERVERS):
+        fn(event, data)
 
 
 class Trace:
@@ -48,7 +73,6 @@ class Trace:
 
     def stage(self, name: str, fn, *args, **kwargs):
         """Run one pipeline stage, time it, and show / verify / dump its result."""
-        import time
         t0, c0 = time.perf_counter(), time.process_time()
         result = fn(*args, **kwargs)
         ms, cpu = (time.perf_counter() - t0) * 1e3, (time.process_time() - c0) * 1e3
@@ -61,11 +85,12 @@ class Trace:
         return result
 
     def show(self, name: str, result, note: str = "") -> None:
-        import torch.fx as fx
         gms = [r for r in (result if isinstance(result, (tuple, list)) else (result,))
                if isinstance(r, fx.GraphModule)]
         for i, gm in enumerate(gms):
             label = name if len(gms) == 1 else f"{name}_{'fw' if i == 0 else 'bw'}"
+            if _OBSERVERS:
+                notify("graph", trace=self, stage=label, gm=gm)
             lvl = level()
             if self.opts.verify or lvl >= 1:
                 verify(gm, label)

@@ -13,7 +13,8 @@ import torch
 import torch.utils._pytree
 
 from kiln.debug import Trace
-from kiln.options import current, using
+from kiln.options import current
+from kiln.pipeline import aot_compilers, resolve_target
 
 
 def _signature(args, kwargs=None) -> tuple:
@@ -28,38 +29,6 @@ def _signature(args, kwargs=None) -> tuple:
     return tuple(sig)
 
 
-def _devices_target(opts, args) -> str:
-    from kiln.compile import resolve_target
-    return resolve_target(opts, [a for a in args if isinstance(a, torch.Tensor)])
-
-
-def _aot_kwargs(opts, target, trace):
-    from kiln import partition, passes
-    from kiln.capture.decomp import decomposition_table
-    from kiln.compile import lower
-
-    def partition_fn(joint, joint_inputs, *, num_fwd_outputs, **kw):
-        with using(opts):
-            return _partition(joint, joint_inputs, num_fwd_outputs, **kw)
-
-    def _partition(joint, joint_inputs, num_fwd_outputs, **kw):
-        trace.stage("joint", passes.joint, joint, opts)
-        return trace.stage("partition", partition.partition_joint, joint, joint_inputs,
-                           num_fwd_outputs=num_fwd_outputs, opts=opts, **kw)
-
-    def inference_compiler(g, inputs):
-        trace.stage("joint", passes.joint, g, opts)
-        return lower(g, inputs, opts, trace, "inference", target)
-
-    return dict(
-        fw_compiler=lambda g, inputs: lower(g, inputs, opts, trace, "forward", target),
-        bw_compiler=lambda g, inputs: lower(g, inputs, opts, trace, "backward", target),
-        inference_compiler=inference_compiler,
-        partition_fn=partition_fn,
-        decompositions=decomposition_table(target),
-    )
-
-
 def memory_efficient_fusion(fn, **options):
     """Return a compiled version of ``fn`` (a function or nn.Module) that trains with less memory."""
     from torch._functorch.aot_autograd import aot_function
@@ -70,9 +39,9 @@ def memory_efficient_fusion(fn, **options):
     def get(args, kwargs):
         key = _signature(args, kwargs)
         if key not in compiled:
-            target = _devices_target(opts, torch.utils._pytree.tree_leaves((args, kwargs)))
-            trace = Trace(opts, "mef")
-            kw = _aot_kwargs(opts, target, trace)
+            leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+            target = resolve_target(opts, [a for a in leaves if isinstance(a, torch.Tensor)])
+            kw = aot_compilers(opts, target, Trace(opts, "mef"))
             compiled[key] = aot_function(_functional(fn) if isinstance(fn, torch.nn.Module) else fn, **kw)
         return compiled[key]
 

@@ -3,12 +3,19 @@
 Every field has a default, one line of help and an environment variable (``KILN_<NAME>``).
 ``kiln.config.patch(**overrides)`` is a context manager and a decorator; it never mutates a
 module global, so overrides end with their scope and do not leak between threads or compiles.
+
+The tuning constants of code generation and of a few passes form a nested frozen group,
+``Options.tuning`` (a ``Tuning``). Its fields are named ``tuning.<name>`` everywhere: as keys of
+``kiln.config.patch(**{"tuning.persistent_max": 1024})`` or ``patch(tuning={"persistent_max": 1024})``
+(both merge into the tuning in force), as ``KILN_TUNING_<NAME>`` in the environment, as
+``--set tuning.<name>=VALUE`` on the command lines, and in ``kiln options``.
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
 import dataclasses
+import difflib
 import hashlib
 import inspect
 import os
@@ -20,109 +27,34 @@ class OptionError(ValueError):
     """An option name or value is not valid; the message lists what is."""
 
 
-def _opt(default, help, choices=None, env=True, cache=True):
-    return field(default=default, metadata={"help": help, "choices": choices, "env": env, "cache": cache})
+def _opt(default, help, choices=None, env=True, cache=True, check=None):
+    """A field: ``choices`` lists the valid values; ``check`` is 'pos' (>= 1), 'nonneg' (>= 0),
+    'pow2' (a power of two) or 'warps' (a power of two up to 32) for numbers; ``cache``: whether
+    the value changes what a compile produces (part of ``cache_key``)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "env": env, "cache": cache,
+                                            "check": check})
 
 
 HOOK = (type(None), "callable")
+TUNING = "tuning"
 
 
-@dataclass(frozen=True)
-class Options:
-    # graph passes
-    pattern_matcher: bool = _opt(True, "run kiln's built-in pattern rewrites (user hooks always run)")
-    cse: bool = _opt(True, "common-subexpression elimination on the joint and inference graphs")
-    pad_matmuls: str = _opt("auto", "pad misaligned large matmuls to tensor-core alignment: 'auto' (CUDA only), "
-                            "'always' (any device), 'never'", ("auto", "always", "never"))
-    pre_grad_custom_pass: Any = _opt(None, "callable(graph) run on Dynamo's torch-level graph", HOOK, env=False)
-    joint_custom_pre_pass: Any = _opt(None, "callable(graph) run first on the joint graph", HOOK, env=False)
-    joint_custom_post_pass: Any = _opt(None, "callable(graph) run last on the joint graph", HOOK, env=False)
-    post_grad_custom_pre_pass: Any = _opt(None, "callable(graph) run first on forward/backward graphs", HOOK, env=False)
-    post_grad_custom_post_pass: Any = _opt(None, "callable(graph) run last on forward/backward graphs", HOOK, env=False)
-    # freezing and layout
-    freezing: bool = _opt(False, "inference: turn parameters into constants and fold them")
-    freezing_discard_parameters: bool = _opt(False, "with freezing: drop the eager module's parameters")
-    layout_optimization: bool = _opt(True, "pick channels-last for convolution nets")
-    keep_output_stride: bool = _opt(True, "user-visible outputs keep eager strides")
-    cpp_wrapper: bool = _opt(False, "accepted for compatibility; kiln runs its Python wrapper")
-    # partitioner
-    activation_memory_budget: float = _opt(1.0, "fraction of the runtime-optimal saved bytes to keep, in [0, 1]")
-    activation_memory_budget_runtime_estimator: Any = _opt(
-        "flops", "how recompute cost is estimated: 'flops', 'profile' or callable(node)",
-        ("flops", "profile", "callable"))
-    activation_memory_limit: Any = _opt(None, "cap on modelled peak activation memory, bytes or '4GiB'")
-    partitioner: str = _opt("mincut", "'mincut' (remat) or 'default' (save what the backward needs)",
-                            ("mincut", "default"))
-    # code generation
-    codegen: str = _opt("auto", "kernel target: 'auto' (triton on cuda, aten on cpu), 'aten', 'triton'",
-                        ("auto", "aten", "triton"))
-    max_autotune: bool = _opt(False, "benchmark launch configurations for generated kernels")
-    compile_workers: int = _opt(-1, "processes compiling Triton kernels before their first launch: "
-                                    "-1 auto (CUDA only), 0 off")
-    mode: Optional[str] = _opt(None, "torch.compile mode: None, 'default', 'reduce-overhead', 'max-autotune'",
-                               (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"))
-    # debugging
-    debug: int = _opt(0, "0..5: stage names, graphs, remat decisions, kernels, rules", cache=False)
-    dump_dir: Optional[str] = _opt(None, "write every stage's graph, kernels and a repro here", cache=False)
-    verify: bool = _opt(False, "run graph lint after every stage", cache=False)
-
-    def __post_init__(self):
-        for f in dataclasses.fields(self):
-            _check_value(f, getattr(self, f.name))
-
-    def replace(self, **overrides) -> "Options":
-        _check_names(overrides)
-        return dataclasses.replace(self, **overrides)
-
-    def cache_key(self) -> str:
-        """Hash of every field that changes the output (user passes by their uuid() or source)."""
-        h = hashlib.sha256()
-        for f in dataclasses.fields(self):
-            if f.metadata.get("cache"):
-                h.update(f"{f.name}={_stable_repr(getattr(self, f.name))};".encode())
-        from kiln.passes.registry import cache_key as registered_passes_key
-        h.update(registered_passes_key().encode())
-        return h.hexdigest()[:16]
-
-
-ENV_NAMES = {f.name: "KILN_" + f.name.upper() for f in dataclasses.fields(Options)}
-ENV_NAMES["debug"] = "KILN_DEBUG"
-ENV_NAMES["dump_dir"] = "KILN_DUMP"
-
-
-def _stable_repr(value) -> str:
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return repr(value)
-    if hasattr(value, "uuid"):
-        return f"uuid:{value.uuid()}"
-    if isinstance(value, (list, tuple)):
-        return "[" + ",".join(_stable_repr(v) for v in value) + "]"
-    try:
-        return "src:" + hashlib.sha256(inspect.getsource(value).encode()).hexdigest()[:16]
-    except (OSError, TypeError):
-        return f"id:{id(value)}"
-
-
-def _check_names(overrides):
-    valid = {f.name for f in dataclasses.fields(Options)}
-    for name in overrides:
-        if name not in valid:
-            near = [v for v in sorted(valid) if name.split("_")[0] in v]
-            raise OptionError(f"unknown kiln option {name!r}"
-                              + (f"; did you mean one of {near}?" if near else "")
-                              + f"; valid options: {sorted(valid)}")
-
-
-def _check_value(f, value):
+def _check_value(f, value, name):
     choices = f.metadata.get("choices")
-    name = f.name
     if name == "activation_memory_budget":
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise OptionError(f"activation_memory_budget={value!r} must be a number in [0, 1]")
+        if not 0.0 <= value <= 1.0:
             raise OptionError(f"activation_memory_budget={value!r} is outside the valid range [0, 1]")
         return
     if name == "activation_memory_limit":
         if value is not None:
             parse_bytes(value)
+        return
+    if name == TUNING:
+        if not isinstance(value, Tuning):
+            raise OptionError(f"tuning={value!r} must be a kiln.options.Tuning (or a dict of its fields in "
+                              f"Options.replace / config.patch)")
         return
     if choices is HOOK:
         if value is not None and not callable(value):
@@ -134,15 +66,31 @@ def _check_value(f, value):
             raise OptionError(f"{name}={value!r} is not valid; choose one of {list(choices)}")
         return
     default = f.default
-    if isinstance(default, bool) and not isinstance(value, bool):
-        raise OptionError(f"{name}={value!r} must be True or False")
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise OptionError(f"{name}={value!r} must be True or False")
+        return
     if name == "debug" and not (isinstance(value, int) and 0 <= value <= 5):
         raise OptionError(f"debug={value!r} must be an integer in 0..5")
-    if isinstance(default, int) and not isinstance(default, bool) and (isinstance(value, bool) or not isinstance(value, int)):
+    if isinstance(default, int) and (isinstance(value, bool) or not isinstance(value, int)):
         raise OptionError(f"{name}={value!r} must be an integer")
+    if isinstance(default, float) and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise OptionError(f"{name}={value!r} must be a number")
     if name == "compile_workers" and value < -1:
         raise OptionError(f"compile_workers={value!r}: use -1 (as many as suit the machine), 0 (off) or a "
                           f"number of processes")
+    _check_range(name, value, f.metadata.get("check"))
+
+
+def _check_range(name, value, check):
+    if check == "nonneg" and value < 0:
+        raise OptionError(f"{name}={value!r} must be at least 0")
+    if check == "pos" and value < 1:
+        raise OptionError(f"{name}={value!r} must be at least 1")
+    if check in ("pow2", "warps") and (value < 1 or value & (value - 1)):
+        raise OptionError(f"{name}={value!r} must be a power of two")
+    if check == "warps" and value > 32:
+        raise OptionError(f"{name}={value!r}: a kernel has at most 32 warps")
 
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -166,29 +114,255 @@ def parse_bytes(value) -> int:
                       f"like '4GiB' or '512MB' (units: {sorted(k for k in _UNITS if k)})")
 
 
+@dataclass(frozen=True)
+class Tuning:
+    """Tuning constants of code generation and passes (``Options.tuning``); each was measured where
+    its help says. Changing one changes the generated code, never its results."""
+    # kernel shapes (Triton)
+    persistent_max: int = _opt(4096, "static rows up to this many elements stay in registers (a persistent row "
+                                     "kernel); also the longest row a folded column reduction keeps", check="pos")
+    outer_persistent_max: int = _opt(64, "... for reductions over a non-innermost dim: columns up to this long",
+                                     check="pos")
+    outer_max: int = _opt(1 << 18, "a row kernel with a reduction over all its rows runs as one program up to "
+                                   "this many elements; above, the last program to finish combines the partials",
+                          check="pos")
+    parts_block: int = _opt(1024, "partial results the last program combines per step", check="pow2")
+    pw_xblock: int = _opt(1024, "elements of a pointwise kernel's tile", check="pow2")
+    pw_warps: int = _opt(8, "warps of a pointwise kernel (4-byte data)", check="warps")
+    pw_warps_narrow: int = _opt(4, "warps of a pointwise kernel reading or writing 2-byte data", check="warps")
+    outer_xblock: int = _opt(32, "columns of a column reduction's tile", check="pow2")
+    outer_rblock: int = _opt(64, "rows of a column reduction's tile", check="pow2")
+    outer_warps: int = _opt(16, "warps of a column reduction over 1024 rows or more", check="warps")
+    xblock_max: int = _opt(1 << 14, "rows of any kernel's tile, at most (small: rows spread over many programs)",
+                           check="pow2")
+    even_masks: bool = _opt(True, "a mask over a static size that the block divides is constant-true")
+    online_softmax: bool = _opt(True, "looped rows: a softmax's max and sum of exponentials in one pass")
+    evict_policies: bool = _opt(True, "L2 eviction policies on loads of kernels with several row loops")
+    evict_single_pass: bool = _opt(False, "also stream (evict_first) buffers a kernel reads in one pass only")
+    # reductions split in two kernels
+    split_min_r: int = _opt(4096, "split a reduction only when its rows are at least this long ...",
+                            check="pos")
+    split_min_numel: int = _opt(1 << 20, "... and it reads at least this many elements", check="pos")
+    split_min_chunk: int = _opt(1024, "elements of a row each partial of a split reduction reduces, at least",
+                                check="pos")
+    split_min_chunk_outer: int = _opt(512, "... of a column (H200, GPT-2's layer norm backward: 512 best)",
+                                      check="pos")
+    split_max_rows: int = _opt(16, "inner reductions with more rows than this are never split", check="nonneg")
+    split_target_inner: int = _opt(1024, "rows x chunks a split inner reduction aims at", check="pos")
+    split_target_outer: int = _opt(8192, "columns x chunks a split column reduction aims at", check="pos")
+    # column reductions folded into row kernels
+    fold: bool = _opt(True, "fold column reductions of short rows into the row kernel that reads the rows")
+    fold_programs: int = _opt(256, "programs (row chunks) of a folded column reduction, at most", check="pow2")
+    fold_min_chunk: int = _opt(16, "rows each program of a folded column reduction reduces, at least",
+                               check="pos")
+    unfold: bool = _opt(True, "a folded column partial with no row kernel to join is split the classic way")
+    # chained kernels
+    chain: bool = _opt(True, "run a small kernel that reads one kernel's results in that kernel's last program")
+    tail_max: int = _opt(1 << 16, "elements a chained tail may reduce or write", check="pos")
+    tail_tile: int = _opt(4096, "elements of a reducing chained tail's tile on the GPU", check="pow2")
+    # fusion
+    max_group: int = _opt(64, "buffers per kernel, at most", check="pos")
+    near: int = _opt(32, "graph nodes between a kernel's members, at most (see schedule's _far rule)",
+                     check="pos")
+    cheap_ops: int = _opt(8, "a pointwise value read by several users is recomputed in each when it has at "
+                             "most this many ops, else stored", check="nonneg")
+    fuse_stored_views: bool = _opt(True, "read views of stored tensors inside kernels (else ATen views)")
+    reuse_inputs: bool = _opt(True, "a pointwise kernel may write its output into an input that dies at the call")
+    # passes
+    pad_mm_min_flops: float = _opt(1e9, "pad_mm: pad only matmuls of at least this many FLOPs ...",
+                                   check="nonneg")
+    pad_mm_min_flops_per_byte: float = _opt(80.0, "... and this many FLOPs per byte the padding copies",
+                                            check="nonneg")
+    # partitioner
+    knapsack_dp_cells: int = _opt(5 * 10 ** 7, "the activation budget's knapsack is solved by exact dynamic "
+                                               "programming up to this many items x capacity units, else by "
+                                               "HiGHS (a MILP)", check="nonneg")
+    # kernel precompilation (no effect on the kernels)
+    precompile_min_kernels: int = _opt(4, "fewer new kernels than this (and no worker pool yet) compile in place",
+                                       cache=False, check="nonneg")
+    precompile_timeout_s: float = _opt(60.0, "seconds to wait for the precompile workers, at most", cache=False,
+                                       check="nonneg")
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            _check_value(f, getattr(self, f.name), f"{TUNING}.{f.name}")
+
+
+@dataclass(frozen=True)
+class Options:
+    # graph passes
+    pattern_matcher: bool = _opt(True, "run kiln's built-in pattern rewrites (user hooks always run)")
+    cse: bool = _opt(True, "common-subexpression elimination on the joint and inference graphs")
+    pad_matmuls: str = _opt("auto", "pad misaligned large matmuls to tensor-core alignment: 'auto' (CUDA only), "
+                            "'always' (any device), 'never'", ("auto", "always", "never"))
+    pre_grad_custom_pass: Any = _opt(None, "callable(graph) run on Dynamo's torch-level graph", HOOK, env=False)
+    joint_custom_pre_pass: Any = _opt(None, "callable(graph) run first on the joint graph", HOOK, env=False)
+    joint_custom_post_pass: Any = _opt(None, "callable(graph) run last on the joint graph", HOOK, env=False)
+    post_grad_custom_pre_pass: Any = _opt(None, "callable(graph) run first on forward/backward graphs", HOOK, env=False)
+    post_grad_custom_post_pass: Any = _opt(None, "callable(graph) run last on forward/backward graphs", HOOK, env=False)
+    # freezing and layout
+    freezing: bool = _opt(False, "inference: turn parameters into constants and fold them")
+    freezing_discard_parameters: bool = _opt(False, "with freezing: drop the eager module's parameters")
+    layout_optimization: bool = _opt(True, "pick channels-last for convolution nets")
+    layout_devices: str = _opt("cuda", "where layout_optimization acts: 'cuda' (where channels-last pays) or 'any' "
+                                       "(CPU graphs too, e.g. to test it)", ("cuda", "any"))
+    keep_output_stride: bool = _opt(True, "user-visible outputs keep eager strides")
+    cpp_wrapper: bool = _opt(False, "accepted for compatibility; kiln runs its Python wrapper")
+    # partitioner
+    activation_memory_budget: float = _opt(1.0, "fraction of the runtime-optimal saved bytes to keep, in [0, 1]")
+    activation_memory_budget_runtime_estimator: Any = _opt(
+        "flops", "how recompute cost is estimated: 'flops', 'profile' or callable(node)",
+        ("flops", "profile", "callable"))
+    activation_memory_limit: Any = _opt(None, "cap on modelled peak activation memory, bytes or '4GiB'")
+    partitioner: str = _opt("mincut", "'mincut' (remat) or 'default' (save what the backward needs)",
+                            ("mincut", "default"))
+    # code generation
+    codegen: str = _opt("auto", "kernel target: 'auto' (triton on cuda, aten on cpu), 'aten', 'triton'",
+                        ("auto", "aten", "triton"))
+    emit_for: str = _opt("auto", "Triton kernels for CPU tensors: 'auto' (run in Triton's interpreter) or 'cuda' "
+                                 "(written as for a GPU, to read them on a machine without one; they cannot run)",
+                         ("auto", "cuda"))
+    max_autotune: bool = _opt(False, "benchmark launch configurations for generated kernels")
+    compile_workers: int = _opt(-1, "processes compiling Triton kernels before their first launch: "
+                                    "-1 auto (CUDA only), 0 off")
+    mode: Optional[str] = _opt(None, "torch.compile mode: None, 'default', 'reduce-overhead', 'max-autotune'",
+                               (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"))
+    tuning: Tuning = _opt(Tuning(), "tuning constants of code generation and passes: the tuning.* rows", env=False)
+    # debugging
+    debug: int = _opt(0, "0..5: stage names, graphs, remat decisions, kernels, rules", cache=False)
+    dump_dir: Optional[str] = _opt(None, "write every stage's graph, kernels and a repro here", cache=False)
+    verify: bool = _opt(False, "run graph lint after every stage", cache=False)
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            _check_value(f, getattr(self, f.name), f.name)
+
+    def replace(self, **overrides) -> "Options":
+        """A copy with ``overrides`` (names as for ``patch``; tuning entries merge into this tuning)."""
+        return _build({**flat_options(self), **_flatten(overrides)})
+
+    def cache_key(self) -> str:
+        """Hash of every field that changes the output (hooks by their uuid() or source). Passes
+        registered through ``kiln.passes.registry`` are keyed by ``kiln.pipeline.cache_key``."""
+        h = hashlib.sha256()
+        for f in dataclasses.fields(self):
+            if f.metadata.get("cache"):
+                h.update(f"{f.name}={_stable_repr(getattr(self, f.name))};".encode())
+        return h.hexdigest()[:16]
+
+
+# -- names ------------------------------------------------------------------------------------------------
+def _fields():
+    """[(name, field)] of every option, tuning ones as ``tuning.<name>``, in declaration order."""
+    out = []
+    for f in dataclasses.fields(Options):
+        if f.name == TUNING:
+            out += [(f"{TUNING}.{t.name}", t) for t in dataclasses.fields(Tuning)]
+        else:
+            out.append((f.name, f))
+    return out
+
+
+FIELDS = dict(_fields())
+ENV_NAMES = {name: "KILN_" + name.replace(".", "_").upper() for name in FIELDS}
+ENV_NAMES["debug"] = "KILN_DEBUG"
+ENV_NAMES["dump_dir"] = "KILN_DUMP"
+
+
+def _flatten(overrides: dict) -> dict:
+    """Overrides with ``tuning=`` (a dict or a Tuning) spelled as ``tuning.<name>`` entries."""
+    out = {}
+    for name, value in overrides.items():
+        if name == TUNING:
+            if isinstance(value, Tuning):
+                value = {f.name: getattr(value, f.name) for f in dataclasses.fields(Tuning)}
+            if not isinstance(value, dict):
+                raise OptionError(f"tuning={value!r} must be a dict of tuning fields or a kiln.options.Tuning")
+            out.update({f"{TUNING}.{k}": v for k, v in value.items()})
+        else:
+            out[name] = value
+    _check_names(out)
+    return out
+
+
+def flat_options(opts: Options) -> dict:
+    """``opts`` as {name: value}, tuning fields as ``tuning.<name>``."""
+    return {name: (getattr(opts.tuning, name[len(TUNING) + 1:]) if name.startswith(TUNING + ".")
+                   else getattr(opts, name)) for name in FIELDS}
+
+
+def _build(flat: dict) -> Options:
+    prefix = TUNING + "."
+    tuning = {k[len(prefix):]: v for k, v in flat.items() if k.startswith(prefix)}
+    top = {k: v for k, v in flat.items() if not k.startswith(prefix)}
+    return Options(**top, tuning=Tuning(**tuning))
+
+
+def _check_names(overrides):
+    for name in overrides:
+        if name not in FIELDS:
+            near = difflib.get_close_matches(name, list(FIELDS), n=3, cutoff=0.6)
+            if not near:
+                near = [v for v in FIELDS if name.split("_")[0] in v.split(".")[-1]][:5]
+            listed = sorted(n for n in FIELDS if not n.startswith(TUNING + "."))
+            raise OptionError(f"unknown kiln option {name!r}"
+                              + (f"; did you mean {' or '.join(repr(n) for n in near)}?" if near else "")
+                              + f"; valid options: {listed} and the tuning.* fields (`kiln options`)")
+
+
+# -- values -----------------------------------------------------------------------------------------------
+def _stable_repr(value) -> str:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return repr(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return "{" + ",".join(f"{f.name}={_stable_repr(getattr(value, f.name))}" for f in dataclasses.fields(value)
+                              if f.metadata.get("cache", True)) + "}"
+    if hasattr(value, "uuid"):
+        return f"uuid:{value.uuid()}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_stable_repr(v) for v in value) + "]"
+    try:
+        return "src:" + hashlib.sha256(inspect.getsource(value).encode()).hexdigest()[:16]
+    except (OSError, TypeError):
+        return f"id:{id(value)}"
+
+
 def parse_value(name: str, raw: str):
     """Option ``name``'s value from text (an environment variable, a command line): read as the type
-    of its default (bools accept 1/true/yes/on)."""
+    of its default (bools accept 1/true/yes/on, and 0/false/no/off)."""
     _check_names([name])
-    default = {f.name: f.default for f in dataclasses.fields(Options)}[name]
-    if isinstance(default, bool):
-        return raw.lower() in ("1", "true", "yes", "on")
-    if isinstance(default, int):
-        return int(raw)
-    if isinstance(default, float):
-        return float(raw)
+    default = FIELDS[name].default
+    try:
+        if isinstance(default, bool):
+            low = raw.strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off", ""):
+                return False
+            raise ValueError(raw)
+        if isinstance(default, int):
+            return int(raw)
+        if isinstance(default, float):
+            return float(raw)
+    except ValueError:
+        kind = type(default).__name__
+        raise OptionError(f"{name}: cannot read {raw!r} as {'a' if kind != 'int' else 'an'} {kind}") from None
     return raw
 
 
 def _from_env() -> dict:
     out = {}
-    for f in dataclasses.fields(Options):
+    for name, f in FIELDS.items():
         if not f.metadata.get("env"):
             continue
-        raw = os.environ.get(ENV_NAMES[f.name])
+        var = ENV_NAMES[name]
+        raw = os.environ.get(var)
         if raw is None or raw == "":
             continue
-        out[f.name] = parse_value(f.name, raw)
+        try:
+            out[name] = parse_value(name, raw)
+        except OptionError as e:
+            raise OptionError(f"environment variable {var}: {e}") from None
     return out
 
 
@@ -216,16 +390,13 @@ def active() -> Options:
 
 def current(**extra) -> Options:
     """The options in force here: defaults < environment < config.patch scopes < extra."""
-    merged = {**_from_env(), **_OVERRIDES.get(), **extra}
-    _check_names(merged)
-    return Options(**merged)
+    return _build({**_from_env(), **_OVERRIDES.get(), **_flatten(extra)})
 
 
 class _Patch(contextlib.ContextDecorator):
     def __init__(self, overrides):
-        _check_names(overrides)
-        Options(**{**_OVERRIDES.get(), **overrides})  # validate values now
-        self.overrides = overrides
+        self.overrides = _flatten(overrides)
+        _build({**_OVERRIDES.get(), **self.overrides})  # validate values now
         self._tokens = []
 
     def __enter__(self):
@@ -238,14 +409,15 @@ class _Patch(contextlib.ContextDecorator):
 
 
 def patch(**overrides) -> _Patch:
-    """Override options within a scope: ``with kiln.config.patch(freezing=True): ...`` or as a decorator."""
+    """Override options within a scope: ``with kiln.config.patch(freezing=True): ...`` or as a decorator.
+    Tuning fields: ``patch(tuning={"persistent_max": 1024})`` or ``patch(**{"tuning.persistent_max": 1024})``."""
     return _Patch(overrides)
 
 
 def describe() -> str:
-    """One line per option: name, default, env var, help."""
+    """One line per option: name, default, env var, help (tuning fields as ``tuning.<name>``)."""
     rows = []
-    for f in dataclasses.fields(Options):
-        env = ENV_NAMES[f.name] if f.metadata.get("env") else "-"
-        rows.append(f"{f.name:45s} {f.default!r:10} {env:45s} {f.metadata['help']}")
+    for name, f in FIELDS.items():
+        env = ENV_NAMES[name] if f.metadata.get("env") else "-"
+        rows.append(f"{name:45s} {f.default!r:10} {env:45s} {f.metadata['help']}")
     return "\n".join(rows)

@@ -13,6 +13,7 @@ import torch
 import torch.fx as fx
 
 from kiln.debug import log
+from kiln.options import FIELDS, flat_options
 
 REPRO = '''\
 """kiln repro for {name}: runs the captured graph eagerly and through kiln, then compares."""
@@ -85,14 +86,13 @@ def write_repro(trace, gm: fx.GraphModule, example_inputs, opts) -> None:
 
 
 def _plain_options(opts) -> dict:
-    import dataclasses
-    from kiln.options import Options
+    """The options that differ from their defaults and can be written as literals (tuning fields as
+    ``tuning.<name>``); callables are left out."""
     out = {}
-    for f in dataclasses.fields(Options):
-        v = getattr(opts, f.name)
-        if f.name in ("dump_dir", "debug") or v == f.default or callable(v):
+    for name, value in flat_options(opts).items():
+        if name in ("dump_dir", "debug") or value == FIELDS[name].default or callable(value):
             continue
-        out[f.name] = v
+        out[name] = value
     return out
 
 
@@ -107,8 +107,7 @@ def resume(path: str, compile: bool = True, **options):
         gm = torch.load(os.path.join(path, "graph.pt"), weights_only=False)
         inputs = torch.load(os.path.join(path, "inputs.pt"), weights_only=False)
         if compile:
-            import kiln
-            gm = kiln.compile(gm, **options)
+            gm = torch.compile(gm, backend="kiln", options=options or None)
         return gm, inputs
     namespace = {"torch": torch, "device": torch.device, "inf": float("inf"), "nan": float("nan")}
     with open(path) as f:

@@ -71,7 +71,7 @@ def scope(backend: str, budget=None):
             stack.enter_context(_env(TRITON_CACHE_DIR=tempfile.mkdtemp(prefix="triton-", dir=root),
                                      KILN_KERNEL_DIR=tempfile.mkdtemp(prefix="kernels-", dir=root)))
             if backend.startswith("kiln"):
-                from kiln.codegen import kernel
+                from kiln.runtime import kernels as kernel
                 kernel.reset()
         yield
 

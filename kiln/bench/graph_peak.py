@@ -28,6 +28,8 @@ from typing import Dict, List
 import torch
 import torch.fx as fx
 
+from kiln import debug
+
 from kiln.partition import ops
 
 MiB = 2 ** 20
@@ -95,23 +97,25 @@ def graph_peak(gm: fx.GraphModule, top: int = 10) -> GraphPeak:
 
 @contextlib.contextmanager
 def record():
-    """Collect ``(graph name, 'unfused'|'fused', GraphPeak)`` for every graph kiln lowers meanwhile."""
-    mod = sys.modules["kiln.compile"]
-    rows, lower, emit = [], mod._lower, mod.emit_wrapper
+    """Collect ``(graph name, 'unfused'|'fused', GraphPeak)`` for every graph kiln lowers meanwhile:
+    'unfused' is the graph after the post-grad passes (the partitioner's graph, cleaned up), 'fused' the
+    last stage's graph of the same forward/backward/inference graph (the one the wrapper runs)."""
+    rows, last = [], {}
 
-    def lower_spy(gm, inputs, opts, trace, kind, target, *rest):
-        rows.append((f"{kind}_{trace.id}", "unfused", graph_peak(gm)))
-        return lower(gm, inputs, opts, trace, kind, target, *rest)
+    def seen(event, data):
+        if event != "graph":
+            return
+        trace, stage, gm = data["trace"], data["stage"], data["gm"]
+        for kind in ("forward", "backward", "inference"):
+            if stage.endswith("_" + kind):
+                name = f"{kind}_{trace.id}"
+                if stage == f"post_grad_{kind}":
+                    rows.append((name, "unfused", graph_peak(gm)))
+                last[name] = gm
 
-    def emit_spy(gm, name, *rest):
-        rows.append((name, "fused", graph_peak(gm)))
-        return emit(gm, name, *rest)
-
-    mod._lower, mod.emit_wrapper = lower_spy, emit_spy
-    try:
+    with debug.observe(seen):
         yield rows
-    finally:
-        mod._lower, mod.emit_wrapper = lower, emit
+    rows += [(name, "fused", graph_peak(gm)) for name, gm in last.items()]
 
 
 def main(argv=None) -> int:

@@ -54,9 +54,8 @@ def compile_for_gpu(gm, example_inputs, **options):
     import torch._functorch.config as fconfig
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from kiln.codegen import triton as emitter
-    from kiln.compile import compile_graph
     from kiln.options import Options
+    from kiln.pipeline import compile_graph
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
         args = []
@@ -67,14 +66,11 @@ def compile_for_gpu(gm, example_inputs, **options):
             else:
                 args.append(a)
     from torch.fx._lazy_graph_module import _use_lazy_graph_module
-    saved, emitter.EMIT_FOR_GPU = emitter.EMIT_FOR_GPU, True
-    try:
-        # Dynamo calls its backend with lazy GraphModules on (recompiles deferred until the code is
-        # needed); do the same, so that the compile time measured here is the one torch.compile sees
-        with fconfig.patch(force_non_lazy_backward_lowering=True), _use_lazy_graph_module(True):
-            return compile_graph(_to_cpu(gm), args, Options(codegen="triton", **options))
-    finally:
-        emitter.EMIT_FOR_GPU = saved
+    # Dynamo calls its backend with lazy GraphModules on (recompiles deferred until the code is
+    # needed); do the same, so that the compile time measured here is the one torch.compile sees
+    opts = Options().replace(codegen="triton", emit_for="cuda", **options)
+    with fconfig.patch(force_non_lazy_backward_lowering=True), _use_lazy_graph_module(True):
+        return compile_graph(_to_cpu(gm), args, opts)
 
 
 def main(argv=None):

@@ -29,23 +29,20 @@ from typing import List, Optional
 
 import torch
 
+from kiln import debug
+
 
 @contextlib.contextmanager
 def record_partitions():
     """Collect ``(joint_gm, saved, num_fwd_outputs)`` for every graph kiln partitions meanwhile."""
-    import kiln.partition as part
-    got, orig = [], part.choose_saved
+    got = []
 
-    def spy(joint_gm, *, num_fwd_outputs, opts):
-        saved = orig(joint_gm, num_fwd_outputs=num_fwd_outputs, opts=opts)
-        got.append((joint_gm, saved, num_fwd_outputs))
-        return saved
+    def seen(event, data):
+        if event == "partition":
+            got.append((data["joint"], data["saved"], data["num_fwd_outputs"]))
 
-    part.choose_saved = spy
-    try:
+    with debug.observe(seen):
         yield got
-    finally:
-        part.choose_saved = orig
 
 
 def modelled(parts) -> dict:

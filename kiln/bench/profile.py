@@ -153,7 +153,7 @@ def main(argv=None):
     if a.sources:   # the text of every kiln kernel, to read the top ones by name
         import os
 
-        from kiln.codegen.kernel import _CACHE
+        from kiln.runtime.kernels import _CACHE
         os.makedirs(a.sources, exist_ok=True)
         for name, k in list(_CACHE.items()):
             with open(os.path.join(a.sources, f"{name}.py"), "w") as fh:

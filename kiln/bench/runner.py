@@ -71,8 +71,13 @@ def _cleanup(device):
         torch.cuda.empty_cache()
 
 
-def measure_backend(case, wl_pristine, ref, backend, budget, cfg: RunConfig, ref64=None) -> dict:
-    """One row: compile times, check, step-time summary and memory for ``backend`` at ``budget``."""
+def measure_backend(case, wl_pristine, ref, backend, budget, cfg: RunConfig, ref64=None,
+                    compile_model=None) -> dict:
+    """One row: compile times, check, step-time summary and memory for ``backend`` at ``budget``.
+
+    ``compile_model(backend, model, options, budget)`` makes the callable to measure (default:
+    ``backends.compile_model``; tests pass one that fails or returns wrong values)."""
+    compile_model = compile_model or B.compile_model
     row = {"backend": backend, "budget": budget, "status": "ok"}
     stage, f, wl = "copy", None, None
     try:
@@ -81,7 +86,7 @@ def measure_backend(case, wl_pristine, ref, backend, budget, cfg: RunConfig, ref
             stage = "compile"
             torch._dynamo.reset()
             g0, b0 = _dynamo_counts()
-            f = B.compile_model(backend, wl.model, case.options, budget)
+            f = compile_model(backend, wl.model, case.options, budget)
             with M.CompileClock() as cc:
                 got, cold = M.timed(lambda: wl.check(f), cfg.device)
             if backend != "eager":
@@ -96,7 +101,7 @@ def measure_backend(case, wl_pristine, ref, backend, budget, cfg: RunConfig, ref
             if cfg.warm_compile and backend != "eager":
                 stage = "warm compile"
                 torch._dynamo.reset()
-                f = B.compile_model(backend, wl.model, case.options, budget)
+                f = compile_model(backend, wl.model, case.options, budget)
                 _, row["warm_compile_s"] = M.timed(lambda: wl.check(f), cfg.device)
             stage = "steps"
             clock = M.GcClock()
@@ -120,8 +125,9 @@ def measure_backend(case, wl_pristine, ref, backend, budget, cfg: RunConfig, ref
     return row
 
 
-def run_case(case, dtype: str, backend_names, budgets, cfg: RunConfig, on_start=None):
-    """Yield a row per (backend, budget) of ``case`` in ``dtype``; build errors yield error rows."""
+def run_case(case, dtype: str, backend_names, budgets, cfg: RunConfig, on_start=None, compile_model=None):
+    """Yield a row per (backend, budget) of ``case`` in ``dtype``; build errors yield error rows.
+    ``compile_model``: see ``measure_backend``."""
     base = {"suite": case.suite, "case": case.name, "device": cfg.device, "dtype": dtype,
             "train": case.train, "options": dict(case.options)}
     pairs = variants(case, backend_names, budgets)
@@ -151,6 +157,6 @@ def run_case(case, dtype: str, backend_names, budgets, cfg: RunConfig, on_start=
     for backend, budget in pairs:
         if on_start:
             on_start(backend, budget)
-        yield {**base, **measure_backend(case, pristine, ref, backend, budget, cfg, ref64)}
+        yield {**base, **measure_backend(case, pristine, ref, backend, budget, cfg, ref64, compile_model)}
     del pristine, ref, truth
     _cleanup(cfg.device)

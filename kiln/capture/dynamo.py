@@ -13,7 +13,7 @@ def backend(gm, example_inputs, options=None, mode=None, **unused):
     extra = dict(options or {})
     if mode is not None and mode != "default":
         extra["mode"] = mode
-    from kiln.compile import compile_graph
+    from kiln.pipeline import compile_graph   # here, not at the top: ``import kiln`` stays light
     return compile_graph(gm, example_inputs, current(**extra))
 
 

@@ -1,17 +1,13 @@
-"""Runtime fallback: a kernel call site that can run its group's original ATen nodes instead.
+"""The ATen fallback of a kernel: the original nodes its group replaced, as a small graph.
 
-``fuse_graph`` targets each kernel node at a ``KernelCall``: the shared ``kernel.Kernel`` plus a
-small ``fx.GraphModule`` (``extract``) that computes the same outputs from the same arguments with
-the ATen nodes the group replaced. If the kernel raises on its first call (Triton's
-``CompilationError``, ``OutOfResources``, a module that does not import, ...) kiln logs the reason,
-counts ``counters['codegen']['runtime_fallback']``, marks the kernel failed and runs the fallback
-from then on, at every call site of that kernel. Errors after a kernel has run once propagate.
+``fuse_graph`` gives each kernel node a ``Fallback`` (``extract``): a graph computing the same outputs
+from the same arguments with the ATen nodes the kernel replaced. The runtime's ``KernelCall``
+(``kiln/runtime/kernels.py``) runs it if the kernel fails on its first call.
 """
 from __future__ import annotations
 
 import torch.fx as fx
 
-from kiln.debug import counters, log
 
 
 class NoFallback(Exception):
@@ -67,43 +63,3 @@ class Fallback:
 
     def __call__(self, *args):
         return self.module(*args)
-
-
-class KernelCall:
-    """The FX target of one kernel node: calls ``kernel``, or ``fallback`` once the kernel failed
-    on its first call. Attributes of the kernel (``name``, ``source``...) read through."""
-
-    def __init__(self, kernel, fallback):
-        self.kernel, self.fallback = kernel, fallback
-        self.__name__ = kernel.name
-
-    def __getattr__(self, attr):
-        if attr == "kernel":   # not set yet (unpickling, copying)
-            raise AttributeError(attr)
-        return getattr(self.kernel, attr)
-
-    def __call__(self, *args, **kwargs):
-        """``kwargs``: ``into`` (a buffer the kernel may write its output into), which the fallback,
-        computing new tensors, does without."""
-        k = self.kernel
-        if k.ran:
-            return k(*args, **kwargs)
-        if k.failed is not None and self.fallback is not None:
-            return self.fallback(*args)
-        try:
-            out = k(*args, **kwargs)
-        except Exception as e:
-            if self.fallback is None:
-                raise
-            if k.failed is None:
-                k.failed = e
-                first = (str(e).strip().splitlines() or [""])[0]
-                counters["codegen"]["runtime_fallback"] += 1
-                log(1, f"codegen: kernel {k.name} failed on its first call, running its ATen nodes "
-                       f"instead ({type(e).__name__}: {first})")
-            return self.fallback(*args)
-        k.ran = True
-        return out
-
-    def __repr__(self):
-        return f"<kiln kernel call {self.kernel.name}{'' if self.fallback is not None else ' (no fallback)'}>"

@@ -74,8 +74,8 @@ def describe_val(val) -> str:
 
 
 class _Emitter:
-    def __init__(self, gm: fx.GraphModule, name: str, trusted=frozenset()):
-        self.gm = gm
+    def __init__(self, gm: fx.GraphModule, name: str, trusted=frozenset(), reuse_inputs: bool = True):
+        self.gm, self.reuse_inputs = gm, reuse_inputs
         self.views = ViewPlan(trusted)
         self.outputs: set = set()
         self.skipped: set = set()   # splits not run: each of their elements reinterprets the input
@@ -256,9 +256,9 @@ class _Emitter:
 
     def _into(self, n: fx.Node):
         """An argument of kernel node ``n`` whose memory the kernel may write its output into
-        (``modsource.reusable_inputs``): a value that dies at ``n``, owns its storage (not a view, not a
+        (``KernelPlan.reusable``): a value that dies at ``n``, owns its storage (not a view, not a
         graph input, output or constant) and is read by kernels only (no view or library call holds it)."""
-        for i in getattr(n.target, "reuse", ()) if is_kernel(n.target) and REUSE_INPUTS else ():
+        for i in getattr(n.target, "reuse", ()) if is_kernel(n.target) and self.reuse_inputs else ():
             a = n.args[i] if i < len(n.args) else None
             if not isinstance(a, fx.Node) or a.op != "call_function" or a in self.outputs \
                     or self.last_use.get(a) is not n or not all(is_kernel(u.target) for u in a.users):
@@ -269,9 +269,6 @@ class _Emitter:
             if is_kernel(owner.target) or (_fresh_result(owner.target) and not is_view_op(owner.target)):
                 return a   # (``_unsafe_view``'s schema does not say that it aliases: is_view_op does)
         return None
-
-
-REUSE_INPUTS = True   # False: every kernel output gets a new buffer (for comparison)
 
 
 def _fresh_result(target) -> bool:
@@ -330,8 +327,9 @@ def _kernel_devices(nodes) -> dict:
     return out
 
 
-def emit_wrapper(gm: fx.GraphModule, name: str, trusted=frozenset()) -> Wrapper:
+def emit_wrapper(gm: fx.GraphModule, name: str, trusted=frozenset(), opts=None) -> Wrapper:
     """Emit the Python wrapper source for ``gm`` (boxed calling convention: ``call(args_list)``).
     ``trusted``: placeholder names whose strides at run time are their examples' (a backward's saved
-    values that the forward produced with known layouts; see ``Wrapper.known_outputs``)."""
-    return _Emitter(gm, name, trusted).emit()
+    values that the forward produced with known layouts; see ``Wrapper.known_outputs``). With
+    ``opts.tuning.reuse_inputs`` off, every kernel output gets a new buffer (for comparison)."""
+    return _Emitter(gm, name, trusted, opts.tuning.reuse_inputs if opts is not None else True).emit()

@@ -4,39 +4,28 @@
 - ``'default'``: save every forward value the backward uses (eager-like), or
 - ``'mincut'``: min-cut rematerialization under ``activation_memory_budget`` /
   ``activation_memory_limit`` (recompute cheap ops in the backward when that saves bytes).
+
+The modules, bottom-up; each imports only modules listed before it:
+- ``ops``, ``estimate``, ``extract``: op classes; sizes and runtime estimates; the graphs for a saved set;
+- ``joint_info``: facts about the joint graph as arrays; ``default``: the plain partition;
+- ``mincut``: the flow network and the recompute policies; ``decisions``: the KILN_DEBUG=3 log of a cut;
+- ``peak``: the modelled activation peak of a saved set;
+- ``budget``: ``activation_memory_budget``; ``hold``: the backward's hold set; ``limit``:
+  ``activation_memory_limit``;
+- ``choose``: the saved set for ``opts``; ``report``: ``explain_memory``; this file: ``partition_joint``.
+``livemem`` (the measured peak of a call) stands apart.
 """
 from __future__ import annotations
 
-import contextlib
-import gc
 from typing import Tuple
 
 import torch.fx as fx
 
-from kiln.debug import counters, log
+from kiln.debug import counters, log, notify
+from kiln.options import current
+from kiln.partition.choose import choose_saved, gc_paused
 from kiln.partition.extract import PartitionError, dce, extract, saved_values  # noqa: F401
-
-
-@contextlib.contextmanager
-def _gc_paused():
-    """Cyclic GC passes over a big fx graph dominate per-node loops; pause it while partitioning."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
-def choose_saved(joint_gm: fx.GraphModule, *, num_fwd_outputs: int, opts) -> list:
-    """The forward values to save, according to ``opts.partitioner`` (no graphs are built)."""
-    with _gc_paused():
-        if opts.partitioner == "default":
-            from kiln.partition.default import default_saved
-            return default_saved(joint_gm, num_fwd_outputs)
-        from kiln.partition.mincut import mincut_saved
-        return mincut_saved(joint_gm, num_fwd_outputs=num_fwd_outputs, opts=opts)
+from kiln.partition.report import MemoryReport, explain_memory  # noqa: F401
 
 
 def partition_joint(joint_gm: fx.GraphModule, joint_inputs=None, *, num_fwd_outputs: int, opts=None,
@@ -47,20 +36,14 @@ def partition_joint(joint_gm: fx.GraphModule, joint_inputs=None, *, num_fwd_outp
     ``static_lifetime_input_indices`` are accepted and ignored. The joint graph is cleaned (dead code
     removed) and may gain ``sym_size`` nodes that bind symbolic shapes for the backward.
     """
-    from kiln.options import current
     opts = opts if opts is not None else current()
     dce(joint_gm.graph)
     saved = choose_saved(joint_gm, num_fwd_outputs=num_fwd_outputs, opts=opts)
-    with _gc_paused():
+    notify("partition", joint=joint_gm, saved=saved, num_fwd_outputs=num_fwd_outputs)
+    with gc_paused():
         fw, bw = extract(joint_gm, saved, num_fwd_outputs=num_fwd_outputs)
     kept = saved_values(fw, num_fwd_outputs)
     counters["partition"]["graphs"] += 1
     counters["partition"]["saved"] += len(kept)
     log(3, f"partition ({opts.partitioner}): saved {[n.name for n in kept]}")
     return fw, bw
-
-
-def explain_memory(fn, *args, **kwargs):
-    """Report of what ``fn(*args)`` saves and recomputes for backward (see kiln.partition.report)."""
-    from kiln.partition.report import explain_memory as _explain
-    return _explain(fn, *args, **kwargs)

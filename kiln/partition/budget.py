@@ -1,12 +1,17 @@
 """``activation_memory_budget``: trade recomputation for saved bytes (PyTorch's semantics).
 
-- 1: the runtime-optimal cut (``mincut.RUNTIME_OPTIMAL``); its activation bytes are ``max``.
+- 1: the runtime-optimal cut (``mincut.RUNTIME_OPTIMAL``, or the plain partition when that saves fewer
+  bytes); its activation bytes are ``max``.
 - 0: save only inputs (and what can never be recomputed: random and mutating ops).
 - b in between: accept the first of the "more aggressive" and "aggressive" cuts whose activation bytes
   are at most ``b * max`` (activation bytes = saved tensors that are not graph inputs, so ``min`` = 0).
   Otherwise solve a 0/1 knapsack over the compute-heavy ops the aggressive cut saves: keep the set with
   the largest estimated runtime whose bytes fit in ``b * max``, let the others be recomputed, and cut
-  again. The knapsack is solved exactly (scipy.optimize.milp / HiGHS on integer weights, checked).
+  again. The knapsack is solved exactly (a dynamic program up to ``opts.tuning.knapsack_dp_cells``,
+  else scipy.optimize.milp / HiGHS on integer weights, checked).
+
+hold.py adds the backward's hold set to these saved sets; limit.py searches budgets for
+``activation_memory_limit``.
 """
 from __future__ import annotations
 
@@ -17,14 +22,16 @@ from typing import Dict, List, Sequence
 import numpy as np
 import torch.fx as fx
 
-from kiln.debug import level, log
+from kiln.debug import counters, level, log
+from kiln.options import current
 from kiln.partition import ops
+from kiln.partition.decisions import log_decisions
+from kiln.partition.default import default_saved
 from kiln.partition.estimate import runtime_estimator
-from kiln.partition.mincut import (AGGRESSIVE, MORE_AGGRESSIVE, RECOMPUTE_ALL, RUNTIME_OPTIMAL, JointInfo,
-                                   _no_worse_than_default, activation_bytes, log_decisions, min_cut)
+from kiln.partition.joint_info import JointInfo
+from kiln.partition.mincut import AGGRESSIVE, MORE_AGGRESSIVE, RECOMPUTE_ALL, RUNTIME_OPTIMAL, activation_bytes, min_cut
 
 _TOL = 1e-9
-DP_CELLS = 5 * 10 ** 7  # exact DP when items x capacity units fit; HiGHS MILP above that
 
 
 class BudgetError(ValueError):
@@ -32,25 +39,10 @@ class BudgetError(ValueError):
     activation_memory_budget=1.0."""
 
 
-def budget_saved(info: JointInfo, budget: float, opts) -> List[fx.Node]:
-    """Saved values meeting ``budget`` (and ``opts.activation_memory_limit`` when set)."""
-    if opts.activation_memory_limit is not None:
-        from kiln.partition.peak import limit_saved
-        return limit_saved(info, budget, opts)
-    return plan_for_budget(info, budget, opts)
-
-
-def plan_for_budget(info: JointInfo, budget: float, opts) -> List[fx.Node]:
-    """``saved_for_budget``, plus the backward hold set that keeps the peak down (hold.py)."""
-    from kiln.partition.hold import ladder_saved, plan_with_hold
-    saved = ladder_saved(info, budget, opts)
-    if budget >= 1.0:
-        return saved
-    return plan_with_hold(info, saved, budget, opts)
-
-
 def saved_for_budget(info: JointInfo, budget: float, opts, optimal=None) -> List[fx.Node]:
-    optimal = optimal if optimal is not None else _no_worse_than_default(info, min_cut(info, RUNTIME_OPTIMAL))
+    """The saved values of the first cut whose activation bytes fit ``budget`` (see the module docstring);
+    ``optimal``: budget 1's cut when the caller has it (default: ``runtime_optimal_saved``)."""
+    optimal = optimal if optimal is not None else runtime_optimal_saved(info)
     max_b = activation_bytes(info, optimal)
     if budget >= 1.0 or max_b == 0:
         log_decisions(info, optimal, RUNTIME_OPTIMAL, "budget=1")
@@ -74,7 +66,7 @@ def saved_for_budget(info: JointInfo, budget: float, opts, optimal=None) -> List
     owners = list(groups)
     sizes = [groups[o][1] for o in owners]
     values = [estimate(o) for o in owners]
-    keep = knapsack(sizes, values, max(0.0, cap - fixed))
+    keep = knapsack(sizes, values, max(0.0, cap - fixed), opts)
     dont_ban = frozenset(o for i, o in enumerate(owners) if i not in keep)
     for i, o in enumerate(owners if level() >= 3 else ()):
         log(3, f"remat: knapsack {'keeps' if i in keep else 'recomputes'} {o.name} "
@@ -82,6 +74,17 @@ def saved_for_budget(info: JointInfo, budget: float, opts, optimal=None) -> List
     policy = AGGRESSIVE.replace(dont_ban=dont_ban)
     saved = min_cut(info, policy)
     log_decisions(info, saved, policy, f"budget={budget}")
+    return saved
+
+
+def runtime_optimal_saved(info: JointInfo) -> List[fx.Node]:
+    """Budget 1's cut (``RUNTIME_OPTIMAL``), or the plain (eager-like) partition when the cut would save
+    more activation bytes than it."""
+    saved = min_cut(info, RUNTIME_OPTIMAL)
+    plain = default_saved(info.gm, info.num_fwd_outputs, gi=info)
+    if activation_bytes(info, saved) > activation_bytes(info, plain):
+        log(3, "remat: min-cut saves more than the plain partition; keeping the plain one")
+        return plain
     return saved
 
 
@@ -95,12 +98,14 @@ def heavy_groups(info: JointInfo, saved: Sequence[fx.Node]) -> Dict[fx.Node, tup
     return {o: (ns, sum(info.size.get(n, 0) for n in ns)) for o, ns in groups.items()}
 
 
-def knapsack(sizes: Sequence[int], values: Sequence[float], capacity: float) -> set:
+def knapsack(sizes: Sequence[int], values: Sequence[float], capacity: float, opts=None) -> set:
     """Indices of the items to keep: maximum total value with total size <= capacity, solved exactly.
 
     Ties in value prefer keeping more bytes (less recomputation). Sizes are divided by their gcd so the
-    solver works on small integers: a dynamic program when items x capacity is small, else HiGHS MILP
-    (gap 0) whose answer is checked in exact integer arithmetic."""
+    solver works on small integers: a dynamic program when items x capacity units are at most
+    ``opts.tuning.knapsack_dp_cells`` (``opts`` None: ``kiln.options.current()``), else HiGHS MILP (gap 0)
+    whose answer is checked in exact integer arithmetic. ``kiln.debug.counters["partition"]`` counts
+    ``knapsack_dp`` and ``knapsack_milp`` solves."""
     n = len(sizes)
     if n == 0:
         return set()
@@ -114,7 +119,9 @@ def knapsack(sizes: Sequence[int], values: Sequence[float], capacity: float) -> 
     v = v / (v.max() if v.max() > 0 else 1.0) + 1e-7 * w / max(w.max(), 1.0)
     free = {i for i in range(n) if sizes[i] == 0}
     members, bw, bv = _bundle([i for i in range(n) if sizes[i] > 0], w, v)
-    solve = _dp if len(bw) * (limit + 1) <= DP_CELLS else _checked_milp
+    dp_cells = (opts if opts is not None else current()).tuning.knapsack_dp_cells
+    solve = _dp if len(bw) * (limit + 1) <= dp_cells else _checked_milp
+    counters["partition"]["knapsack_dp" if solve is _dp else "knapsack_milp"] += 1
     keep = solve(bw.astype(np.int64), bv, limit)
     chosen = {i for b in keep for i in members[b]}
     assert sum(sizes[i] for i in chosen) <= limit * g

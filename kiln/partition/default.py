@@ -13,6 +13,7 @@ from typing import List, Optional
 import torch.fx as fx
 
 from kiln.partition.extract import is_impure, is_sym
+from kiln.partition.joint_info import GraphIndex
 
 
 def forward_ids(gi) -> list:
@@ -33,7 +34,6 @@ def forward_ids(gi) -> list:
 
 def default_saved(joint_gm: fx.GraphModule, num_fwd_outputs: int, gi=None) -> List[fx.Node]:
     """Forward nodes used by a backward node or returned as a gradient, in graph order."""
-    from kiln.partition.joint_info import GraphIndex
     gi: Optional[GraphIndex] = gi or GraphIndex(joint_gm, num_fwd_outputs)
     fwd = forward_ids(gi)
     return [n for i, n in enumerate(gi.nodes) if fwd[i]

@@ -28,6 +28,9 @@ the pathology above; a plan below it is kept as is, which keeps the common case 
 (budget 1's cut is cached, and its saved bytes bound its peak from below, so the check usually costs
 no peak model). Between two budgets below 1 the curve is therefore not non-increasing by
 construction; tests/partition/test_monotone.py measures it on the built-in GPT.
+
+``plan_for_budget(info, b, opts)`` is what the partitioner saves at budget ``b``: ``saved_for_budget``'s
+set and, below budget 1, the hold set this search picks (an ``extract.Saved``).
 """
 from __future__ import annotations
 
@@ -36,14 +39,23 @@ from typing import List
 import torch.fx as fx
 
 from kiln.debug import log
+from kiln.partition.budget import saved_for_budget
 from kiln.partition.extract import Saved, normalize_saved
+from kiln.partition.peak import model_peak, saved_bytes
 
 LADDER = tuple(round(i / 10, 1) for i in range(10, 0, -1))  # 1.0, 0.9, ..., 0.1
 
 
+def plan_for_budget(info, budget: float, opts) -> List[fx.Node]:
+    """``budget.saved_for_budget``, plus the backward hold set that keeps the peak down (a ``Saved``)."""
+    saved = ladder_saved(info, budget, opts)
+    if budget >= 1.0:
+        return saved
+    return plan_with_hold(info, saved, budget, opts)
+
+
 def ladder_saved(info, budget: float, opts) -> list:
     """``budget.saved_for_budget`` cached on ``info`` (the hold candidates are shared by budgets)."""
-    from kiln.partition.budget import saved_for_budget
     cache = info.__dict__.setdefault("_ladder_saved", {})
     if budget not in cache:
         cache[budget] = list(saved_for_budget(info, budget, opts))
@@ -52,7 +64,6 @@ def ladder_saved(info, budget: float, opts) -> list:
 
 def plan_with_hold(info, saved: List[fx.Node], budget: float, opts) -> Saved:
     """``saved`` with the hold set (or none) of lowest modelled peak; see the module docstring."""
-    from kiln.partition.peak import model_peak, saved_bytes
     n = info.num_fwd_outputs
     plain = Saved.of(saved)
     p = model_peak(info.gm, plain, n, info)

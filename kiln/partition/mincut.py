@@ -19,7 +19,6 @@ from typing import FrozenSet, List, Optional
 import numpy as np
 import torch.fx as fx
 
-from kiln.debug import log
 from kiln.partition import ops
 from kiln.partition.extract import PartitionError
 from kiln.partition.joint_info import JointInfo
@@ -149,68 +148,3 @@ def _min_cut(info: JointInfo, policy: Policy) -> List[fx.Node]:
 def activation_bytes(info: JointInfo, saved) -> int:
     """Bytes of the saved tensors that are not graph inputs."""
     return sum(info.size.get(n, 0) for n in saved if n.op != "placeholder")
-
-
-def log_decisions(info: JointInfo, saved, policy: Policy, tag: str) -> None:
-    """KILN_DEBUG=3: what is saved (bytes, why) and what the backward recomputes, with source lines."""
-    from kiln.debug import level
-    if level() < 3:
-        return
-    saved_set = set(saved)
-    for n in saved:
-        log(3, f"remat[{tag}]: save {n.name} ({info.size.get(n, 0)} B, {ban_reason(info, n, policy) or 'cheapest cut'})"
-               f"{_source(n)}")
-    for n in info.fw:
-        if n not in saved_set and n.op == "call_function" and _recomputed(info, n, saved_set):
-            log(3, f"remat[{tag}]: recompute {n.name} ({info.size.get(n, 0)} B){_source(n)}")
-
-
-def _recomputed(info, n, saved_set) -> bool:
-    stack, seen = [n], set()
-    while stack:
-        cur = stack.pop()
-        for u in cur.users:
-            if u in info.tang or u in info.grads:
-                return True
-            if u not in seen and u not in saved_set and u in info.size:
-                seen.add(u)
-                stack.append(u)
-    return False
-
-
-def _source(n: fx.Node) -> str:
-    from kiln.partition.report import source_line
-    line = source_line(n)
-    return f" at {line}" if line else ""
-
-
-def mincut_saved(joint_gm: fx.GraphModule, *, num_fwd_outputs: int, opts) -> List[fx.Node]:
-    """Saved values for ``opts``: the runtime-optimal cut, or the budget/limit search in budget.py."""
-    info = JointInfo(joint_gm, num_fwd_outputs)
-    budget = _graph_budget(info, opts.activation_memory_budget)
-    if budget < 1.0 or opts.activation_memory_limit is not None:
-        from kiln.partition.budget import budget_saved
-        return budget_saved(info, budget, opts)
-    saved = min_cut(info, RUNTIME_OPTIMAL)
-    saved = _no_worse_than_default(info, saved)
-    log_decisions(info, saved, RUNTIME_OPTIMAL, "budget=1")
-    return saved
-
-
-def _graph_budget(info: JointInfo, budget: float) -> float:
-    """A float ``meta['memory_budget']`` on any node overrides the option (first one wins)."""
-    for n in info.nodes:
-        b = n.meta.get("memory_budget")
-        if isinstance(b, float):
-            return b
-    return float(budget)
-
-
-def _no_worse_than_default(info: JointInfo, saved):
-    """Budget 1 never saves more activation bytes than the plain (eager-like) partition."""
-    from kiln.partition.default import default_saved
-    plain = default_saved(info.gm, info.num_fwd_outputs, gi=info)
-    if activation_bytes(info, saved) > activation_bytes(info, plain):
-        log(3, "remat: min-cut saves more than the plain partition; keeping the plain one")
-        return plain
-    return saved

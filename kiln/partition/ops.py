@@ -109,10 +109,6 @@ def is_heavy(node: fx.Node) -> bool:
     return node.op == "call_function" and op_class(node).heavy
 
 
-def is_pointwise(node: fx.Node) -> bool:
-    return node.op == "call_function" and op_class(node).pointwise
-
-
 def is_getitem(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is operator.getitem
 

@@ -1,4 +1,4 @@
-"""A peak-memory model of forward + backward for a saved set, and ``activation_memory_limit``.
+"""A peak-memory model of forward + backward for a saved set (limit.py and hold.py search with it).
 
 The model replays the joint graph without running it:
 - forward: the non-tangent nodes the forward outputs and the saved values need, in graph order;
@@ -16,16 +16,10 @@ from typing import Dict, List, Sequence
 
 import torch.fx as fx
 
-from kiln.debug import log
 from kiln.partition import ops
 from kiln.partition.estimate import node_flops, size_bytes
-from kiln.partition.extract import _inputs
-from kiln.options import parse_bytes
-
-
-class MemoryLimitError(RuntimeError):
-    """``activation_memory_limit`` is below the modelled peak even when the backward recomputes every
-    op it can (budget 0). Raise the limit, shrink the batch, or shard the model."""
+from kiln.partition.extract import (_inputs, hold_steps, is_impure, lazy_order, normalize_saved, phase_key,
+                                    split_outputs, tangent_closure)
 
 
 @dataclass
@@ -122,7 +116,6 @@ def _replay_steps(steps, alive_at_start: Dict[tuple, int], keep: set) -> int:
 
 def _model_hold(graph, saved, hold, fwd_out, grads, tang, fwd: int) -> Peak:
     """``model_peak`` when the backward rebuilds ``hold`` (``extract.hold_steps``)."""
-    from kiln.partition.extract import hold_steps, is_impure, phase_key
     nodes = [n for n in graph.nodes if n.op != "output"]
     roots = [g for g in grads if isinstance(g, fx.Node)] + [n for n in nodes if n in tang and is_impure(n)]
     steps = hold_steps(nodes, saved, hold, roots, tang)
@@ -149,7 +142,6 @@ def model_peak(joint_gm: fx.GraphModule, saved: Sequence[fx.Node], num_fwd_outpu
 
 
 def _model_peak(joint_gm, saved, num_fwd_outputs, info) -> Peak:
-    from kiln.partition.extract import lazy_order, normalize_saved, split_outputs, tangent_closure
     graph = joint_gm.graph
     tang = info.tang if info is not None else tangent_closure(graph)
     fwd_out, grads = split_outputs(graph, num_fwd_outputs)
@@ -157,14 +149,14 @@ def _model_peak(joint_gm, saved, num_fwd_outputs, info) -> Peak:
     saved = [s for s in normalize_saved(saved)]
     saved_roots = {_root(s) for s in saved if s.op != "placeholder"}
     stop = set(saved) | {n for n in graph.nodes if n.op == "placeholder"}
-    fw_need = _needed([o for o in fwd_out if isinstance(o, fx.Node)] + list(saved), {
+    fw_need = needed([o for o in fwd_out if isinstance(o, fx.Node)] + list(saved), {
         n for n in graph.nodes if n.op == "placeholder"})
     fw_order = [n for n in graph.nodes if n in fw_need and n not in tang and n.op != "output"]
     fw_keep = saved_roots | {_root(o) for o in fwd_out if isinstance(o, fx.Node)}
     fwd = _replay(fw_order, {}, fw_keep)
     if hold is not None:
         return _model_hold(graph, saved, hold, fwd_out, grads, tang, fwd)
-    bw_need = _needed([g for g in grads if isinstance(g, fx.Node)], stop)
+    bw_need = needed([g for g in grads if isinstance(g, fx.Node)], stop)
     nodes = [n for n in graph.nodes if n.op != "output"]
     available = set(saved) | {n for n in nodes if n.op == "placeholder"}
     bw_order = lazy_order(nodes, bw_need, tang, available)
@@ -175,7 +167,9 @@ def _model_peak(joint_gm, saved, num_fwd_outputs, info) -> Peak:
     return Peak(fwd, bwd, sum(size_bytes(r) for r in saved_roots), flops)
 
 
-def _needed(roots, stop) -> set:
+def needed(roots, stop) -> set:
+    """The nodes ``roots`` need: their inputs, transitively, not walking past ``stop`` nodes (roots
+    themselves are walked through even when in ``stop``)."""
     seen, stack, root_set = set(), list(roots), set(roots)
     while stack:
         n = stack.pop()
@@ -185,42 +179,3 @@ def _needed(roots, stop) -> set:
         if n not in stop or n in root_set:
             stack.extend(a for a in n.all_input_nodes if a not in seen)
     return seen
-
-
-def limit_saved(info, budget: float, opts) -> List[fx.Node]:
-    """The largest budget (at most ``budget``) whose modelled peak fits ``activation_memory_limit``."""
-    from kiln.partition.budget import plan_for_budget
-    limit = parse_bytes(opts.activation_memory_limit)
-
-    def peak_at(b):
-        saved = plan_for_budget(info, b, opts)
-        p = model_peak(info.gm, saved, info.num_fwd_outputs, info)
-        log(3, f"remat: limit {limit} B: budget {b:.4f} -> modelled peak {p.peak} B")
-        return saved, p.peak
-
-    saved, peak = peak_at(budget)
-    if peak <= limit:
-        return saved
-    # The peak is not monotone in the budget (recomputing a whole chain at once can cost more than
-    # saving part of it), so scan a grid downwards, then bisect above the best grid point.
-    grid = [budget * (1 - i / 20) for i in range(1, 21)]
-    best_b, best, lowest = None, None, peak
-    for b in grid:
-        s_b, p_b = peak_at(b)
-        lowest = min(lowest, p_b)
-        if p_b <= limit:
-            best_b, best = b, s_b
-            break
-    if best is None:
-        raise MemoryLimitError(f"partition: activation_memory_limit={opts.activation_memory_limit!r} "
-                               f"({limit} B) is unreachable: the lowest modelled peak over budgets "
-                               f"[0, {budget}] is {lowest} B; raise the limit or shrink the batch")
-    lo, hi = best_b, min(budget, best_b + budget / 20)
-    for _ in range(5):
-        mid = (lo + hi) / 2
-        s_m, p_m = peak_at(mid)
-        if p_m <= limit:
-            lo, best = mid, s_m
-        else:
-            hi = mid
-    return best

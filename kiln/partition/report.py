@@ -14,6 +14,13 @@ import torch.fx as fx
 
 from kiln.options import current
 from kiln.partition import ops
+from kiln.partition.choose import choose_saved
+from kiln.partition.decisions import source_line
+from kiln.partition.default import default_saved
+from kiln.partition.extract import dce, extract
+from kiln.partition.joint_info import JointInfo
+from kiln.partition.mincut import RUNTIME_OPTIMAL, Policy, ban_reason
+from kiln.partition.peak import model_peak, needed
 
 
 @dataclass
@@ -47,34 +54,18 @@ class MemoryReport:
         return "\n".join(lines)
 
 
-def source_line(n: fx.Node) -> str:
-    """The user's source line that produced ``n`` (from meta['stack_trace'])."""
-    st = n.meta.get("stack_trace")
-    if not st:
-        return ""
-    lines = [s.strip() for s in st.strip().splitlines()]
-    lines = [s for s in lines if s and set(s) - set("^~ ")]  # drop caret/tilde marker lines
-    files = [i for i, s in enumerate(lines) if s.startswith("File ")]
-    if not files:
-        return lines[-1] if lines else ""
-    i = files[-1]
-    where = lines[i].split(", in ")[0].replace("File ", "").strip('"')
-    code = lines[i + 1] if i + 1 < len(lines) else ""
-    return f"{where}: {code}"
-
-
 def _capture_joint(fn, args):
     """Trace ``fn`` through Dynamo + AOTAutograd (Dynamo records each node's source line) and keep the
-    joint graph of its (first) graph."""
+    joint graph of its (first) graph. The trace itself runs with the plain partition."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.aot_autograd import make_boxed_func
-    from kiln.partition import partition_joint
     box = {}
 
-    def part(joint, joint_inputs, **kw):
+    def part(joint, joint_inputs, *, num_fwd_outputs, **kw):
         box.setdefault("gm", joint)
-        box.setdefault("n", kw["num_fwd_outputs"])
-        return partition_joint(joint, joint_inputs, opts=current(partitioner="default"), **kw)
+        box.setdefault("n", num_fwd_outputs)
+        dce(joint.graph)
+        return extract(joint, default_saved(joint, num_fwd_outputs), num_fwd_outputs=num_fwd_outputs)
 
     backend = aot_autograd(fw_compiler=lambda g, i: make_boxed_func(g.forward), partition_fn=part)
     with torch.enable_grad():
@@ -91,10 +82,6 @@ def explain_memory(fn, *args, budgets: Optional[Sequence[float]] = None, png: Op
     ``budgets``: also sweep these activation_memory_budget values (default 1.0..0.0 by 0.1 when ``png``
     is given). ``png``: write the budget -> (peak bytes, recompute FLOPs) plot there (matplotlib, Agg).
     """
-    from kiln.partition import choose_saved
-    from kiln.partition.joint_info import JointInfo
-    from kiln.partition.mincut import ban_reason, RUNTIME_OPTIMAL, Policy
-    from kiln.partition.peak import model_peak
     opts = current(**options)
     gm, n = _capture_joint(fn, args)
     info = JointInfo(gm, n)
@@ -121,9 +108,8 @@ def explain_memory(fn, *args, budgets: Optional[Sequence[float]] = None, png: Op
 
 def _recomputed(gm, saved, info) -> List[fx.Node]:
     """Forward-computable call nodes the backward runs (not saved, needed by a gradient)."""
-    from kiln.partition.peak import _needed
     stop = set(saved) | {x for x in gm.graph.nodes if x.op == "placeholder"}
-    need = _needed([g for g in info.grads], stop)
+    need = needed([g for g in info.grads], stop)
     return [x for x in info.fw if x in need and x not in stop and x.op == "call_function"
             and not ops.is_view(x)]
 

@@ -75,7 +75,9 @@ def _onehot(gm: fx.GraphModule) -> None:
 def _pad_matmuls(gm: fx.GraphModule, opts) -> None:
     from kiln.debug import counters
     from kiln.passes.pad_mm import pad_matmuls
-    padded = pad_matmuls(gm, devices=None if opts.pad_matmuls == "always" else ("cuda",))
+    padded = pad_matmuls(gm, devices=None if opts.pad_matmuls == "always" else ("cuda",),
+                         min_flops=opts.tuning.pad_mm_min_flops,
+                         min_flops_per_byte=opts.tuning.pad_mm_min_flops_per_byte)
     if padded:
         counters["kiln"]["pad_mm"] += padded
         log(2, f"pad_mm: {padded} matmuls padded to tensor-core alignment")
@@ -87,7 +89,7 @@ def _builtin(stage: str, gm: fx.GraphModule) -> None:
     if not BUILTIN.get(stage):
         return
     if stage == "joint":  # patterns are traced without AOT's no-op alias nodes
-        from kiln.passes.match_trace import remove_noop_aliases
+        from kiln.passes.match.trace import remove_noop_aliases
         remove_noop_aliases(gm.graph)
     for p in BUILTIN[stage]:
         n = p.apply(gm.graph)

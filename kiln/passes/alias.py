@@ -1,6 +1,6 @@
 """Which storages each FX node may live in, and which storages it writes.
 
-Shared by CSE (``cse.py``) and the pattern matcher (``match_pass.py``) so that mutations
+Shared by CSE (``cse.py``) and the pattern matcher (``match/entries.py``) so that mutations
 block only the rewrites they can affect. Works on three kinds of graph:
 
 * ATen graphs (``make_fx``, AOTAutograd): the op schema's alias annotations decide
@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
-from typing import Dict, FrozenSet, Iterable, List, Tuple
+from typing import Dict, FrozenSet, List, Tuple
 
 import torch
 import torch.fx as fx
@@ -265,8 +265,3 @@ def storages_of_outputs(graph: fx.Graph, analysis: AliasAnalysis) -> FrozenSet:
     for node in graph.find_nodes(op="output"):
         out = out | analysis.of(node.args)
     return out
-
-
-def any_mutation(nodes: Iterable[fx.Node]) -> bool:
-    """Whether some node writes a storage (cheap pre-check before a full analysis)."""
-    return any(written_args(n) for n in nodes)

@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 
 from kiln.debug import log
-from kiln.passes.fold import add_constant, compute_dtype, constant_value, fake_mode_of, like
+from kiln.passes.constant_fold import add_constant, compute_dtype, constant_value, fake_mode_of, like
 
 aten = torch.ops.aten
 

@@ -1,4 +1,4 @@
-"""Channels-last for convolution nets on the GPU: ``to_channels_last(gm)``.
+"""Channels-last for convolution nets on the GPU: ``to_channels_last(gm, opts)``.
 
 cuDNN's fp16/bf16 convolutions run in NHWC; given NCHW tensors they transpose on the way in and
 out. This pass makes every 4-D convolution read a channels-last input (``aten.clone(x,
@@ -20,6 +20,9 @@ view that a channels-last input would break reads a contiguous copy, and ``as_st
 with the eager strides. Graphs with symbolic shapes are left alone (as inductor does). Fake values
 are re-derived only where an input's value changed.
 
+Which devices: option ``layout_devices``, 'cuda' (where channels-last pays) or 'any' (CPU graphs too,
+e.g. to test the pass); ``devices(opts)`` reads it.
+
 A KxK weight goes channels-last in the graph too, once, shared by the convolution and its backward.
 Given an NCHW weight, cuDNN copies it to NHWC inside every call (an ATen ``contiguous``: about 20 us
 of host time and a kernel, in the forward and again in the backward). Under autocast the weight's
@@ -33,11 +36,12 @@ import operator
 import torch
 import torch.fx as fx
 
-from kiln.passes.fold import fake_mode_of, infer_val
+from kiln.options import active
+from kiln.passes.constant_fold import fake_mode_of, infer_val
 
 aten = torch.ops.aten
 CL = torch.channels_last
-DEVICES = ("cuda",)   # where channels-last pays (tests set None: any device)
+LAYOUT_DEVICES = {"cuda": ("cuda",), "any": None}   # option layout_devices -> device types (None: any)
 VIEWS = (aten.view.default, aten._unsafe_view.default)
 STRIDED = (aten.as_strided.default,)   # reads storage through explicit strides
 # convolution op -> (index of the activation whose device decides, indices that should be NHWC)
@@ -66,14 +70,20 @@ def _symbolic(v) -> bool:
     return any(isinstance(s, torch.SymInt) for s in (*v.shape, *v.stride()))
 
 
-def _convs(gm) -> dict:
-    """{convolution node: argument indices to make channels-last} for the 4-D convolutions on DEVICES."""
+def devices(opts=None):
+    """Device types where the layout passes act (None: any), from option ``layout_devices``; without
+    ``opts``, the options of the compile in progress (``kiln.options.active()``)."""
+    return LAYOUT_DEVICES[(opts if opts is not None else active()).layout_devices]
+
+
+def _convs(gm, on) -> dict:
+    """{convolution node: argument indices to make channels-last} for the 4-D convolutions on ``on``."""
     out = {}
     for n in gm.graph.nodes:
         if n.op == "call_function" and n.target in CONVS:
             at, idx = CONVS[n.target]
             v = _val(n.args[at])
-            if isinstance(v, torch.Tensor) and v.dim() == 4 and (DEVICES is None or v.device.type in DEVICES):
+            if isinstance(v, torch.Tensor) and v.dim() == 4 and (on is None or v.device.type in on):
                 out[n] = idx
     return out
 
@@ -137,9 +147,12 @@ def _same_layout(a, b) -> bool:
     return not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor)
 
 
-def to_channels_last(gm: fx.GraphModule) -> int:
-    """Rewrite ``gm`` in place as described above; returns how many convolution inputs changed."""
-    convs = _convs(gm)
+def to_channels_last(gm: fx.GraphModule, opts=None) -> int:
+    """Rewrite ``gm`` in place as described above; returns how many convolution inputs changed.
+
+    ``opts`` (an ``Options``; default: those of the compile in progress, else of the current scope)
+    decides the devices through ``layout_devices``."""
+    convs = _convs(gm, devices(opts))
     if not convs or any(_symbolic(_val(n.args[CONVS[n.target][0]])) for n in convs):
         return 0
     fake = fake_mode_of(gm)

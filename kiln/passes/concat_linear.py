@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 
 from kiln.debug import log
-from kiln.passes.fold import add_constant, constant_value, fake_mode_of, infer_val
+from kiln.passes.constant_fold import add_constant, constant_value, fake_mode_of, infer_val
 
 aten = torch.ops.aten
 VIEWS = (aten.view.default, aten._unsafe_view.default)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from kiln.passes.fold import fake_mode_of, infer_val
+from kiln.passes.constant_fold import fake_mode_of, infer_val
 
 aten = torch.ops.aten
 

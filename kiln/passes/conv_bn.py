@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from kiln.debug import log
-from kiln.passes.fold import add_constant, compute_dtype, constant_value, fake_mode_of, infer_val, like
+from kiln.passes.constant_fold import add_constant, compute_dtype, constant_value, fake_mode_of, infer_val, like
 
 aten = torch.ops.aten
 prims = torch.ops.prims

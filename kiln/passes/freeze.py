@@ -1,6 +1,6 @@
 """Inference freezing: module state becomes constants of the compiled graph, then folds.
 
-``compile_frozen`` is compile.py's branch for ``freezing=True`` under ``torch.no_grad()``:
+The pipeline's inference path for ``freezing=True`` under ``torch.no_grad()`` (kiln/pipeline.py):
 
 1. ``module_state``: which of Dynamo's placeholders are parameters, buffers or tensor attributes of a
    module (an ``nn.Parameter`` example, a ``_parameters``/``_buffers`` source, or Dynamo's static mark).
@@ -11,7 +11,7 @@
    neither mutates nor returns a view of into a ``get_attr`` constant ``_frozen_paramN`` (the real data).
 3. kiln's joint passes (CSE, patterns, user hooks), then ``freezing_passes``: the layout hook, rounds of
    constant folding, conv-BN folding and binary folding, linear concatenation and the mkldnn rewrite.
-4. ``lower`` as usual; the compiled callable drops the frozen positions from its arguments.
+4. the pipeline lowers it as usual; the compiled callable drops the frozen positions from its arguments.
 5. With ``freezing_discard_parameters=True``, ``discard_parameters`` swaps the frozen tensors in every
    module holding them for an ``ErasedTensor``: the originals can be freed and eager calls fail loudly.
 
@@ -28,18 +28,17 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from kiln.debug import counters, log
-from kiln.passes.fold import add_constant, drop_unused_constants, fold_constants, protect_outputs
+from kiln.passes import binary_fold, concat_linear, conv_bn, joint, layout
+from kiln.passes.patterns.mkldnn import pack_conv_weights
+from kiln.passes.constant_fold import add_constant, drop_unused_constants, fold_constants, protect_outputs
 
 aten = torch.ops.aten
-# kiln.passes.patterns.mkldnn entry points tried in order: prepack only (the relu fusion stays a post-grad
-# pattern, so user post-grad passes still see `_convolution_pointwise(..., "none")` + relu, as in seed 002).
-MKLDNN_ENTRY_POINTS = ("pack_conv_weights", "prepack_convolutions")
 MAX_FOLD_ROUNDS = 4
 
 
 @dataclass
 class FrozenRegion:
-    """One compiled region's freezing state, shared by compile_frozen and its inference compiler."""
+    """One compiled region's freezing state, shared by the pipeline's steps (``module_region`` ... ``finish``)."""
     real: list                                 # the real value of each AOT flat input
     state: set                                 # positions holding module state (freeze candidates)
     frozen: list = field(default_factory=list)  # positions turned into constants
@@ -139,26 +138,19 @@ def freeze_placeholders(gm: fx.GraphModule, region: FrozenRegion, fake_mode=None
 
 # -- the freezing passes ------------------------------------------------------------------------------
 def _mkldnn_rewrite(gm: fx.GraphModule, target: str, inputs) -> int:
-    """Seed 002's CPU inference pattern: convolutions become prepacked mkldnn calls (another module)."""
+    """Seed 002's CPU inference pattern: convolutions become prepacked mkldnn calls. Prepacking only:
+    the relu fusion stays a post-grad pattern, so user post-grad passes still see
+    ``_convolution_pointwise(..., "none")`` followed by relu, as in seed 002."""
     on_cpu = all(not isinstance(t, torch.Tensor) or t.device.type == "cpu" for t in inputs)
     if target != "aten" or not on_cpu or not torch.backends.mkldnn.is_available():
         return 0
-    try:
-        from kiln.passes.patterns import mkldnn
-    except ImportError:
-        return 0
-    for name in MKLDNN_ENTRY_POINTS:
-        fn = getattr(mkldnn, name, None)
-        if callable(fn):
-            n = fn(gm) or 0
-            gm.recompile()
-            return int(n)
-    return 0
+    n = pack_conv_weights(gm) or 0
+    gm.recompile()
+    return int(n)
 
 
 def freezing_passes(gm: fx.GraphModule, opts, target: str, trace, fake_mode=None, inputs=()) -> dict:
     """Fold the constants of ``gm`` in place; returns the statistics (also in counters['kiln'])."""
-    from kiln.passes import binary_fold, concat_linear, conv_bn, layout
     stats = {"layout": trace.stage("freeze_layout", layout.convert_conv_weights, gm, opts)}
     stats.update(constant_folded=0, conv_bn_folded=0, binary_folded=0)
     for _ in range(MAX_FOLD_ROUNDS):
@@ -185,8 +177,42 @@ def freezing_passes(gm: fx.GraphModule, opts, target: str, trace, fake_mode=None
     return stats
 
 
-# -- the compiled region --------------------------------------------------------------------------
-def _drop_frozen(compiled, keep: list):
+# -- the compiled region (kiln/pipeline.py calls these in order) -----------------------------------
+def module_region(gm: fx.GraphModule, example_inputs: list) -> "FrozenRegion | None":
+    """The freezing state of Dynamo's graph ``gm``: which AOT inputs are module state (None: none are)."""
+    lifted = _lifted_state(gm)
+    state = set(range(len(lifted))) | {len(lifted) + i for i in module_state(gm, example_inputs)}
+    if not state:
+        return None
+    sources = [None] * len(lifted) + [_source(n) for n in gm.graph.nodes if n.op == "placeholder"]
+    return FrozenRegion(real=lifted + list(example_inputs), state=state, lifted=len(lifted), sources=sources)
+
+
+def keep_whole(decompositions: dict) -> None:
+    """Take eval BatchNorm out of AOTAutograd's decomposition table, so that conv-BN folding sees it."""
+    for op in (aten._native_batch_norm_legit_no_training.default, aten.native_batch_norm.default):
+        decompositions.pop(op, None)
+
+
+def freeze_graph(gm: fx.GraphModule, inputs: list, region: FrozenRegion, opts, target: str, trace) -> list:
+    """The inference graph's stages under freezing: module state becomes constants, then the joint
+    passes and the folding passes run on real tensors. Edits ``gm`` in place and returns the positions
+    of the inputs the compiled graph still takes."""
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    fake_mode = detect_fake_mode(inputs)
+    with unset_fake_temporarily():  # folding computes with the real tensors
+        trace.stage("freeze", freeze_placeholders, gm, region, fake_mode)
+        trace.stage("joint", joint, gm, opts)
+        stats = freezing_passes(gm, opts, target, trace, fake_mode, inputs)
+    log(2, f"freezing: {len(region.frozen)} params frozen, {stats['constant_folded']} nodes folded, "
+           f"{stats['conv_bn_folded']} conv-bn folds, {stats['binary_folded']} binary folds, "
+           f"{stats['concat_linear']} linears concatenated, {stats['constants']} constants")
+    frozen = set(region.frozen)
+    return [i for i in range(len(inputs)) if i not in frozen]
+
+
+def drop_frozen(compiled, keep: list):
     """A boxed callable taking every AOT input that passes only the kept ones to ``compiled``."""
     def run(args):
         kept = [args[i] for i in keep]
@@ -197,57 +223,12 @@ def _drop_frozen(compiled, keep: list):
     return run
 
 
-def compile_frozen(gm: fx.GraphModule, example_inputs: list, opts, trace, aot):
-    """Compile Dynamo's graph ``gm`` for inference with its module state frozen; see the module doc."""
-    from torch._dynamo.backends.common import aot_autograd
-    from kiln import compat, passes
-    from kiln.capture.decomp import decomposition_table
-    from kiln.compile import lower, resolve_target
-
-    if opts.cpp_wrapper:
-        log(1, "cpp_wrapper=True: kiln has no C++ wrapper; running the Python wrapper")
-    lifted = _lifted_state(gm)
-    state = set(range(len(lifted))) | {len(lifted) + i for i in module_state(gm, example_inputs)}
-    if not state:
-        log(1, "freeze: no parameters or buffers in this graph; compiling without freezing")
-        return aot(gm, example_inputs, opts, trace)
-    sources = [None] * len(lifted) + [_source(n) for n in gm.graph.nodes if n.op == "placeholder"]
-    region = FrozenRegion(real=lifted + list(example_inputs), state=state, lifted=len(lifted), sources=sources)
-    target = resolve_target(opts, example_inputs)
-
-    def inference_compiler(g, inputs):
-        from torch._guards import detect_fake_mode
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-        fake_mode = detect_fake_mode(inputs)
-        with unset_fake_temporarily():  # folding computes with the real tensors
-            trace.stage("freeze", freeze_placeholders, g, region, fake_mode)
-            trace.stage("joint", passes.joint, g, opts)
-            stats = freezing_passes(g, opts, target, trace, fake_mode, inputs)
-        log(2, f"freezing: {len(region.frozen)} params frozen, {stats['constant_folded']} nodes folded, "
-               f"{stats['conv_bn_folded']} conv-bn folds, {stats['binary_folded']} binary folds, "
-               f"{stats['concat_linear']} linears concatenated, {stats['constants']} constants")
-        frozen = set(region.frozen)
-        keep = [i for i in range(len(inputs)) if i not in frozen]
-        compiled = lower(g, [inputs[i] for i in keep], opts, trace, "inference", target)
-        return _drop_frozen(compiled, keep)
-
-    def fw_compiler(g, inputs):  # grad is off, so AOTAutograd should only call the inference compiler
-        return lower(g, inputs, opts, trace, "forward", target)
-
-    def bw_compiler(g, inputs):
-        return lower(g, inputs, opts, trace, "backward", target)
-
-    table = decomposition_table(target)
-    for op in (aten._native_batch_norm_legit_no_training.default, aten.native_batch_norm.default):
-        table.pop(op, None)  # keep eval BatchNorm whole so conv-BN folding sees it
-    backend = aot_autograd(**compat.aot_autograd_kwargs(
-        fw_compiler=fw_compiler, bw_compiler=bw_compiler, inference_compiler=inference_compiler,
-        decompositions=table))
-    compiled = backend(gm, example_inputs)
+def finish(region: FrozenRegion, opts) -> None:
+    """After AOTAutograd compiled the region: release the originals (``freezing_discard_parameters``)
+    and the region's references to the real inputs."""
     if opts.freezing_discard_parameters and region.frozen:
         _release(region)
     region.real = []
-    return compiled
 
 
 # -- discarding the originals -----------------------------------------------------------------------

@@ -16,21 +16,21 @@ import torch.fx as fx
 def convert_conv_weights(gm: fx.GraphModule, opts) -> int:
     """Make 4-D constant convolution weights channels-last (in place); returns how many changed.
 
-    Only where ``passes.channels_last`` will make the activations channels-last too (the GPU: its
-    ``DEVICES``), so that cuDNN sees one layout and no convolution converts its weight per call.
+    Only where ``passes.channels_last`` will make the activations channels-last too (option
+    ``layout_devices``: the GPU by default), so that cuDNN sees one layout and no convolution converts
+    its weight per call.
     """
     import torch
     from kiln.passes import channels_last
-    from kiln.passes.fold import fake_mode_of
+    from kiln.passes.constant_fold import fake_mode_of
     if not opts.layout_optimization:
         return 0
-    fake, changed = fake_mode_of(gm), 0
+    fake, changed, devices = fake_mode_of(gm), 0, channels_last.devices(opts)
     for n in list(gm.graph.nodes):
         if n.op != "call_function" or n.target is not torch.ops.aten.convolution.default:
             continue
         w = n.args[1]
         val = w.meta.get("val") if isinstance(w, fx.Node) else None
-        devices = channels_last.DEVICES
         if w.op != "get_attr" or val is None or val.dim() != 4 or (devices is not None and val.device.type not in devices):
             continue
         n.replace_input_with(w, channels_last.copy_before(gm, n, w, torch.channels_last, fake))
@@ -88,7 +88,7 @@ def pin_eager_strides(gm: fx.GraphModule, fake_mode=None) -> int:
     break, and the graph output. Returns how many were inserted.
     """
     import torch
-    from kiln.passes.fold import fake_mode_of, infer_val
+    from kiln.passes.constant_fold import fake_mode_of, infer_val
     fake_mode = fake_mode or fake_mode_of(gm)
     free: set = set()
     for n in gm.graph.nodes:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from kiln.passes.fold import fake_mode_of, infer_val
+from kiln.passes.constant_fold import fake_mode_of, infer_val
 
 aten = torch.ops.aten
 FILLS = {aten.full_like.default: 1, aten.full.default: 1, aten.zeros_like.default: None, aten.zeros.default: None}

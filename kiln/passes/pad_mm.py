@@ -21,10 +21,11 @@ A padded operand that is a transposed view is padded in its storage order and tr
 the pad copies memory in order and one padded tensor serves every matmul that reads it (GPT-2's
 backward pads the logits' gradient once for both lm_head matmuls).
 
-When it pays (both must hold; the constants are module-level so tests can lower them):
-  MIN_FLOPS          1e9  - at 1e9 FLOPs a misaligned H100 matmul takes ~8 us and padding saves ~5 us,
+When it pays (both must hold; options ``tuning.pad_mm_min_flops`` and ``tuning.pad_mm_min_flops_per_byte``,
+passed in as ``min_flops`` and ``min_flops_per_byte``):
+  min_flops          1e9  - at 1e9 FLOPs a misaligned H100 matmul takes ~8 us and padding saves ~5 us,
                             about the cost of one extra kernel launch: smaller matmuls cannot pay.
-  MIN_FLOPS_PER_BYTE 80   - FLOPs per byte copied by the padding (padded operands read and written,
+  min_flops_per_byte 80   - FLOPs per byte copied by the padding (padded operands read and written,
                             plus the output copy when N is padded). Aligned bf16 cuBLAS runs ~300
                             TFLOP/s and misaligned ~2.5x slower (GPT-2 lm_head: 15.5 ms vs ~6 ms), so
                             padding saves 1.5 / 300e12 s per FLOP and costs 1 / 2.5e12 s per byte
@@ -39,12 +40,11 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 
 from kiln.debug import log
-from kiln.passes.fold import fake_mode_of, infer_val
+from kiln.options import Tuning
+from kiln.passes.constant_fold import fake_mode_of, infer_val
 
 aten = torch.ops.aten
 
-MIN_FLOPS = 1e9
-MIN_FLOPS_PER_BYTE = 80.0
 ALIGN = {torch.float16: 8, torch.bfloat16: 8, torch.float32: 4}
 MATMULS = (aten.mm.default, aten.addmm.default, aten.bmm.default)
 _PERMUTES = (aten.permute.default, aten.t.default, aten.transpose.int)
@@ -74,8 +74,10 @@ def _vals(*nodes):
     return [n.meta.get("val") if isinstance(n, fx.Node) else None for n in nodes]
 
 
-def plan(node: fx.Node, devices=("cuda",)):
-    """(pad_m, pad_k, pad_n) for a matmul worth padding, else None (``devices=None``: any device)."""
+def plan(node: fx.Node, devices=("cuda",), min_flops: float = Tuning.pad_mm_min_flops,
+         min_flops_per_byte: float = Tuning.pad_mm_min_flops_per_byte):
+    """(pad_m, pad_k, pad_n) for a matmul worth padding, else None (``devices=None``: any device;
+    the thresholds default to those of the options, see the module docstring)."""
     if node.op != "call_function" or node.target not in MATMULS:
         return None
     a, b, bias = _operands(node)
@@ -109,7 +111,7 @@ def plan(node: fx.Node, devices=("cuda",)):
         copied += batch * (k * n + (k + pad_k) * (n + pad_n)) * size
     if pad_n or (pad_m and av.dim() == 3):
         copied += 2 * batch * m * n * size   # the copy of a sliced output that is not contiguous
-    if flops < MIN_FLOPS or flops < MIN_FLOPS_PER_BYTE * copied:
+    if flops < min_flops or flops < min_flops_per_byte * copied:
         log(5, f"pad_mm: {node.name} misaligned but too small to pay ({flops:.3g} FLOPs, "
                f"{copied} bytes copied)")
         return None
@@ -214,13 +216,17 @@ def _rewrite(b: _Builder, node: fx.Node, pads) -> None:
     b.g.erase_node(node)
 
 
-def pad_matmuls(gm: fx.GraphModule, devices=("cuda",)) -> int:
+def pad_matmuls(gm: fx.GraphModule, devices=("cuda",), *, min_flops: float = Tuning.pad_mm_min_flops,
+                min_flops_per_byte: float = Tuning.pad_mm_min_flops_per_byte) -> int:
     """Pad misaligned mm / addmm / bmm nodes of ``gm`` in place (operands on ``devices``, or any
-    device when None); returns how many matmuls were rewritten. Needs fake values in meta['val']."""
+    device when None) where they pay (``min_flops``, ``min_flops_per_byte``: the options
+    ``tuning.pad_mm_min_flops*``); returns how many matmuls were rewritten. Needs fake values in
+    meta['val']."""
     fake_mode = fake_mode_of(gm)
     if fake_mode is None:
         return 0
-    todo = [(n, p) for n in gm.graph.nodes if (p := plan(n, devices)) is not None]
+    todo = [(n, p) for n in gm.graph.nodes
+            if (p := plan(n, devices, min_flops, min_flops_per_byte)) is not None]
     if not todo:
         return 0
     builder = _Builder(gm, fake_mode)

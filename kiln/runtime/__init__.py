@@ -1,2 +1,3 @@
-"""Runtime: load generated wrapper modules and keep the registry that run_and_get_code reads."""
-from kiln.runtime.load import load, Compiled  # noqa: F401
+"""What runs at load and launch time: the wrapper's loading (``load``), generated kernels' modules and
+their cache (``kernels``), launches (``launch``), precompile workers (``precompile``), target checks
+(``check``) and CUDA graphs (``cudagraph``). Generated kernel modules import ``kiln.runtime.launch``."""

@@ -35,6 +35,7 @@ import torch
 import torch.fx as fx
 
 from kiln.debug import counters, log
+from kiln.partition import ops
 
 _use_count = torch._C._storage_Use_Count
 
@@ -81,7 +82,6 @@ def device_pool(index: Optional[int] = None) -> Pool:
 
 def mutated_inputs(gm: fx.GraphModule) -> set:
     """Positions of placeholders that ops in ``gm`` write to (through views as well)."""
-    from kiln.partition import ops
     pos = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
     out = set()
     for n in gm.graph.nodes:
@@ -276,8 +276,11 @@ class Graphed:
         return self._outputs()
 
 
-def wrap(compiled, example_inputs, *, kind: str, n_user: int, mutated: set, pool: Optional[Pool] = None):
-    """``compiled`` as a ``Graphed`` function, or unchanged (with the reason logged) if it cannot be."""
+def wrap(compiled, example_inputs, *, kind: str, n_user: int, mutated: set, pool: Optional[Pool] = None,
+         positions=None):
+    """``compiled`` as a ``Graphed`` function, or unchanged (with the reason logged) if it cannot be.
+    ``positions``: the AOTAutograd input position of each input of ``compiled`` when it takes only some
+    (freezing drops the frozen ones), so that AOTAutograd's static inputs are found among them."""
     sources = [compiled.source] + [k.source for k in compiled.wrapper.kernels]
     why = refusal(sources, example_inputs)
     if why:
@@ -289,6 +292,8 @@ def wrap(compiled, example_inputs, *, kind: str, n_user: int, mutated: set, pool
         ctx = torch._guards.TracingContext.try_get()
         meta = getattr(ctx, "fw_metadata", None) if ctx is not None else None
         static = set(getattr(meta, "static_input_indices", None) or ())
+        if positions is not None:
+            static = {j for j, i in enumerate(positions) if i in static}
     n_user = {"inference": 1 << 30, "forward": n_user, "backward": 0}[kind]
     dev = next((x.device for x in example_inputs if isinstance(x, torch.Tensor)), None)
     return Graphed(compiled, name=compiled.name, pool=pool or device_pool(dev.index if dev else None),

@@ -5,6 +5,7 @@ import hashlib
 import linecache
 
 from kiln.codegen.wrapper import Wrapper
+from kiln.runtime.kernels import KernelCall
 
 # Lists that collect generated sources while a run_and_get_code scope is active. A plain list, not a
 # context variable: the backward is compiled lazily, on autograd's device threads on GPU.
@@ -38,7 +39,6 @@ def direct_kernel_calls(namespace: dict) -> int:
     """After a wrapper's first call: bind each kernel that ran to its module's ``call`` in place of
     the ``KernelCall`` around it (whose only job, the ATen fallback of a first call that fails,
     is done), two Python frames less per launch. Returns how many were rebound."""
-    from kiln.codegen.fallback import KernelCall
     n = 0
     for name, obj in list(namespace.items()):
         if isinstance(obj, KernelCall) and obj.kernel.ran and obj.kernel._call is not None:

@@ -3,7 +3,7 @@ forgets the kernels it built for earlier rows."""
 import os
 
 from kiln.bench import backends as B
-from kiln.codegen import kernel
+from kiln.runtime import kernels as kernel
 
 
 def test_each_row_gets_cold_caches():

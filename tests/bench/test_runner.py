@@ -22,16 +22,13 @@ def test_variants_sweep_only_compiled_training():
     assert runner.variants(infer, ["eager", "kiln"], [1.0, 0.5]) == [("eager", None), ("kiln", None)]
 
 
-def test_backend_failure_is_a_row(monkeypatch):
-    real = B.compile_model
-
+def test_backend_failure_is_a_row():
     def broken(backend, model, options=None, budget=None):
         if backend == "kiln":
             raise RuntimeError("lowering failed\nmore")
-        return real(backend, model, options, budget)
+        return B.compile_model(backend, model, options, budget)
 
-    monkeypatch.setattr(B, "compile_model", broken)
-    rows = list(runner.run_case(_case(), "fp32", ["kiln", "eager"], None, CFG))
+    rows = list(runner.run_case(_case(), "fp32", ["kiln", "eager"], None, CFG, compile_model=broken))
     assert [r["backend"] for r in rows] == ["kiln", "eager"]
     assert rows[0]["status"] == "error" and rows[0]["stage"] == "compile"
     assert rows[0]["error"] == "RuntimeError: lowering failed ... more"
@@ -45,16 +42,14 @@ def test_build_failure_gives_error_rows():
     assert [(r["backend"], r["budget"], r["stage"]) for r in rows] == [("eager", None, "build"), ("kiln", 0.5, "build")]
 
 
-def test_wrong_result_fails_check(monkeypatch):
-    real = B.compile_model
-
+def test_wrong_result_fails_check():
     def wrong(backend, model, options=None, budget=None):
         if backend == "kiln":
             return lambda x: model(x) * 1.01
-        return real(backend, model, options, budget)
+        return B.compile_model(backend, model, options, budget)
 
-    monkeypatch.setattr(B, "compile_model", wrong)
-    rows = {r["backend"]: r for r in runner.run_case(_case(), "fp32", ["eager", "kiln"], None, CFG)}
+    rows = {r["backend"]: r for r in runner.run_case(_case(), "fp32", ["eager", "kiln"], None, CFG,
+                                                     compile_model=wrong)}
     assert rows["eager"]["check"] == "ref"
     assert rows["kiln"]["status"] == "ok" and rows["kiln"]["ok"] is False
 

@@ -37,5 +37,5 @@ if __name__ == "__main__":
     bench("sum of 64M", lambda g: g.sum(), torch.randn(1 << 26, device=d))
     bench("ln bwd 16384x1024 (w, b grads)", lambda g, x: ((g * x).sum(0), g.sum(0)), torch.randn(16384, 1024, device=d),
           torch.randn(16384, 1024, device=d))
-    from kiln.codegen import launch
+    from kiln.runtime import launch
     print("autotuned:", launch._TUNED)

@@ -16,10 +16,9 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from kiln.codegen.check import compile_for_target
-from kiln.codegen.fuse import fuse_graph
-from kiln.options import Options
-from tests.codegen.util import decompositions, kernels
+from kiln.options import Tuning
+from kiln.runtime.check import compile_for_target
+from tests.codegen.util import decompositions, fuse, kernels
 
 
 def _toolchain_missing():
@@ -85,7 +84,7 @@ def _compile_all(fn, shapes, dtype=torch.float32, n_diff=0, int_args=(), autocas
     with mode:
         args = [torch.empty(a.shape, dtype=a.dtype, device="cuda") for a in cpu_args]
         gm = make_fx(gm, decomposition_table=decompositions())(*args)
-    n = fuse_graph(gm, args, Options(codegen="triton"), strict=True)
+    n = fuse(gm, args)
     assert n > 0 and kernels(gm)
     done = set()
     for node in gm.graph.nodes:
@@ -163,18 +162,16 @@ def test_chained_tail_and_last_program_kernels():
     gm = _compile_all(lambda x, y: F.cross_entropy(x, y), [(8192, 50257)], int_args=[((8192,), 50257)])
     assert len(kernels(gm)) == 1
     _compile_all(lambda x, y: F.cross_entropy(x, y), [(8192, 1000)], n_diff=1, int_args=[((8192,), 1000)])
-    import kiln.codegen.kernel as K
+    import kiln.runtime.kernels as K
     sources = [k.source for k in K._CACHE.values() if not k.interpret]
     assert any("_tail(" in s and "cache_modifier='.cg'" in s for s in sources)
     assert any("part_ptr0" in s and "atomic_xchg" in s for s in sources)
     # a split column sum too wide to fold (5000 columns): its chained final steps over the columns in
-    # tiles of chain.TAIL_TILE elements (64 columns at most, before)
+    # tiles of tuning.tail_tile elements (64 columns at most, before)
     import re
-
-    from kiln.codegen.chain import TAIL_TILE
     gm = _compile_all(lambda x: x.sum(0), [(65536, 5000)])
     calls = re.findall(r"_tail\((?:\w+, )+(\d+), (\d+)\)", kernels(gm)[0].source)
-    assert len(kernels(gm)) == 1 and calls and int(calls[0][0]) * int(calls[0][1]) >= TAIL_TILE, calls
+    assert len(kernels(gm)) == 1 and calls and int(calls[0][0]) * int(calls[0][1]) >= Tuning().tail_tile, calls
 
 
 def test_rms_norm_bf16():

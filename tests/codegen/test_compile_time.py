@@ -4,9 +4,15 @@ import sympy
 import torch
 import torch.nn.functional as F
 
-from kiln.codegen import indexing, schedule
-from kiln.codegen.indexing import RINDEX, XINDEX, FloorDiv, ModIdx, Ranges, equal, flat_index, simplify, unflatten
-from tests.codegen.util import check, kernels
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from kiln.codegen.ir import indexing
+from kiln.codegen.ir.indexing import RINDEX, XINDEX, FloorDiv, ModIdx, Ranges, equal, flat_index, simplify, unflatten
+from kiln.codegen.lower import Lowering
+from kiln.codegen.schedule import domain
+from kiln.codegen.schedule import fuse as schedule
+from kiln.options import current
+from tests.codegen.util import check, decompositions
 
 
 def blocks(x, w1, w2, w3, g, b):
@@ -23,34 +29,52 @@ def _args():
     return [torch.randn(6, 16)] + [torch.randn(16, 16) / 4 for _ in range(3)] + [torch.randn(16), torch.randn(16)]
 
 
-def _sources(gm):
-    return [k.source for k in kernels(gm)]
+def test_pruned_cycle_walk_groups_as_the_full_walk():
+    """The scheduler's cycle check skips units ranked above every grouped one; without that pruning
+    (every rank -1: the walk visits everything) the same groups come out."""
+    gm = make_fx(blocks, decomposition_table=decompositions(), tracing_mode="fake")(*_args())
+    opts = current(codegen="triton")
+
+    class Unpruned(schedule.Scheduler):
+        def _build_graph(self):
+            super()._build_graph()
+            self._rank = {u: -1 for u in self._rank}
+
+    def groups(cls):
+        lw = Lowering(gm, opts).run()
+        position = {id(b): i for i, b in enumerate(lw.computed)}   # names differ between lowerings
+        return [[position.get(id(b)) for b in g.nodes] for g in cls(lw, opts.tuning).run()]
+    fast = groups(schedule.Scheduler)
+    assert len(fast) >= 3 and fast == groups(Unpruned)
 
 
-def test_cycle_pruning_and_memos_change_no_kernel(monkeypatch):
-    gm = check(blocks, *_args(), atol=1e-4, rtol=1e-4)
-    fast = _sources(gm)
-    assert len(fast) >= 3
-    # the same compile without pruning (every rank -1) and with memos that never remember
-    monkeypatch.setattr(schedule, "_topological_rank", lambda succ: {u: -1 for u in _units(succ)})
-    monkeypatch.setattr(indexing, "_MEMO", _Forgetful())
-    monkeypatch.setattr(schedule, "_LOADS", _Forgetful())
-    indexing._is_multiple.cache_clear()
-    slow = _sources(check(blocks, *_args(), atol=1e-4, rtol=1e-4))
-    assert slow == fast
-    assert len(indexing._MEMO) == 0
-
-
-class _Forgetful(dict):
-    def __setitem__(self, key, value):
-        pass
-
-
-def _units(succ):
-    out = set(succ)
-    for ss in succ.values():
-        out |= set(ss)
-    return out
+def test_memos_hold_what_a_cold_call_computes():
+    """After a compile, every entry of the index memo is what its function computes afresh (a memo
+    keyed too coarsely would hand one index's answer to another)."""
+    indexing._MEMO.clear()
+    check(blocks, *_args(), atol=1e-4, rtol=1e-4)
+    entries = list(indexing._MEMO.items())
+    kinds = {key[0] for key, _ in entries}
+    assert {"u", "f", "s", "e", "pl", "dv"} <= kinds, kinds
+    for key, value in entries:
+        kind = key[0]
+        if kind == "u":
+            fresh = tuple(indexing._unflatten(key[1], list(key[2])))
+        elif kind == "f":
+            _, index, strides, offset = key
+            fresh = offset + sum((i * st for i, st in zip(index, strides) if st != 0), sympy.Integer(0))
+        elif kind == "s":
+            fresh = indexing._simplify(sympy.expand(key[1]), Ranges(dict(key[2])))
+        elif kind == "e":
+            fresh = indexing._equal(key[1], key[2], Ranges(dict(key[3])), key[4])
+        elif kind == "pl":
+            placed = domain._place(list(key[1]), key[2], None if key[3] is None else list(key[3]))
+            fresh = False if placed is None else tuple(placed)
+        elif kind == "dv":
+            fresh = tuple(domain._domain_vars(key[1]))
+        else:
+            continue
+        assert fresh == value, (key, value, fresh)
 
 
 def test_topological_rank_orders_every_edge():

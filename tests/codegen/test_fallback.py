@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from triton.runtime.errors import OutOfResources
 
 from kiln import options
-from kiln.codegen.fallback import KernelCall
+from kiln.runtime.kernels import KernelCall
 from kiln.debug import counters
 from tests.codegen.util import assert_close, fused
 
@@ -126,7 +126,7 @@ def test_error_after_a_good_call_propagates(monkeypatch):
 
 def test_real_broken_source_falls_back(monkeypatch):
     """A kernel module that does not compile (here: does not even import) takes the fallback."""
-    from kiln.codegen.kernel import Kernel
+    from kiln.runtime.kernels import Kernel
     x = torch.randn(4, 9)
     gm, _ = fused(lambda x: torch.tanh(x) + x, x)
     site = _sites(gm)[0]

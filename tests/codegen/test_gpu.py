@@ -87,11 +87,11 @@ def test_dynamic_shapes():
 
 def test_autotune():
     from torch.fx.experimental.proxy_tensor import make_fx
-    from kiln.codegen.fuse import fuse_graph
+    from tests.codegen.util import fuse
     from kiln.options import Options
     x = r(512, 2048)
     gm = make_fx(lambda x: torch.softmax(x * 2, -1), tracing_mode="fake")(x)
-    assert fuse_graph(gm, [x], Options(codegen="triton", max_autotune=True), strict=True) == 1
+    assert fuse(gm, [x], max_autotune=True) == 1
     torch.testing.assert_close(gm(x), torch.softmax(x * 2, -1))
 
 
@@ -116,7 +116,7 @@ def test_kiln_compile_train_step():
 def test_fast_launch_respecializes_on_alignment():
     """The cached launcher is reused only for arguments that specialize alike: a view 4 bytes off
     16-byte alignment must get its own compiled kernel and stay exact."""
-    from kiln.codegen import launch
+    from kiln.runtime import launch
 
     def fn(x):
         return torch.sigmoid(x) * x + 1.0

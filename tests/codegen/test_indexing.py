@@ -1,9 +1,9 @@
 """Index arithmetic: unflatten/flatten round trips, view index maps, range-aware simplification."""
 import sympy
 
-from kiln.codegen.indexing import (XINDEX, FloorDiv, ModIdx, Ranges, contiguous_strides, equal, flat_index,
+from kiln.codegen.ir.indexing import (XINDEX, FloorDiv, ModIdx, Ranges, contiguous_strides, equal, flat_index,
                                    simplify, unflatten)
-from kiln.codegen.lower_view import reshape_index
+from kiln.codegen.lower.view import reshape_index
 
 
 def test_contiguous_roundtrip_collapses_to_xindex():

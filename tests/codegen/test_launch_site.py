@@ -1,7 +1,7 @@
 """The launch-site cache: a compiled kernel is reused only for arguments that specialize alike."""
 import torch
 
-from kiln.codegen import launch
+from kiln.runtime import launch
 
 
 class Kernel:
@@ -18,59 +18,57 @@ class FakeCompiled:
         self.runs += 1
 
 
-def _setup(monkeypatch):
-    slow = []
-    ck = FakeCompiled()
+class Driver:
+    """Stand-ins for the CUDA driver's functions (``launch.Sites``): device 0, stream 0, no hooks, and
+    a general path that records its calls and returns ``ck``."""
 
-    def fake_general(kernel, grid, args, consts, warps):
-        slow.append(args)
-        return ck
-    monkeypatch.setattr(launch, "_launch", fake_general)
-    monkeypatch.setattr(launch, "_device", lambda: 0)
-    monkeypatch.setattr(launch, "_stream_of", lambda dev: 0)
-    monkeypatch.setattr(launch, "_hooks_on", lambda: False)
-    return slow, ck
+    def __init__(self, ck=None):
+        self.slow, self.ck, self.dev = [], ck or FakeCompiled(), 0
+        self.c_ok = False
 
+    def general(self, kernel, grid, args, consts, warps):
+        self.slow.append(args)
+        return self.ck
 
-def test_site_reuses_the_kernel_for_aligned_tensors_and_generic_seeds(monkeypatch):
-    slow, ck = _setup(monkeypatch)
-    kernel = Kernel()
-    buf = torch.empty(64)
-    launch.launch(kernel, (buf, buf, 12345), (4,), (16,), 4)    # first call: the general path
-    launch.launch(kernel, (buf, buf, 777), (4,), (16,), 4)      # then the site
-    assert len(slow) == 1 and ck.runs == 1
+    def sites(self):
+        return launch.Sites(lambda: self.dev, lambda dev: 0, lambda: False, self.general, lambda: self.c_ok)
 
 
-def test_site_falls_back_for_misaligned_tensors_and_special_integers(monkeypatch):
-    slow, ck = _setup(monkeypatch)
-    kernel = Kernel()
-    buf = torch.empty(64)
-    launch.launch(kernel, (buf, 12345), (4,), (16,), 4)
-    launch.launch(kernel, (buf[1:], 12345), (4,), (16,), 4)   # 4 bytes off alignment
-    launch.launch(kernel, (buf, 32), (4,), (16,), 4)          # a seed divisible by 16
-    launch.launch(kernel, (buf, 1), (4,), (16,), 4)           # a seed equal to 1
-    assert len(slow) == 4 and ck.runs == 0
+def test_site_reuses_the_kernel_for_aligned_tensors_and_generic_seeds():
+    d = Driver()
+    sites, kernel, buf = d.sites(), Kernel(), torch.empty(64)
+    sites.launch(kernel, (buf, buf, 12345), (4,), (16,), 4)    # first call: the general path
+    sites.launch(kernel, (buf, buf, 777), (4,), (16,), 4)      # then the site
+    assert len(d.slow) == 1 and d.ck.runs == 1
 
 
-def test_no_site_is_made_from_a_misaligned_first_call(monkeypatch):
-    slow, ck = _setup(monkeypatch)
-    kernel = Kernel()
-    buf = torch.empty(64)
-    launch.launch(kernel, (buf[1:],), (4,), (16,), 4)
-    launch.launch(kernel, (buf,), (4,), (16,), 4)
-    assert len(slow) == 2 and ck.runs == 0
-    launch.launch(kernel, (buf,), (4,), (16,), 4)
-    assert ck.runs == 1
+def test_site_falls_back_for_misaligned_tensors_and_special_integers():
+    d = Driver()
+    sites, kernel, buf = d.sites(), Kernel(), torch.empty(64)
+    sites.launch(kernel, (buf, 12345), (4,), (16,), 4)
+    sites.launch(kernel, (buf[1:], 12345), (4,), (16,), 4)   # 4 bytes off alignment
+    sites.launch(kernel, (buf, 32), (4,), (16,), 4)          # a seed divisible by 16
+    sites.launch(kernel, (buf, 1), (4,), (16,), 4)           # a seed equal to 1
+    assert len(d.slow) == 4 and d.ck.runs == 0
 
 
-def test_a_site_is_bound_to_its_device(monkeypatch):
-    slow, ck = _setup(monkeypatch)
-    kernel = Kernel()
-    buf = torch.empty(64)
-    launch.launch(kernel, (buf,), (4,), (16,), 4)
-    monkeypatch.setattr(launch, "_device", lambda: 1)      # the same kernel launched on another GPU
-    launch.launch(kernel, (buf,), (4,), (16,), 4)
-    assert len(slow) == 2 and ck.runs == 0
+def test_no_site_is_made_from_a_misaligned_first_call():
+    d = Driver()
+    sites, kernel, buf = d.sites(), Kernel(), torch.empty(64)
+    sites.launch(kernel, (buf[1:],), (4,), (16,), 4)
+    sites.launch(kernel, (buf,), (4,), (16,), 4)
+    assert len(d.slow) == 2 and d.ck.runs == 0
+    sites.launch(kernel, (buf,), (4,), (16,), 4)
+    assert d.ck.runs == 1
+
+
+def test_a_site_is_bound_to_its_device():
+    d = Driver()
+    sites, kernel, buf = d.sites(), Kernel(), torch.empty(64)
+    sites.launch(kernel, (buf,), (4,), (16,), 4)
+    d.dev = 1      # the same kernel launched on another GPU
+    sites.launch(kernel, (buf,), (4,), (16,), 4)
+    assert len(d.slow) == 2 and d.ck.runs == 0
 
 
 class FakeCLauncher:
@@ -88,25 +86,24 @@ class FakeCLauncher:
         raise AssertionError("the site should call the C launcher directly")
 
 
-def test_site_calls_the_c_launcher_with_its_argument_layout(monkeypatch):
-    slow, _ = _setup(monkeypatch)
-    monkeypatch.setattr(launch, "_c_launcher_ok", lambda: True)
+def test_site_calls_the_c_launcher_with_its_argument_layout():
     ck = FakeCompiled()
     ck.run, ck.function, ck.packed_metadata = FakeCLauncher(), 77, (4, 1, 0)
-    monkeypatch.setattr(launch, "_launch", lambda *a: slow.append(a) or ck)
-    kernel = Kernel()
-    buf = torch.empty(64)
-    launch.launch(kernel, (buf, 12345), (3,), (16,), 4)
-    launch.launch(kernel, (buf, 777), (3,), (16,), 4)
-    assert len(slow) == 1
+    d = Driver(ck)
+    d.c_ok = True
+    sites, kernel, buf = d.sites(), Kernel(), torch.empty(64)
+    sites.launch(kernel, (buf, 12345), (3,), (16,), 4)
+    sites.launch(kernel, (buf, 777), (3,), (16,), 4)
+    assert len(d.slow) == 1
     # grid, stream, function, cooperative, pdl, scratch x2, metadata, launch metadata, hooks x2, args
     assert ck.run.calls == [(3, 1, 1, 0, 77, False, False, None, None, (4, 1, 0), None, None, None, buf, 777, 16)]
 
 
-def test_scratch_memory_keeps_the_python_launcher(monkeypatch):
-    slow, _ = _setup(monkeypatch)
+def test_scratch_memory_keeps_the_python_launcher():
     ck = FakeCompiled()
     ck.run = FakeCLauncher()
     ck.run.global_scratch_size = 128
-    fn, head, pm = launch._launcher(ck)
+    d = Driver(ck)
+    d.c_ok = True
+    fn, head, pm = d.sites().launcher(ck)
     assert fn is not ck.run.launch and head == (ck.function,)

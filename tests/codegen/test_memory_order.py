@@ -2,8 +2,8 @@
 import sympy
 import torch
 
-from kiln.codegen.indexing import XINDEX
-from kiln.codegen.schedule import memory_unflatten
+from kiln.codegen.ir.indexing import XINDEX
+from kiln.codegen.schedule.domain import memory_unflatten
 from tests.codegen.util import check, kernels
 
 
@@ -37,8 +37,8 @@ def test_transposed_copy_fused_with_a_column_sum_is_stored_in_address_order():
 
 
 def test_long_column_sum_loops_over_a_tile_of_columns():
-    from kiln.codegen.triton import OUTER_PERSISTENT_MAX
-    x = torch.randn(4 * OUTER_PERSISTENT_MAX, 48)
+    from kiln.options import Tuning
+    x = torch.randn(4 * Tuning().outer_persistent_max, 48)
     gm = check(lambda a: (a * 2).sum(0), x, atol=1e-4, rtol=1e-4)
     (k,) = kernels(gm)
     assert "for roffset in range" in k.source

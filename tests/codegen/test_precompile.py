@@ -1,4 +1,4 @@
-"""Parallel precompile (codegen/precompile.py), checked on the CPU with a stand-in CUDA driver.
+"""Parallel precompile (runtime/precompile.py), checked on the CPU with a stand-in CUDA driver.
 
 Triton's JIT needs an active driver only for the device, the stream and the target; a driver that
 answers sm_90 lets ``JITFunction.warmup`` compile kiln's real kernels here (frontend, MLIR, ptxas).
@@ -16,11 +16,12 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from kiln.codegen import precompile
-from kiln.codegen.fuse import fuse_graph
 from kiln.options import Options
+from kiln.runtime import precompile
 from tests.codegen.test_compile_sm90 import _grad, _to_cuda, _toolchain_missing
-from tests.codegen.util import decompositions
+from tests.codegen.util import decompositions, fuse
+
+MIN = "tuning.precompile_min_kernels"
 
 pytestmark = pytest.mark.skipif(_toolchain_missing() is not None, reason=str(_toolchain_missing()))
 
@@ -46,7 +47,7 @@ def _fused_cuda_graph():
     with FakeTensorMode(allow_non_fake_inputs=True):
         args = [torch.empty(a.shape, device="cuda") for a in cpu]
         gm = make_fx(gm, decomposition_table=decompositions())(*args)
-    fuse_graph(gm, args, Options(codegen="triton"), strict=True)
+    fuse(gm, args)
     return gm
 
 
@@ -80,26 +81,24 @@ def _launch_like_runtime(todo):
         getattr(mod, fn_name).warmup(*real, grid=(1,), num_warps=warps, **consts)
 
 
-def test_pool_compiles_for_the_runtime(sm90_driver, monkeypatch):
+def test_pool_compiles_for_the_runtime(sm90_driver):
     """warm() end to end: spawned workers (given the parent's target, no CUDA) fill the cache the
     runtime's launches then hit."""
     gm = _fused_cuda_graph()
     precompile._DONE.clear()
-    monkeypatch.setattr(precompile, "MIN_KERNELS", 1)
     todo = precompile.tasks(gm)
     precompile._DONE.clear()
-    assert precompile.warm(gm, Options(compile_workers=2)) == len(todo) > 0
+    assert precompile.warm(gm, Options(compile_workers=2).replace(**{MIN: 1})) == len(todo) > 0
     warmed = _entries(sm90_driver)
     assert warmed >= len({t[1] for t in todo})
     _launch_like_runtime(todo)
     assert _entries(sm90_driver) == warmed
-    # once the pool runs, a graph with fewer kernels than MIN_KERNELS is warmed too
+    # once the pool runs, a graph with fewer kernels than tuning.precompile_min_kernels is warmed too
     precompile._DONE.clear()
-    monkeypatch.setattr(precompile, "MIN_KERNELS", 100)
-    assert precompile.warm(gm, Options(compile_workers=2)) == len(todo)
+    assert precompile.warm(gm, Options(compile_workers=2).replace(**{MIN: 100})) == len(todo)
 
 
-def test_no_target_no_precompile(monkeypatch):
+def test_no_target_no_precompile():
     """Without a GPU target (this CPU machine, no stand-in driver) warm() starts nothing, raises
     nothing, and kernels compile at their first launch as before."""
     if not torch.cuda.is_available():
@@ -107,8 +106,7 @@ def test_no_target_no_precompile(monkeypatch):
     assert precompile.n_workers(Options(compile_workers=0)) == 0
     gm = _fused_cuda_graph()
     precompile._DONE.clear()
-    monkeypatch.setattr(precompile, "MIN_KERNELS", 1)
-    assert precompile.warm(gm, Options(compile_workers=1)) == 0
+    assert precompile.warm(gm, Options(compile_workers=1).replace(**{MIN: 1})) == 0
 
 
 def test_workers_do_not_rerun_an_unguarded_user_script(tmp_path):
@@ -124,12 +122,12 @@ def test_workers_do_not_rerun_an_unguarded_user_script(tmp_path):
         "print('SCRIPT RUNS', flush=True)\n"
         "from triton.backends.compiler import GPUTarget\n"
         "from triton.runtime.driver import driver\n"
-        "from kiln.codegen import precompile\n"
+        "from kiln.runtime import precompile\n"
         "from kiln.options import Options\n"
         "import tests.codegen.test_precompile as T\n"
         "driver.set_active(precompile.target_only_driver(GPUTarget('cuda', 90, 32)))\n"
-        "precompile.MIN_KERNELS = 1\n"
-        "print('warmed', precompile.warm(T._fused_cuda_graph(), Options(compile_workers=2)), flush=True)\n")
+        "opts = Options(compile_workers=2).replace(**{'tuning.precompile_min_kernels': 1})\n"
+        "print('warmed', precompile.warm(T._fused_cuda_graph(), opts), flush=True)\n")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_CACHE_DIR": str(tmp_path / "triton")}
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
                          env=env).stdout
@@ -152,11 +150,11 @@ def test_workers_build_the_launchers(sm90_driver, monkeypatch):
     assert sorted(built) == sorted((t[2], t[5]) for t in todo)
 
 
-def test_early_start_is_off_without_workers(monkeypatch):
+def test_early_start_is_off_without_workers():
     """start() spawns nothing when precompiling is off (no GPU target, or compile_workers=0)."""
-    monkeypatch.setattr(precompile, "_POOL", [])
+    before = list(precompile._POOL)
     precompile.start(Options(compile_workers=0))
-    assert precompile._POOL == []
+    assert precompile._POOL == before
 
 
 def test_workers_key_with_the_parents_ptxas_version(sm90_driver, monkeypatch):

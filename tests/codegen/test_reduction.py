@@ -3,12 +3,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kiln.codegen import launch, modsource
-from kiln.codegen.triton import PERSISTENT_MAX
+import kiln
+from kiln.codegen.lower.split import split_count
+from kiln.options import Tuning
 from tests.codegen.util import aten_ops, check, fused, kernels
 
 
-LOOPED = PERSISTENT_MAX + 904   # a row length that loops (and is no multiple of a block)
+LOOPED = Tuning().persistent_max + 904   # a row length that loops (and is no multiple of a block)
 
 
 def layer_norm(x, w, b):
@@ -108,13 +109,12 @@ def test_online_softmax_rows_with_infinities(fn):
     assert _one_loop_pair(gm) == (fn(torch.zeros(1, 1)).shape != (1,))   # logsumexp keeps two passes
 
 
-def test_online_softmax_switch_gives_the_same_values(monkeypatch):
-    import kiln.codegen.triton_rows as tr
+def test_online_softmax_switch_gives_the_same_values():
     x = torch.randn(5, LOOPED)
     on = check(lambda x: torch.softmax(x, -1), x, atol=1e-5, rtol=1e-4)
     assert _one_loop_pair(on)
-    monkeypatch.setattr(tr, "ONLINE_SOFTMAX", False)
-    off = check(lambda x: torch.softmax(x, -1), x, atol=1e-5, rtol=1e-4)
+    with kiln.config.patch(**{"tuning.online_softmax": False}):
+        off = check(lambda x: torch.softmax(x, -1), x, atol=1e-5, rtol=1e-4)
     assert not _one_loop_pair(off)
 
 
@@ -128,33 +128,30 @@ def test_online_cross_entropy_bf16_logits():
           ref_fp64=True)
 
 
-def test_row_loops_set_l2_eviction_policies(monkeypatch):
+def test_row_loops_set_l2_eviction_policies():
     """A buffer that a later row loop reads again is loaded evict_last (it stays in L2 for the next
     pass), its last read evict_first; a one-loop kernel keeps the default policy (the next kernel may
     read its input from L2); the switch removes them."""
-    import kiln.codegen.triton_rows as tr
     x = torch.randn(3, LOOPED)
     src = kernels(check(lambda x: torch.softmax(x, -1), x, atol=1e-5, rtol=1e-4))[0].source
     first, second = src.split("for roffset")[1:3]
     assert "evict_last" in first and "evict_first" not in first
     assert "evict_first" in second and "evict_last" not in second
     src = kernels(check(lambda x: x.sum(-1), x, atol=1e-4, rtol=1e-4))[0].source
-    assert "eviction_policy" not in src and "\x00" not in src
-    monkeypatch.setattr(tr, "EVICT_POLICIES", False)
-    src = kernels(check(lambda x: torch.softmax(x, -1), x, atol=1e-5, rtol=1e-4))[0].source
-    assert "eviction_policy" not in src and "\x00" not in src
+    assert "eviction_policy" not in src
+    with kiln.config.patch(**{"tuning.evict_policies": False}):
+        src = kernels(check(lambda x: torch.softmax(x, -1), x, atol=1e-5, rtol=1e-4))[0].source
+    assert "eviction_policy" not in src
+    with kiln.config.patch(**{"tuning.evict_single_pass": True}):   # one pass: streamed too
+        src = kernels(check(lambda x: x.sum(-1), x, atol=1e-4, rtol=1e-4))[0].source
+    assert "evict_first" in src and "evict_last" not in src
 
 
 @pytest.fixture
-def small_folds(monkeypatch):
+def small_folds():
     """Fold column reductions of small test tensors: 8 programs of at least 4 rows."""
-    import kiln.codegen.fold as fold
-    import kiln.codegen.lower_reduce as lr
-    for name, v in (("SPLIT_MIN_R", 32), ("SPLIT_MIN_NUMEL", 256)):
-        monkeypatch.setattr(lr, name, v)
-    monkeypatch.setattr(fold, "FOLD_PROGRAMS", 8)
-    monkeypatch.setattr(fold, "FOLD_MIN_CHUNK", 4)
-    return monkeypatch
+    with kiln.config.patch(tuning=dict(split_min_r=32, split_min_numel=256, fold_programs=8, fold_min_chunk=4)):
+        yield
 
 
 def _folded(gm):
@@ -170,11 +167,10 @@ def _folded(gm):
 def test_folded_column_reduction(small_folds, fn, shape, tol):
     """A column reduction of short rows runs as one program per chunk of rows (each row read once,
     along its columns), its final pass over the chunks chained: one kernel, right on new values too
-    (the chained final's counter is reset). Kept folded with no row kernel to join (``UNFOLD``)."""
-    import kiln.codegen.fold as fold
-    small_folds.setattr(fold, "UNFOLD", False)
+    (the chained final's counter is reset). Kept folded with no row kernel to join (``tuning.unfold``)."""
     x = torch.randn(shape)
-    gm = check(fn, x, n_kernels=1, atol=tol, rtol=tol)
+    with kiln.config.patch(**{"tuning.unfold": False}):
+        gm = check(fn, x, n_kernels=1, atol=tol, rtol=tol)
     assert _folded(gm)
     x = torch.randn(shape)
     torch.testing.assert_close(gm(x), fn(x), atol=tol, rtol=tol)
@@ -198,31 +194,27 @@ def test_pointwise_producer_joins_the_folded_bias_gradient(small_folds):
     """GELU backward and its bias gradient: the pointwise gradient and the column sum of it in one
     kernel over (rows, columns) when kept folded; by default (no row reduction shares its reads) the
     classic split: column tiles, no program per chunk of rows. Right either way."""
-    import kiln.codegen.fold as fold
     fn = grads(lambda x, b: F.gelu(x + b, approximate="tanh"), 2)
     x, b, g = torch.randn(64, 40), torch.randn(40), torch.randn(64, 40)
     gm = check(fn, x, b, g, atol=1e-4, rtol=1e-4)
     assert not _folded(gm)
     check(lambda x: x.sum(0), torch.randn(40, 48), atol=1e-4, rtol=1e-4)
     assert not _folded(check(lambda x: (x.amax(0), x.sum(0)), torch.randn(64, 48), atol=1e-4, rtol=1e-4))
-    small_folds.setattr(fold, "UNFOLD", False)
-    gm = check(fn, x, b, g, atol=1e-4, rtol=1e-4)
+    with kiln.config.patch(**{"tuning.unfold": False}):
+        gm = check(fn, x, b, g, atol=1e-4, rtol=1e-4)
     assert _folded(gm) and len(kernels(gm)) == 1
 
 
 def test_folded_partials_with_an_unchained_final(small_folds):
-    import kiln.codegen.chain as chain
-    import kiln.codegen.fold as fold
-    small_folds.setattr(fold, "UNFOLD", False)
-    small_folds.setattr(chain, "TAIL_MAX", 16)   # 8 programs x 48 columns: the final is a kernel of its own
-    gm = check(lambda x: x.sum(0), torch.randn(40, 48), n_kernels=2, atol=1e-4, rtol=1e-4)
+    # 8 programs x 48 columns above tail_max: the final is a kernel of its own
+    with kiln.config.patch(tuning=dict(unfold=False, tail_max=16)):
+        gm = check(lambda x: x.sum(0), torch.randn(40, 48), n_kernels=2, atol=1e-4, rtol=1e-4)
     assert _folded(gm)
 
 
 def test_fold_switch(small_folds):
-    import kiln.codegen.fold as fold
-    small_folds.setattr(fold, "FOLD", False)
-    gm = check(lambda x: x.sum(0), torch.randn(40, 48), atol=1e-4, rtol=1e-4)
+    with kiln.config.patch(**{"tuning.fold": False}):
+        gm = check(lambda x: x.sum(0), torch.randn(40, 48), atol=1e-4, rtol=1e-4)
     assert not _folded(gm)
 
 
@@ -251,14 +243,11 @@ def test_whole_tensor_reduction_of_row_results_joins_the_row_kernel():
     check(fn, torch.randn(9, 13), n_kernels=1, atol=1e-5, rtol=1e-5)
 
 
-def test_large_outer_reduction_combines_in_the_last_program(monkeypatch):
-    """Above OUTER_MAX each program reduces its rows and the last to finish combines the partials: still
-    one kernel, right for every reduction kind, every program count and a scalar epilogue."""
-    import kiln.codegen.triton as tr
-    monkeypatch.setattr(tr, "OUTER_MAX", 64)
-    monkeypatch.setattr(modsource, "PARTS_BLOCK", 2)   # several steps over the partials
-    config = launch.config
-    monkeypatch.setattr(launch, "config", lambda *a: (min(4, config(*a)[0]),) + config(*a)[1:])  # many programs
+@kiln.config.patch(tuning=dict(outer_max=64, parts_block=2, xblock_max=4))
+def test_large_outer_reduction_combines_in_the_last_program():
+    """Above ``tuning.outer_max`` each program reduces its rows and the last to finish combines the
+    partials: still one kernel, right for every reduction kind, every program count (4 rows a program)
+    and a scalar epilogue; several steps over the partials (``parts_block``)."""
     def fn(x):
         m = x.amax(1)
         return (m, (x - m[:, None]).exp().sum(1).log().mean(), x.sum(1).max(), x.sum(1).min() * 2,
@@ -274,14 +263,9 @@ def test_large_outer_reduction_combines_in_the_last_program(monkeypatch):
     check(lambda x, t: F.cross_entropy(x, t), x, t, n_kernels=1, atol=1e-5, rtol=1e-5)
 
 
-def test_split_reductions(monkeypatch):
-    import kiln.codegen.lower_reduce as lr
-    monkeypatch.setattr(lr, "SPLIT_MIN_R", 64)
-    monkeypatch.setattr(lr, "SPLIT_MIN_NUMEL", 256)
-    monkeypatch.setattr(lr, "SPLIT_MIN_CHUNK", 64)
-    monkeypatch.setattr(lr, "SPLIT_MIN_CHUNK_OUTER", 64)
-    import kiln.codegen.chain as chain
-    config = launch.config
+def test_split_reductions():
+    small = kiln.config.patch(tuning=dict(split_min_r=64, split_min_numel=256, split_min_chunk=64,
+                                          split_min_chunk_outer=64))
     cases = [  # a full sum (padded chunks), a column sum, a max, and a norm's weight and bias gradients
         (lambda x: x.sum(), [torch.randn(1000)]), (lambda x: (x * 2).sum(0), [torch.randn(300, 5)]),
         (lambda x: x.amax(), [torch.randn(7, 131)]),
@@ -289,19 +273,18 @@ def test_split_reductions(monkeypatch):
     for fn, args in cases:
         # the partial and the final pass: two kernels, or one when the final is chained to the
         # partial's last program (with the partials spread over many programs, or in one)
-        monkeypatch.setattr(chain, "ENABLED", False)
-        check(fn, *args, n_kernels=2, atol=1e-4, rtol=1e-4)
-        monkeypatch.setattr(chain, "ENABLED", True)
-        check(fn, *args, n_kernels=1, atol=1e-4, rtol=1e-4)
-        monkeypatch.setattr(launch, "config", lambda *a: (min(2, config(*a)[0]),) + config(*a)[1:])
-        gm = check(fn, *args, n_kernels=1, atol=1e-4, rtol=1e-4)
+        with small, kiln.config.patch(**{"tuning.chain": False}):
+            check(fn, *args, n_kernels=2, atol=1e-4, rtol=1e-4)
+        with small:
+            check(fn, *args, n_kernels=1, atol=1e-4, rtol=1e-4)
+        with small, kiln.config.patch(**{"tuning.xblock_max": 2}):
+            gm = check(fn, *args, n_kernels=1, atol=1e-4, rtol=1e-4)
         assert "_tail(" in kernels(gm)[0].source
         args = [torch.randn_like(a) for a in args]   # new values: stale partials would show
         torch.testing.assert_close(gm(*args), fn(*args), atol=1e-4, rtol=1e-4)   # again: the counter was reset
-        monkeypatch.setattr(launch, "config", config)
-    monkeypatch.undo()
-    assert lr.split_count((4, 1000000), [1]) > 1 and lr.split_count((64, 100000), [1]) == 1
-    assert lr.split_count((65536, 512), [0]) > 1 and lr.split_count((64, 512), [0]) == 1
+    t = Tuning()
+    assert split_count((4, 1000000), [1], t) > 1 and split_count((64, 100000), [1], t) == 1
+    assert split_count((65536, 512), [0], t) > 1 and split_count((64, 512), [0], t) == 1
 
 
 def test_variance_and_std():

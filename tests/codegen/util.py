@@ -4,8 +4,9 @@ from __future__ import annotations
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from kiln.codegen.fuse import fuse_graph
-from kiln.options import Options
+from kiln.codegen.fuse_graph import fuse_graph
+from kiln.options import current
+from kiln.runtime.kernels import load_kernel
 
 
 def decompositions():
@@ -17,11 +18,16 @@ def decompositions():
         return core_aten_decompositions()
 
 
+def fuse(gm, args, **opts) -> int:
+    """``fuse_graph`` on ``gm`` with the options in scope (``kiln.config.patch``) and ``opts``, Triton
+    target, failures raised."""
+    return fuse_graph(gm, list(args), current(codegen="triton", **opts), load_kernel, strict=True)
+
+
 def fused(fn, *args, mode="fake", **opts):
     """(graph module with kernels, number of kernels) for ``fn`` traced on ``args``."""
     gm = make_fx(fn, decomposition_table=decompositions(), tracing_mode=mode)(*args)
-    n = fuse_graph(gm, list(args), Options(codegen="triton", **opts), strict=True)
-    return gm, n
+    return gm, fuse(gm, args, **opts)
 
 
 def kernels(gm):

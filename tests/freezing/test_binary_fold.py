@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.passes.binary_fold import fold_binary
-from kiln.passes.fold import fold_constants
+from kiln.passes.constant_fold import fold_constants
 from tests.freezing.helpers import aten_graph, ops
 
 aten = torch.ops.aten

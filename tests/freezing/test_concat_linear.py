@@ -6,7 +6,7 @@ import torch.nn.functional as F
 import kiln
 
 from kiln.passes.concat_linear import concat_linears
-from kiln.passes.fold import fold_constants
+from kiln.passes.constant_fold import fold_constants
 from tests.freezing.helpers import aten_graph, ops
 
 aten = torch.ops.aten

@@ -1,7 +1,7 @@
-"""Constant folding (kiln/passes/fold.py) on small ATen graphs with get_attr constants."""
+"""Constant folding (kiln/passes/constant_fold.py) on small ATen graphs with get_attr constants."""
 import torch
 
-from kiln.passes.fold import NEVER_FOLD, fold_constants, protect_outputs, refusal
+from kiln.passes.constant_fold import NEVER_FOLD, fold_constants, protect_outputs, refusal
 from tests.freezing.helpers import aten_graph, ops
 
 aten = torch.ops.aten

@@ -23,16 +23,11 @@ class LinearMul(nn.Module):
         return self.lin(x) * self.scale
 
 
-def _spy_compiles(monkeypatch):
+def _frozen_compiles():
+    """A scope collecting one entry per frozen region compiled in it (the pipeline's 'freeze' stage)."""
     seen = []
-    real = freeze.compile_frozen
-
-    def spy(*args):
-        seen.append(1)
-        return real(*args)
-
-    monkeypatch.setattr(freeze, "compile_frozen", spy)
-    return seen
+    return seen, kiln.debug.observe(lambda event, data: seen.append(1) if event == "graph"
+                                    and data["stage"] == "freeze" else None)
 
 
 def test_statistics_in_counters_and_debug_log(capsys):
@@ -93,14 +88,14 @@ def test_without_discard_the_eager_module_still_works():
         torch.testing.assert_close(mod(x), out, atol=1e-5, rtol=1e-5)
 
 
-def test_discard_compiles_once_and_keeps_working(monkeypatch):
-    seen = _spy_compiles(monkeypatch)
+def test_discard_compiles_once_and_keeps_working():
+    seen, watching = _frozen_compiles()
     mod = randomize_bn(ConvBN(3, 8, kernel_size=3)).eval()
     xs = [torch.rand(2, 3, 8, 8) for _ in range(3)]
     with torch.no_grad():
         refs = [mod(x) for x in xs]
     foo = compiled(lambda m, x: m(x))
-    with torch.no_grad(), kiln.config.patch(freezing=True, freezing_discard_parameters=True):
+    with torch.no_grad(), kiln.config.patch(freezing=True, freezing_discard_parameters=True), watching:
         outs = [foo(mod, x) for x in xs]
     torch.testing.assert_close(outs, refs, atol=1e-5, rtol=1e-5)
     assert len(seen) == 1

@@ -197,35 +197,24 @@ def test_conv_layout_convert_with_view(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_conv_weight_layout_convert(device, monkeypatch):
-    """The layout hand-off: weights that the hook makes channels-last reach the conv as constants."""
+def test_conv_weight_layout_convert(device):
+    """The layout hand-off: freezing's layout pass (``layout_devices='any'``: on the CPU too) makes the
+    conv weight channels-last, and it reaches the convolution as a channels-last constant. The Triton
+    target keeps ``aten.convolution`` on the CPU (the ATen target prepacks the weight for oneDNN, an
+    opaque layout)."""
     cuda_ok(device)
-    from kiln.passes import concat_linear, layout
     seen = []
 
-    def channels_last_hook(gm, opts):
-        n = 0
-        for node in list(gm.graph.nodes):
-            if node.target is aten.convolution.default and node.args[1].op == "get_attr":
-                with gm.graph.inserting_before(node):
-                    c = gm.graph.call_function(aten.clone.default, (node.args[1],),
-                                               {"memory_format": torch.channels_last})
-                node.replace_input_with(node.args[1], c)
-                n += 1
-        gm.recompile()
-        return n
+    def spy(graph):  # post_grad_pre: after freezing and its folding
+        gm = graph.owning_module
+        seen.extend(getattr(gm, n.args[1].target) for n in graph.nodes
+                    if n.target is aten.convolution.default and n.args[1].op == "get_attr")
 
-    def spy(gm, fake_mode=None):  # runs after the folding rounds
-        seen.extend(getattr(gm, n.args[1].target) for n in gm.graph.nodes if n.target is aten.convolution.default)
-        return 0
-
-    monkeypatch.setattr(layout, "convert_conv_weights", channels_last_hook)
-    monkeypatch.setattr(concat_linear, "concat_linears", spy)
     mod = nn.Conv2d(3, 128, kernel_size=3, padding=1, stride=1, bias=False).eval().to(device)
     x = torch.rand(2, 3, 5, 5).to(device)
-    with torch.no_grad():
+    with torch.no_grad(), kiln.passes.register("post_grad_pre", spy):
         ref = mod(x)
-        out = compiled(lambda m, i: m(i))(mod, x)
+        out = compiled(lambda m, i: m(i), codegen="triton", layout_devices="any")(mod, x)
     tol = 1e-4 if device == "cpu" else 2e-3  # cuDNN may pick another (TF32) algorithm for channels-last
     torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
     assert len(seen) == 1 and seen[0].is_contiguous(memory_format=torch.channels_last)

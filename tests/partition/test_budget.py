@@ -6,6 +6,8 @@ import pytest
 import torch
 from torch._functorch.aot_autograd import aot_function, make_boxed_func
 
+import kiln.config
+from kiln.debug import counters
 from kiln.options import OptionError, current
 from kiln.partition import budget as B
 from kiln.partition import choose_saved, partition_joint
@@ -26,18 +28,32 @@ def _brute(sizes, values, cap):
 
 
 @pytest.mark.parametrize("solver", ["dp", "milp"])
-def test_knapsack_is_exact(solver, monkeypatch):
-    if solver == "milp":
-        monkeypatch.setattr(B, "DP_CELLS", 0)
+def test_knapsack_is_exact(solver):
+    """Both solvers against brute force; ``tuning.knapsack_dp_cells=0`` sends every solve to HiGHS."""
+    cells = {"dp": {}, "milp": {"tuning.knapsack_dp_cells": 0}}[solver]
     rng = random.Random(0)
-    for _ in range(30):
-        n = rng.randint(1, 9)
-        sizes = [rng.randint(0, 40) * 4096 for _ in range(n)]
-        values = [rng.choice([0.0, rng.random() * 100]) for _ in range(n)]
-        cap = rng.randint(0, sum(sizes) + 1)
-        keep = B.knapsack(sizes, values, cap)
-        assert sum(sizes[i] for i in keep) <= cap
-        assert sum(values[i] for i in keep) == pytest.approx(_brute(sizes, values, cap), rel=1e-9, abs=1e-9)
+    before = counters["partition"]["knapsack_" + solver]
+    solves = 0
+    with kiln.config.patch(**cells):
+        for _ in range(30):
+            n = rng.randint(1, 9)
+            sizes = [rng.randint(0, 40) * 4096 for _ in range(n)]
+            values = [rng.choice([0.0, rng.random() * 100]) for _ in range(n)]
+            cap = rng.randint(0, sum(sizes) + 1)
+            keep = B.knapsack(sizes, values, cap)
+            solves += solver == "dp" or any(sizes)  # no positive size: the (empty) DP answers
+            assert sum(sizes[i] for i in keep) <= cap
+            assert sum(values[i] for i in keep) == pytest.approx(_brute(sizes, values, cap), rel=1e-9, abs=1e-9)
+    assert counters["partition"]["knapsack_" + solver] - before == solves > 0
+
+
+def test_knapsack_dp_cells_from_options():
+    """Passed Options pick the solver: the same items go to HiGHS with no DP cells, else to the DP."""
+    sizes, values = [4096, 8192, 12288], [1.0, 3.0, 2.0]
+    for cells, solver in ((0, "milp"), (10 ** 6, "dp")):
+        before = counters["partition"]["knapsack_" + solver]
+        assert B.knapsack(sizes, values, 16384, current(**{"tuning.knapsack_dp_cells": cells})) == {0, 1}
+        assert counters["partition"]["knapsack_" + solver] == before + 1
 
 
 def _joint(fn, *args):

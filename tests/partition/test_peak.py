@@ -7,7 +7,8 @@ import torch
 from kiln.options import current
 from kiln.partition import choose_saved, explain_memory
 from kiln.partition.extract import Saved
-from kiln.partition.peak import MemoryLimitError, model_peak
+from kiln.partition.limit import MemoryLimitError
+from kiln.partition.peak import model_peak
 from tests.partition.helpers import check_grads
 from tests.partition.test_budget import _joint
 

@@ -4,6 +4,7 @@ import torch
 import torch.nn as nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
+import kiln.config
 from kiln.passes import channels_last as C
 
 
@@ -22,8 +23,10 @@ class Net(nn.Module):
 
 
 @pytest.fixture
-def any_device(monkeypatch):
-    monkeypatch.setattr(C, "DEVICES", None)
+def any_device():
+    """Option layout_devices='any' in force (CPU graphs too); the fixture's value is those options."""
+    with kiln.config.patch(layout_devices="any"):
+        yield kiln.config.current()
 
 
 def _trace(net, x):
@@ -43,7 +46,8 @@ def test_convolutions_read_channels_last_and_outputs_keep_eager_strides(any_devi
     gm, state = _trace(net, x)
     with torch.no_grad():
         ref = net(x)
-    assert C.to_channels_last(gm) == 3   # the entry and the two 3x3 weights: the second conv reads NHWC already
+    # the entry and the two 3x3 weights: the second conv reads NHWC already
+    assert C.to_channels_last(gm, any_device) == 3
     convs = [n for n in gm.graph.nodes if n.target is torch.ops.aten.convolution.default]
     assert all(n.args[i].meta["val"].is_contiguous(memory_format=torch.channels_last)
                for n in convs for i in (0, 1))
@@ -60,7 +64,7 @@ def test_convolutions_read_channels_last_and_outputs_keep_eager_strides(any_devi
 
 def test_graph_without_convolutions_is_left_alone(any_device):
     gm = make_fx(lambda x: torch.relu(x) + 1, tracing_mode="fake")(torch.randn(2, 3, 4, 4))
-    assert C.to_channels_last(gm) == 0
+    assert C.to_channels_last(gm, any_device) == 0
 
 
 def test_cpu_graphs_are_left_alone_by_default():

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
+import kiln.config
 from kiln.passes import channels_last as C
 
 aten = torch.ops.aten
@@ -21,8 +22,23 @@ CODEGENS = ["aten", "triton"]
 
 
 @pytest.fixture
-def any_device(monkeypatch):
-    monkeypatch.setattr(C, "DEVICES", None)
+def any_device():
+    """Option layout_devices='any' in force (CPU graphs too); the fixture's value is those options."""
+    with kiln.config.patch(layout_devices="any"):
+        yield kiln.config.current()
+
+
+@pytest.fixture(autouse=True)
+def _no_onednn_channels_last_backward():
+    """torch 2.13.0+cpu: oneDNN's backward of a strided 1x1 channels-last convolution corrupts the heap,
+    in eager too (``Conv2d(4, 8, 1, 2)`` on a channels-last input, ``.sum().backward()`` a few hundred
+    times: glibc aborts). Eager and kiln's ATen convolutions use the native CPU kernels here instead."""
+    saved = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = saved
 
 
 class ConvBNReLU(nn.Module):
@@ -234,7 +250,7 @@ def test_joint_graph_shares_the_input_copy_and_restores_gradient_strides(any_dev
     net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1)).eval()
     gm = _joint(net, torch.randn(2, 3, 6, 6))
     before = {n.name: n.meta["val"].stride() for n in gm.graph.nodes if n.op == "output" for n in n.all_input_nodes}
-    convs = C.to_channels_last(gm)
+    convs = C.to_channels_last(gm, any_device)
     # forward: conv(x) (relu(conv) is NHWC already); backward of conv 2: its expanded grad_output;
     # backward of conv 1: x again (its grad_output, relu's backward, is NHWC already); the two weights
     # in the forward and again in the backward

@@ -9,12 +9,11 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import kiln.config
 from kiln import debug
-from kiln.lowerings import lowerings as L
-from kiln.pattern_matcher import (MULTIPLE, Arg, CallFunction, CallMethod, CallModule, DuplicatePatternError,
-                                  Ignored, KeywordArg, ListOf, MultiOutputPattern, PatternMatcherPass, fwd_only,
-                                  joint_fwd_bwd, register_graph_pattern, register_lowering_pattern,
-                                  register_replacement)
-from kiln.passes import match_trace
+from kiln.pattern_matcher import (CACHE_STATS, MULTIPLE, Arg, CallFunction, CallMethod, CallModule,
+                                  DuplicatePatternError, Ignored, KeywordArg, ListOf, MultiOutputPattern,
+                                  PatternMatcherPass, fwd_only, joint_fwd_bwd, register_graph_pattern,
+                                  register_lowering_pattern, register_replacement)
+from kiln.pattern_matcher import lowerings as L
 
 aten = torch.ops.aten
 
@@ -194,10 +193,10 @@ def test_register_replacement_fwd_only_and_cache():
     assert counts() == (2, 4)
     torch.testing.assert_close(gm(x, w, v), f(x, w, v))
     # registering again (a new pass, e.g. the next compile) traces nothing
-    before = dict(match_trace.CACHE_STATS)
+    before = dict(CACHE_STATS)
     p2 = PatternMatcherPass()
     register_replacement(search, replace, example, fwd_only, p2)
-    assert match_trace.CACHE_STATS["traces"] == before["traces"]
+    assert CACHE_STATS["traces"] == before["traces"]
     with pytest.raises(DuplicatePatternError):
         register_replacement(search, replace, example, fwd_only, p2)
     assert register_replacement(search, replace, example, fwd_only, p2, skip_duplicates=True) is False
@@ -416,7 +415,7 @@ def test_lowerings_table():
     new = L[aten.relu](cos)  # no insertion point: right after its latest input
     assert new.target == aten.relu.default and cos.next is new
     assert new.meta["val"].shape == (4,)
-    from kiln.lowerings import register_lowering, lowerings
+    from kiln.pattern_matcher import lowerings, register_lowering
 
     @register_lowering(aten.hardtanh)
     def _hardtanh(t, lo=-1.0, hi=1.0):

@@ -3,19 +3,22 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-import kiln  # noqa: F401  (registers the backend)
+import kiln  # registers the backend
 from kiln.debug import counters
-from kiln.passes import pad_mm
 from kiln.passes.pad_mm import pad_matmuls
 
 aten = torch.ops.aten
 
 
+SMALL_OPTIONS = {"tuning.pad_mm_min_flops": 0, "tuning.pad_mm_min_flops_per_byte": 0}
+
+
 @pytest.fixture
-def small(monkeypatch):
-    """Pad even the small matmuls of these tests."""
-    monkeypatch.setattr(pad_mm, "MIN_FLOPS", 0)
-    monkeypatch.setattr(pad_mm, "MIN_FLOPS_PER_BYTE", 0)
+def small():
+    """Pad even the small matmuls of these tests: the thresholds as options (in force for torch.compile)
+    and as the arguments of ``pad_matmuls`` (the fixture's value)."""
+    with kiln.config.patch(**SMALL_OPTIONS):
+        yield {"min_flops": 0, "min_flops_per_byte": 0}
 
 
 def traced(fn, *args):
@@ -44,7 +47,7 @@ def run_checked(gm, *args):
 def test_pads_misaligned_n_and_keeps_values(small):
     a, b = torch.randn(64, 96), torch.randn(96, 1001)
     gm = traced(torch.mm, a, b)
-    assert pad_matmuls(gm, devices=None) == 1
+    assert pad_matmuls(gm, devices=None, **small) == 1
     pads = [n for n in gm.graph.nodes if n.target is aten.constant_pad_nd.default]
     assert len(pads) == 1 and pads[0].meta["val"].shape == (96, 1004)   # fp32: multiple of 4
     assert count(gm, aten.slice.Tensor) == 1 and count(gm, aten.clone.default) == 1
@@ -55,7 +58,7 @@ def test_pads_misaligned_n_and_keeps_values(small):
 
 def test_aligned_or_tiny_left_alone(small):
     gm = traced(torch.mm, torch.randn(64, 96), torch.randn(96, 1000))
-    assert pad_matmuls(gm, devices=None) == 0
+    assert pad_matmuls(gm, devices=None, **small) == 0
     assert count(gm, aten.constant_pad_nd.default) == 0
 
 
@@ -80,14 +83,14 @@ def test_default_thresholds():
 
 def test_devices_filter(small):
     gm = traced(torch.mm, torch.randn(64, 96), torch.randn(96, 1001))
-    assert pad_matmuls(gm) == 0          # default: CUDA operands only
+    assert pad_matmuls(gm, **small) == 0          # default: CUDA operands only
 
 
 def test_gpt2_backward_shares_one_pad(small):
     """g.t() @ x pads M (g.t() is column-major), g @ w pads K: both read one padded g, in g's layout."""
     g, x, w = torch.randn(32, 1001), torch.randn(32, 24), torch.randn(1001, 24)
     gm = traced(lambda g, x, w: (g.t() @ x, g @ w), g, x, w)
-    assert pad_matmuls(gm, devices=None) == 2
+    assert pad_matmuls(gm, devices=None, **small) == 2
     pads = [n for n in gm.graph.nodes if n.target is aten.constant_pad_nd.default]
     assert sorted(tuple(p.meta["val"].shape) for p in pads) == [(32, 1004), (1004, 24)]
     assert all(p.meta["val"].is_contiguous() for p in pads)
@@ -98,7 +101,7 @@ def test_gpt2_backward_shares_one_pad(small):
 
 def test_row_major_m_not_padded(small):
     gm = traced(torch.mm, torch.randn(1001, 96), torch.randn(96, 64))
-    assert pad_matmuls(gm, devices=None) == 0
+    assert pad_matmuls(gm, devices=None, **small) == 0
 
 
 @pytest.mark.parametrize("bias_shape", [(1001,), (1, 1001), (66, 1001), (66, 1)])
@@ -106,7 +109,7 @@ def test_addmm_bias_padded(small, bias_shape):
     bias, a, b = torch.randn(bias_shape), torch.randn(66, 98), torch.randn(98, 1001)
     fn = lambda bias, a, b: torch.addmm(bias, a, b, beta=0.5, alpha=2.0)  # noqa: E731
     gm = traced(fn, bias, a, b)
-    assert pad_matmuls(gm, devices=None) == 1
+    assert pad_matmuls(gm, devices=None, **small) == 1
     assert count(gm, aten.addmm.default) == 1 and count(gm, aten.mm.default) == 0
     torch.testing.assert_close(run_checked(gm, bias, a, b), fn(bias, a, b))
 
@@ -115,12 +118,12 @@ def test_bmm_m_k_n(small):
     a, b = torch.randn(3, 50, 37).transpose(1, 2), torch.randn(3, 50, 23)   # a column-major, M = 37
     fn = lambda a, b: torch.bmm(a, b)  # noqa: E731
     gm = traced(fn, a, b)
-    assert pad_matmuls(gm, devices=None) == 1
+    assert pad_matmuls(gm, devices=None, **small) == 1
     out = run_checked(gm, a, b)
     assert out.is_contiguous()
     torch.testing.assert_close(out, fn(a, b))
     gm = traced(fn, torch.randn(3, 37, 52), torch.randn(3, 52, 24))           # row-major, all aligned but M
-    assert pad_matmuls(gm, devices=None) == 0
+    assert pad_matmuls(gm, devices=None, **small) == 0
 
 
 # -- through torch.compile ----------------------------------------------------------------------------
@@ -179,6 +182,19 @@ def test_compiled_linear_triton_target(small):
     for g, r in zip(got, ref):
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-4)
     assert counters["kiln"]["pad_mm"] == 3
+
+
+def test_thresholds_are_options():
+    """A small matmul pays under the default thresholds only when the options lower them."""
+    for options, padded in (({}, False), (SMALL_OPTIONS, True)):
+        counters.clear()
+        torch._dynamo.reset()
+        lin = torch.nn.Linear(96, 1001)
+        x = torch.randn(64, 96, requires_grad=True)
+        got, ref = compiled_grads(lin, x, pad_matmuls="always", **options)
+        for g, r in zip(got, ref):
+            torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
+        assert (counters["kiln"]["pad_mm"] > 0) == padded, options
 
 
 @pytest.mark.parametrize("mode", ["never", "auto"])

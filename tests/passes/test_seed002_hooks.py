@@ -9,8 +9,8 @@ import torch.fx as fx
 import kiln
 import kiln.pattern_matcher as pattern_matcher
 from kiln import config, debug
-from kiln.lowerings import lowerings as L
 from kiln.pattern_matcher import Arg, CallFunction, PatternMatcherPass
+from kiln.pattern_matcher import lowerings as L
 
 aten = torch.ops.aten
 mkldnn = torch.ops.mkldnn

@@ -1,4 +1,4 @@
-"""A kernel writes its output into an input that dies at the call (``modsource.reusable_inputs``,
+"""A kernel writes its output into an input that dies at the call (``KernelPlan.reusable``,
 ``wrapper._Emitter._into``): same values as eager, less memory, and never where the input lives on."""
 import re
 
@@ -34,10 +34,8 @@ def test_a_dying_library_result_takes_the_kernel_output():
 
 @pytest.mark.parametrize("case", ["graph_input", "returned", "read_later", "read_by_a_later_kernel",
                                   "view_alive", "flipped"])
-def test_never_where_the_input_lives_on_or_is_read_elsewhere(case, monkeypatch):
-    from kiln.codegen import launch
-    config = launch.config   # many programs: a program must not overwrite what a later one reads
-    monkeypatch.setattr(launch, "config", lambda *a: (min(16, config(*a)[0]),) + config(*a)[1:])
+def test_never_where_the_input_lives_on_or_is_read_elsewhere(case):
+    many = {"tuning.xblock_max": 16}   # many programs: a program must not overwrite what a later one reads
 
     def fn(x, w):
         h = x @ w
@@ -53,7 +51,7 @@ def test_never_where_the_input_lives_on_or_is_read_elsewhere(case, monkeypatch):
             return torch.relu(h * 2), h.t()[0]
         return torch.relu(h.flip(0) * 2)   # the kernel reads h at another element than it writes
     x, w = torch.randn(16, 16), torch.randn(16, 16)
-    f, out, src = _compile(fn, x, w)
+    f, out, src = _compile(fn, x, w, **many)
     ref = fn(x.clone(), w)
     for o, r in zip(out if isinstance(out, tuple) else (out,), ref if isinstance(ref, tuple) else (ref,)):
         torch.testing.assert_close(o, r)
@@ -71,16 +69,15 @@ class _Block(nn.Module):
         return torch.relu(self.b2(self.c2(torch.relu(self.b1(self.c1(x))))) + x)
 
 
-def test_inference_peak_falls_and_values_match(monkeypatch):
+def test_inference_peak_falls_and_values_match():
     """Residual conv blocks in inference: each BN/ReLU kernel writes over the convolution's result."""
     from kiln.partition.livemem import measure_peak
     net = nn.Sequential(*[_Block() for _ in range(3)]).eval()
     x = torch.randn(2, 8, 24, 24)
     peaks = {}
     for reuse in (False, True):
-        monkeypatch.setattr(W, "REUSE_INPUTS", reuse)
         with torch.no_grad():
-            f, out, src = _compile(net, x)
+            f, out, src = _compile(net, x, **{"tuning.reuse_inputs": reuse})
             torch.testing.assert_close(out, net(x), atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(f(x), net(x), atol=1e-5, rtol=1e-5)   # and again
             peaks[reuse] = measure_peak(lambda: f(x)).peak

@@ -143,7 +143,7 @@ def _fake_cuda_fused(fn, *cpu_args):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from kiln.codegen.fuse import fuse_graph
+    from tests.codegen.util import fuse
     from kiln.options import Options
     from tests.codegen.util import decompositions
     gm = make_fx(fn, decomposition_table=decompositions(), tracing_mode="fake")(*cpu_args)
@@ -154,7 +154,7 @@ def _fake_cuda_fused(fn, *cpu_args):
     with FakeTensorMode(allow_non_fake_inputs=True):
         args = [torch.empty(a.shape, dtype=a.dtype, device="cuda") for a in cpu_args]
         gm = make_fx(gm, decomposition_table=decompositions())(*args)
-    fuse_graph(gm, args, Options(codegen="triton"), strict=True)
+    fuse(gm, args)
     return gm
 
 
@@ -195,7 +195,7 @@ def test_kernels_are_called_directly_after_the_first_call():
     """After the first call the wrapper's globals hold each kernel module's ``call``, not the
     ``KernelCall`` that guards a first call with the ATen fallback; results stay eager's."""
     import kiln
-    from kiln.codegen.fallback import KernelCall
+    from kiln.runtime.kernels import KernelCall
     from kiln.runtime.load import Compiled
 
     def f(x):

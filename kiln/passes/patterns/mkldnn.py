@@ -17,10 +17,11 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from kiln.lowerings import lowerings as L
-from kiln.passes.match import Arg, CallFunction, KeywordArg, MULTIPLE
-from kiln.passes.match_pass import PatternMatcherPass
-from kiln.passes.match_register import register_graph_pattern, register_lowering_pattern
+from kiln.passes.match.entries import PatternMatcherPass
+from kiln.passes.match.fx_lowerings import lowerings as L
+from kiln.passes.match.nodes import CallFunction
+from kiln.passes.match.pattern import MULTIPLE, Arg, KeywordArg
+from kiln.passes.match.register import register_graph_pattern, register_lowering_pattern
 
 aten = torch.ops.aten
 mkldnn = torch.ops.mkldnn

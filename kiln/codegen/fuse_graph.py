@@ -1,0 +1,309 @@
+"""Entry point of kiln's code generation: ``fuse_graph(gm, example_inputs, opts, load_kernel) -> int``.
+
+Lower the post-grad ATen graph to the loop IR (``lower/``), group computed buffers into kernels and
+plan each one (``schedule/``: fusion, folds, chains), write each plan's Triton module
+(``to_triton/``), then edit the graph in place: each kernel becomes one ``call_function`` node whose
+target ``load_kernel(source, fallback)`` makes (``kiln.runtime.kernels.load_kernel``: the pipeline
+passes it in, so that code generation never imports the runtime), followed by ``operator.getitem``
+nodes when it has several outputs. Nodes without a lowering stay ATen calls. Returns the number of
+kernel nodes created.
+"""
+from __future__ import annotations
+
+import heapq
+import operator
+
+import sympy
+import torch
+import torch.fx
+
+from kiln.codegen.fallback import NoFallback, extract
+from kiln.codegen.ir.loops import Unsupported, release_indirect
+from kiln.codegen.lower import Lowering, is_tensor
+from kiln.codegen.schedule.chain import chain_plans
+from kiln.codegen.schedule.domain import body, loads, scatter_exprs
+from kiln.codegen.schedule.fuse import schedule
+from kiln.codegen.schedule.plan import ScatterPlan, numel_summary, plan_group
+from kiln.codegen.to_triton.emit import TritonTarget
+from kiln.codegen.to_triton.module import write_module
+from kiln.debug import counters, log
+
+
+class CodegenError(RuntimeError):
+    """kiln could not generate kernels for a graph; without ``strict`` the graph stays ATen.
+    Report it with the graph (``KILN_DEBUG=2``) and run with ``codegen='aten'`` meanwhile."""
+
+
+def triton_available() -> str:
+    """Why Triton kernels cannot be generated here ('' when they can)."""
+    try:
+        import triton  # noqa: F401  (importable is all that is asked)
+    except ImportError as e:
+        return str(e)
+    return ""
+
+
+def wants_triton(gm, opts) -> bool:
+    if opts.codegen == "aten":
+        return False
+    if opts.codegen == "triton":
+        return True
+    for n in gm.graph.nodes:
+        v = n.meta.get("val")
+        if is_tensor(v) and v.device.type == "cuda":
+            return True
+    return False
+
+
+def fuse_graph(gm: torch.fx.GraphModule, example_inputs, opts, load_kernel, on_plans=None,
+               strict: bool = False) -> int:
+    """Replace fusible ATen nodes of ``gm`` by Triton kernels, in place; returns the kernel count.
+
+    With ``opts.codegen == 'auto'`` only graphs on CUDA are fused; 'triton' also fuses CPU graphs
+    (their kernels run in Triton's interpreter, unless ``opts.emit_for == 'cuda'``); 'aten' leaves the
+    graph alone. ``on_plans(plans)`` receives the kernel plans (to show them). Any failure leaves the
+    graph unchanged (``strict=True`` raises instead)."""
+    if not wants_triton(gm, opts):
+        return 0
+    try:
+        generated = _generate(gm, opts)
+    except Exception as e:
+        if strict:
+            raise
+        counters["codegen"]["fallback"] += 1
+        log(1, f"codegen: graph stays ATen ({type(e).__name__}: {e})")
+        return 0
+    finally:
+        release_indirect()
+    if on_plans is not None:
+        on_plans([plan for plan, *_ in generated[1]])
+    n = _rewrite(gm, *generated, load_kernel)
+    counters["codegen"]["kernels"] += n
+    return n
+
+
+def target_for(plan, opts) -> TritonTarget:
+    """The Triton target of ``plan``'s kernels under ``opts``."""
+    device = (plan.copy if isinstance(plan, ScatterPlan) else plan).device
+    interpret = device.type != "cuda" and opts.emit_for != "cuda"
+    autotune = opts.max_autotune or opts.mode in ("max-autotune", "max-autotune-no-cudagraphs")
+    return TritonTarget(interpret, autotune and not interpret, opts.tuning)
+
+
+def _generate(gm, opts):
+    """(lowering, [(plan, source, size-symbol nodes, fake outputs)]): the graph's kernels, written."""
+    gm.graph.eliminate_dead_code()
+    lw = Lowering(gm, opts).run()
+    groups = _toposort_groups(schedule(lw, opts.tuning), lw)
+    summary = numel_summary(lw.buffers)
+    plans = [plan_group(g, lw.buffers, opts.tuning, summary) for g in groups]
+    plans = chain_plans(groups, plans, opts.tuning)   # small kernels chained into the one they read
+    graph = gm.graph
+    fakes = _FakeMaker(graph)
+    kernels = []
+    for plan in plans:
+        src = write_module(plan, target_for(plan, opts))
+        sym_nodes = [_symbol_node(graph, s) for s in src.scalars]
+        vals = [fakes(lw.buffers[name]) for name in src.outputs]
+        kernels.append((plan, src, sym_nodes, vals))
+    _check_replaceable(gm, lw, plans)
+    return lw, kernels
+
+
+def _check_replaceable(gm, lw, plans):
+    """Every lowered node that an ATen call or the output still uses must be a kernel output."""
+    stored = {b.node for p in plans for b in p.outputs() if b.node is not None}
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n in lw.kept or n in stored:
+            continue
+        for u in n.users:
+            if u.op == "output" or u in lw.kept:
+                raise CodegenError(f"codegen: {n.name} is used by {u.name} but no kernel writes it")
+
+
+def _toposort_groups(groups, lw):
+    owner = {b.name: g for g in groups for b in g.nodes}
+    deps = {}
+    for g in groups:
+        d = set()
+        for b in g.nodes:
+            exprs = scatter_exprs(b) if g.kind == "scatter" else [body(b, g.dims, g.role(b))]
+            for e in exprs:
+                for name, _ in loads(e):
+                    o = owner.get(name)
+                    if o is not None and o is not g:
+                        d.add(id(o))
+        deps[id(g)] = d
+    order, done = [], set()
+    pending = list(groups)
+    while pending:
+        progressed = False
+        for g in list(pending):
+            if deps[id(g)] <= done:
+                order.append(g)
+                done.add(id(g))
+                pending.remove(g)
+                progressed = True
+        if not progressed:
+            raise CodegenError("codegen: kernel groups depend on each other in a cycle")
+    return order
+
+
+class _FakeMaker:
+    """``maker(buf)``: a FakeTensor for a kernel-internal buffer that crosses kernels. The graph's
+    fake mode and its SymInts by expression are gathered on the first call, once per graph."""
+
+    def __init__(self, graph):
+        self.graph, self.mode, self.table = graph, None, None
+
+    def _scan(self):
+        self.table = {}
+        for n in self.graph.nodes:
+            v = n.meta.get("val")
+            if is_tensor(v) and hasattr(v, "fake_mode"):
+                self.mode = v.fake_mode
+                for s in list(v.shape) + list(v.stride()):
+                    if isinstance(s, torch.SymInt):
+                        self.table.setdefault(sympy.sympify(s.node.expr), s)
+            elif isinstance(v, torch.SymInt):
+                self.table.setdefault(sympy.sympify(v.node.expr), v)
+
+    def __call__(self, buf):
+        if buf.fake is not None:
+            return buf.fake
+        if self.table is None:
+            self._scan()
+        conv = lambda e: _to_symint(sympy.sympify(e), self.table)  # noqa: E731
+        shape, stride = [conv(s) for s in buf.shape], [conv(s) for s in buf.stride]
+        if self.mode is None:
+            return torch.empty_strided(shape, stride, dtype=buf.dtype, device="meta")
+        with self.mode:
+            return torch.empty_strided(shape, stride, dtype=buf.dtype, device=buf.device)
+
+
+def _to_symint(e, table):
+    if e.is_Integer:
+        return int(e)
+    if e in table:
+        return table[e]
+    if e.is_Add:
+        out = 0
+        for t in e.args:
+            out = out + _to_symint(t, table)
+        return out
+    if e.is_Mul:
+        out = 1
+        for t in e.args:
+            out = out * _to_symint(t, table)
+        return out
+    if e.is_Pow and e.exp.is_Integer:
+        out = 1
+        for _ in range(int(e.exp)):
+            out = out * _to_symint(e.base, table)
+        return out
+    raise Unsupported(f"size {e} has no SymInt in the graph")
+
+
+def _symbol_node(graph, sym):
+    for n in graph.nodes:
+        v = n.meta.get("val")
+        if isinstance(v, torch.SymInt) and sympy.sympify(v.node.expr) == sym:
+            return n
+    raise Unsupported(f"no graph value carries size {sym}")
+
+
+def _members(plan) -> list:
+    """The buffers a plan's kernel computes (its tail's too)."""
+    if isinstance(plan, ScatterPlan):
+        return [plan.write.scatter.buffer]
+    return [m.buffer for m in plan.members] + (_members(plan.tail) if plan.tail is not None else [])
+
+
+def _rewrite(gm, lw, kernels, load_kernel):
+    graph = gm.graph
+    output = next(n for n in graph.nodes if n.op == "output")
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    produced, new_nodes, priority = {}, [], {}
+    calls = [_kernel_call(lw, position, load_kernel, *k) for k in kernels]
+    for call, (plan, src, sym_nodes, vals) in zip(calls, kernels):
+        args = []
+        for name in src.inputs:
+            buf = lw.buffers[name]
+            args.append(produced[name] if buf.compute is not None else buf.node)
+        args += sym_nodes
+        with graph.inserting_before(output):   # node names must not shadow the kernel's name
+            node = graph.create_node("call_function", call, tuple(args), {}, name=f"fused_{src.outputs[0]}")
+        first = min((position[b.node] for b in _members(plan) if b.node in position), default=len(position))
+        priority[node] = first
+        new_nodes.append(node)
+        if len(vals) == 1:
+            node.meta["val"] = vals[0]
+            produced[src.outputs[0]] = node
+        else:
+            node.meta["val"] = tuple(vals)
+            for i, name in enumerate(src.outputs):
+                with graph.inserting_before(output):
+                    gi = graph.call_function(operator.getitem, (node, i))
+                gi.meta["val"] = vals[i]
+                priority[gi] = first
+                produced[name] = gi
+    for name, repl in produced.items():
+        buf = lw.buffers[name]
+        if buf.node is not None:
+            buf.node.replace_all_uses_with(repl)
+    keep = set(lw.kept) | set(new_nodes) | set(produced.values())
+    for n in reversed(list(graph.nodes)):
+        if n.op in ("placeholder", "output") or n in keep:
+            continue
+        if n.users:
+            raise CodegenError(f"codegen: lowered node {n.name} still has users {list(n.users)}")
+        graph.erase_node(n)
+    _stable_toposort(graph, position, priority)
+    graph.lint()
+    gm.recompile()
+    return len(new_nodes)
+
+
+def _kernel_call(lw, position, load_kernel, plan, src, sym_nodes, vals):
+    """The node target for one kernel: ``load_kernel(src, fallback)``, the fallback being the group's
+    original ATen nodes, which run if the kernel fails on its first call (``runtime.kernels.KernelCall``)."""
+    ins = [lw.buffers[name].node for name in src.inputs] + list(sym_nodes)
+    outs = [lw.buffers[name].node for name in src.outputs]
+    why = None
+    try:
+        fb = extract(ins, outs, len(vals) > 1, position)
+    except Exception as e:   # NoFallback, or any surprise: the kernel just runs without one
+        fb, why = None, e
+    target = load_kernel(src, fb)
+    log(4, f"codegen: kernel {target.name} ({len(_members(plan))} buffers, {src.kind})\n{target.source}")
+    if why is not None:
+        log(4 if isinstance(why, NoFallback) else 1,
+            f"codegen: kernel {target.name} has no ATen fallback ({type(why).__name__}: {why})")
+    return target
+
+
+def _stable_toposort(graph, position, priority):
+    """Reorder nodes topologically, keeping the original order where possible."""
+    nodes = list(graph.nodes)
+    rank = {n: priority.get(n, position.get(n, len(position))) for n in nodes}
+    indeg = {n: len(set(n.all_input_nodes)) for n in nodes}
+    heap = [(rank[n], i, n) for i, n in enumerate(nodes) if indeg[n] == 0]
+    heapq.heapify(heap)
+    order, idx = [], {n: i for i, n in enumerate(nodes)}
+    while heap:
+        _, _, n = heapq.heappop(heap)
+        order.append(n)
+        for u in n.users:
+            indeg[u] -= 1
+            if indeg[u] == 0:
+                heapq.heappush(heap, (rank[u], idx[u], u))
+    if len(order) != len(nodes):
+        raise CodegenError("codegen: the fused graph has a cycle")
+    out = [n for n in order if n.op == "output"]
+    order = [n for n in order if n.op != "output"] + out
+    ph = [n for n in order if n.op == "placeholder"]
+    order = ph + [n for n in order if n.op != "placeholder"]
+    prev = order[0]
+    for n in order[1:]:
+        prev.append(n)
+        prev = n

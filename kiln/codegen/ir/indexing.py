@@ -1,0 +1,357 @@
+"""Index arithmetic for the loop IR.
+
+Every index is a sympy expression over the kernel variables ``xindex`` and ``rindex`` (flat
+positions in the kept and reduced parts of a kernel's iteration space), size symbols of dynamic
+shapes, and ``ind*`` symbols bound to loaded values (indirect indexing). Unflattening a flat
+position uses ``FloorDiv`` and ``ModIdx``; ``simplify`` folds them back when a load walks memory
+in the same order as the kernel (the common contiguous case), using the known variable ranges.
+All indices are non-negative, which every rule here relies on.
+"""
+from __future__ import annotations
+
+import functools
+
+import sympy
+
+XINDEX = sympy.Symbol("xindex", integer=True, nonnegative=True)
+RINDEX = sympy.Symbol("rindex", integer=True, nonnegative=True)
+ZERO, ONE = sympy.Integer(0), sympy.Integer(1)
+
+
+# Memo of the pure functions below (unflatten, flat_index, simplify, equal) by their arguments:
+# the same index expressions recur in every layer of a model and in the scheduler's and emitter's
+# calls. Sympy objects compare structurally, so a hit is the result the call would compute.
+# Cleared when it grows large.
+_MEMO: dict = {}
+_MEMO_MAX = 1 << 16
+
+
+def memo_put(key, value):
+    """Remember ``value`` for ``key`` in the shared index memo; returns ``value``."""
+    if len(_MEMO) >= _MEMO_MAX:
+        _MEMO.clear()
+    _MEMO[key] = value
+    return value
+
+
+def memo_get(key):
+    """The value ``memo_put`` remembered for ``key``, or None."""
+    return _MEMO.get(key)
+
+
+class FloorDiv(sympy.Function):
+    """``a // b`` for integers ``a >= 0`` and ``b > 0``."""
+    is_integer = True
+    is_nonnegative = True
+    nargs = 2
+
+    @classmethod
+    def eval(cls, a, b):
+        if b == 1:
+            return a
+        if a == 0:
+            return ZERO
+        if a.is_Integer and b.is_Integer:
+            return sympy.Integer(int(a) // int(b))
+        return None
+
+
+class ModIdx(sympy.Function):
+    """``(a // d) % m`` for integers ``a >= 0``, ``d, m > 0``: one digit of a mixed-radix number."""
+    is_integer = True
+    is_nonnegative = True
+    nargs = 3
+
+    @classmethod
+    def eval(cls, a, d, m):
+        if m == 1 or a == 0:
+            return ZERO
+        if a.is_Integer and d.is_Integer and m.is_Integer:
+            return sympy.Integer((int(a) // int(d)) % int(m))
+        return None
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two at least ``n`` (1 for n <= 1)."""
+    n = max(int(n), 1)
+    return 1 << (n - 1).bit_length()
+
+
+def size_expr(s) -> sympy.Expr:
+    """An int or SymInt size as a sympy expression."""
+    if isinstance(s, sympy.Expr):
+        return s
+    if isinstance(s, bool):
+        return sympy.Integer(int(s))
+    if isinstance(s, int):
+        return sympy.Integer(s)
+    node = getattr(s, "node", None)
+    if node is not None and hasattr(node, "expr"):
+        return sympy.sympify(node.expr)
+    return sympy.Integer(int(s))
+
+
+def same_sizes(a, b) -> bool:
+    """Two lists of sizes are equal element by element (symbolic sizes compared after expansion)."""
+    return len(a) == len(b) and all(x == y or sympy.expand(x - y) == 0 for x, y in zip(a, b))
+
+
+def prod(xs):
+    out = ONE
+    for x in xs:
+        out = out * x
+    return out
+
+
+def contiguous_strides(shape):
+    out, acc = [], ONE
+    for s in reversed(shape):
+        out.append(acc)
+        acc = acc * s
+    return tuple(reversed(out))
+
+
+def unflatten(flat, sizes):
+    """Per-dimension indices of a row-major flat position over ``sizes``."""
+    key = ("u", flat, tuple(sizes))
+    hit = _MEMO.get(key)
+    if hit is None:
+        hit = memo_put(key, tuple(_unflatten(flat, sizes)))
+    return list(hit)
+
+
+def _unflatten(flat, sizes):
+    out, stride = [], ONE
+    for i in reversed(range(len(sizes))):
+        if sizes[i] == 1:
+            out.append(ZERO)
+        elif i == 0 or all(s == 1 for s in sizes[:i]):
+            out.append(FloorDiv(flat, stride))
+        else:
+            out.append(ModIdx(flat, stride, sizes[i]))
+        stride = stride * sizes[i]
+    return list(reversed(out))
+
+
+def flat_index(index, strides, offset=ZERO):
+    key = ("f", tuple(index), tuple(strides), offset)
+    hit = _MEMO.get(key)
+    if hit is None:
+        hit = memo_put(key, offset + sum((i * s for i, s in zip(index, strides) if s != 0), ZERO))
+    return hit
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _is_multiple(term, d) -> bool:
+    q = sympy.cancel(term / d)
+    return q.as_numer_denom()[1] == 1 and q.is_integer is not False
+
+
+def _leq(a, b) -> bool:
+    """Provably a <= b (False when unsure)."""
+    if a is None:
+        return False
+    d = sympy.expand(b - a)
+    return bool(d.is_nonnegative) if d.is_nonnegative is not None else (d.is_Integer and d >= 0)
+
+
+class Ranges:
+    """Exclusive upper bounds of the index variables (``xindex < xnumel`` ...)."""
+
+    def __init__(self, bounds: dict):
+        self.bounds = {k: sympy.sympify(v) for k, v in bounds.items()}
+        self.key = frozenset(self.bounds.items())   # what simplify's results depend on
+
+    def max(self, e):
+        """An upper bound (inclusive) of ``e``, or None when unknown."""
+        if e.is_Integer:
+            return e
+        if e.is_Symbol:
+            b = self.bounds.get(e)
+            return None if b is None else b - 1
+        if isinstance(e, FloorDiv):
+            m = self.max(e.args[0])
+            return None if m is None else FloorDiv(m, e.args[1]) if m.is_Integer and e.args[1].is_Integer \
+                else sympy.floor(m / e.args[1])
+        if isinstance(e, ModIdx):
+            return e.args[2] - 1
+        if e.is_Add:
+            parts = [self.max(a) for a in e.args]
+            return None if any(p is None for p in parts) else sympy.Add(*parts)
+        if e.is_Mul:
+            coeff, rest = e.as_coeff_Mul()
+            if coeff.is_negative:
+                return None
+            parts = [self.max(a) if a.free_symbols & set(self.bounds) or not a.is_positive else a
+                     for a in sympy.Mul.make_args(rest)]
+            if any(p is None for p in parts):
+                return None
+            return coeff * sympy.Mul(*parts)
+        if e.is_positive and not (e.free_symbols & set(self.bounds)):
+            return e  # a size symbol
+        return None
+
+
+def simplify(e, ranges: Ranges):
+    """Fold FloorDiv/ModIdx chains using variable ranges; the result equals ``e`` for in-range vars."""
+    e = sympy.sympify(e)
+    key = ("s", e, ranges.key)
+    hit = _MEMO.get(key)
+    if hit is None:
+        hit = memo_put(key, _simplify(sympy.expand(e), ranges))
+    return hit
+
+
+def _simplify(e, r):
+    if not isinstance(e, sympy.Basic) or e.is_Atom:
+        return e
+    args = [_simplify(a, r) for a in e.args]
+    if isinstance(e, FloorDiv):
+        return _floordiv(args[0], args[1], r)
+    if isinstance(e, ModIdx):
+        return _modidx(args[0], args[1], args[2], r)
+    e = e.func(*args)
+    if e.is_Add:
+        e = _join(e, r)
+    return e
+
+
+def _split(a, d):
+    """a = d*q + rest with q an integer polynomial; returns (q, rest)."""
+    q, rest = [], []
+    for t in sympy.Add.make_args(sympy.expand(a)):
+        (q if _is_multiple(t, d) else rest).append(t)
+    return sympy.expand(sympy.Add(*q) / d), sympy.Add(*rest)
+
+
+def _floordiv(a, b, r):
+    if b == 1:
+        return a
+    if isinstance(a, FloorDiv):
+        return _floordiv(a.args[0], a.args[1] * b, r)
+    if isinstance(a, ModIdx) and _is_multiple(a.args[2], b):
+        return _modidx(a.args[0], a.args[1] * b, sympy.cancel(a.args[2] / b), r)
+    q, rest = _split(a, b)
+    if not _neg_free(rest):
+        return FloorDiv(a, b)
+    if rest == 0 or _leq(r.max(rest), b - 1):
+        return q
+    return q + FloorDiv(rest, b)
+
+
+def _modidx(a, d, m, r):
+    if m == 1:
+        return ZERO
+    if isinstance(a, FloorDiv):
+        return _modidx(a.args[0], a.args[1] * d, m, r)
+    if isinstance(a, ModIdx) and _is_multiple(a.args[2], d * m):
+        return _modidx(a.args[0], a.args[1] * d, m, r)
+    _, rest = _split(a, d * m)
+    if not _neg_free(rest):
+        return ModIdx(a, d, m)
+    if rest == 0:
+        return ZERO
+    if _leq(r.max(rest), d * m - 1):
+        return _floordiv(rest, d, r)
+    return ModIdx(rest, d, m)
+
+
+def _neg_free(e) -> bool:
+    return all(not t.as_coeff_Mul()[0].is_negative for t in sympy.Add.make_args(e))
+
+
+def _join(e, r):
+    """c*ModIdx(a,d,m) + c*m*ModIdx(a,d*m,n) -> c*ModIdx(a,d,m*n); likewise with FloorDiv(a,d*m)."""
+    changed = True
+    terms = list(sympy.Add.make_args(e))
+    while changed:
+        changed = False
+        for i, ti in enumerate(terms):
+            ci, ai = ti.as_coeff_Mul()
+            if not isinstance(ai, ModIdx):
+                c2, a2 = _sym_coeff(ti, ModIdx)
+                if a2 is None:
+                    continue
+                ci, ai = c2, a2
+            base, d, m = ai.args
+            for j, tj in enumerate(terms):
+                if j == i:
+                    continue
+                cj, aj = _sym_coeff(tj, (ModIdx, FloorDiv))
+                if aj is None or aj.args[0] != base or sympy.expand(cj - ci * m) != 0:
+                    continue
+                if isinstance(aj, ModIdx) and sympy.expand(aj.args[1] - d * m) == 0:
+                    new = ci * _modidx(base, d, m * aj.args[2], r)
+                elif isinstance(aj, FloorDiv) and sympy.expand(aj.args[1] - d * m) == 0:
+                    new = ci * _floordiv(base, d, r)
+                else:
+                    continue
+                terms = [t for k, t in enumerate(terms) if k not in (i, j)] + [new]
+                changed = True
+                break
+            if changed:
+                break
+    return sympy.Add(*terms)
+
+
+def _sym_coeff(t, kinds):
+    """Split a term into (coefficient, atom) where atom is one FloorDiv/ModIdx factor."""
+    factors = sympy.Mul.make_args(t)
+    atoms = [f for f in factors if isinstance(f, kinds)]
+    if len(atoms) != 1:
+        return None, None
+    rest = [f for f in factors if f is not atoms[0]]
+    return sympy.Mul(*rest), atoms[0]
+
+
+def _evaluate(x, env):
+    """Evaluate an index expression on numpy arrays bound to its symbols."""
+    import numpy as np
+    if x.is_Integer:
+        return np.int64(int(x))
+    if x.is_Symbol:
+        return env[x]
+    a = [_evaluate(y, env) for y in x.args]
+    if isinstance(x, FloorDiv):
+        return a[0] // a[1]
+    if isinstance(x, ModIdx):
+        return (a[0] // a[1]) % a[2]
+    if x.is_Add:
+        return sum(a[1:], a[0])
+    if x.is_Mul:
+        out = a[0]
+        for y in a[1:]:
+            out = out * y
+        return out
+    raise TypeError(x)
+
+
+def equal(a, b, ranges: Ranges, limit: int = 1 << 20) -> bool:
+    """Whether two index expressions agree at every in-range point (proved or checked exhaustively)."""
+    a, b = sympy.sympify(a), sympy.sympify(b)
+    key = ("e", a, b, ranges.key, limit)
+    hit = _MEMO.get(key)
+    if hit is None:
+        hit = memo_put(key, _equal(a, b, ranges, limit))
+    return hit
+
+
+def _equal(a, b, ranges: Ranges, limit: int) -> bool:
+    sa, sb = simplify(a, ranges), simplify(b, ranges)
+    if sa == sb:
+        return True
+    if sympy.expand(sa - sb) == 0:
+        return True
+    syms = (sympy.sympify(a).free_symbols | sympy.sympify(b).free_symbols)
+    if not syms <= set(ranges.bounds) or not all(ranges.bounds[s].is_Integer for s in syms):
+        return False
+    import numpy as np
+    total = 1
+    for s in syms:
+        total *= int(ranges.bounds[s])
+    if total > limit:
+        return False
+    syms = sorted(syms, key=str)
+    grids = np.meshgrid(*[np.arange(int(ranges.bounds[s]), dtype=np.int64) for s in syms], indexing="ij")
+    env = dict(zip(syms, grids))
+    return bool(np.all(np.asarray(_evaluate(sa, env)) == np.asarray(_evaluate(sb, env))))

@@ -1,0 +1,324 @@
+"""Lowering of a post-grad ATen graph to the loop IR: the driver and the helpers lowerings share.
+
+``Lowering(gm, opts).run()`` walks the graph once in order. Each node with an entry in ``LOWERINGS``
+becomes a ``Pointwise`` (inlined into its users) or a buffer-backed value; every other node stays
+an ATen call ("extern") whose tensor arguments are materialized. A missing or failing lowering
+is never an error. Lowerings live in the modules beside this one, one small function per op family,
+registered with ``@register(aten.op.overload, ...)``; importing ``kiln.codegen.lower`` registers them all.
+"""
+from __future__ import annotations
+
+import operator
+
+import sympy
+import torch
+import torch.fx
+
+from kiln.codegen.ir.indexing import ZERO, contiguous_strides, size_expr
+from kiln.codegen.ir.loops import (Buffer, Pointwise, Reduction, Seeds, Unsupported, meta_layout,
+                                new_name, ops)
+from kiln.debug import log
+from kiln.options import Options
+
+aten = torch.ops.aten
+LOWERINGS: dict = {}
+VIEW_OPS = set()     # filled by lower_view: ops whose output may alias their input
+KEEP = object()      # a lowering's answer for "leave this node as an ATen view"
+
+
+def register(*targets, view=False):
+    """Register ``fn(ctx, *args, **kwargs) -> value`` for ATen overloads (or whole packets)."""
+    def deco(fn):
+        for t in targets:
+            overloads = [getattr(t, o) for o in t.overloads()] if isinstance(t, torch._ops.OpOverloadPacket) else [t]
+            for o in overloads:
+                LOWERINGS[o] = fn
+                if view:
+                    VIEW_OPS.add(o)
+        return fn
+    return deco
+
+
+def is_tensor(v):
+    return isinstance(v, torch.Tensor)
+
+
+class ExternTuple(tuple):
+    """The multi-tensor result of an extern node; its getitem users stay ATen too."""
+
+
+class Lowering:
+    """Lower one FX graph. After ``run()``: ``values`` (node -> value), ``buffers`` (name ->
+    Buffer), ``computed`` (kernel-filled buffers in topological order), ``kept`` (nodes that stay
+    in the graph as ATen calls), ``seeds``. ``opts``: the compile's options (``tuning`` is read)."""
+
+    def __init__(self, gm: torch.fx.GraphModule, opts: Options):
+        self.gm, self.opts, self.tuning = gm, opts, opts.tuning
+        self.values, self.buffers, self.computed, self.kept = {}, {}, [], set()
+        self.seeds = Seeds()
+        self.node = None
+        self.fake_mode = None
+
+    # -- driver -------------------------------------------------------------------------
+    def run(self):
+        for node in self.gm.graph.nodes:
+            self.node = node
+            if node.op == "placeholder":
+                self._keep(node, "input")
+            elif node.op == "output":
+                self._realize_args(node.args)
+            elif node.op == "call_function" and self._lowerable(node):
+                try:
+                    value = self._lower(node)
+                except Unsupported as e:
+                    log(5, f"codegen: {node.name} ({node.target}) stays ATen: {e}")
+                    self._extern(node)
+                else:
+                    if value is KEEP:
+                        self._keep(node, "view")
+                        continue
+                    self.values[node] = value
+                    self._finish(node, value)
+            else:
+                self._extern(node)
+        self.node = None
+        return self
+
+    def _lowerable(self, node):
+        if node.target is operator.getitem:
+            return not isinstance(self.values.get(node.args[0]), ExternTuple)
+        if node.target not in LOWERINGS and self._functional(node) is not None:
+            return "val" in node.meta
+        return node.target in LOWERINGS and "val" in node.meta
+
+    def _functional(self, node):
+        """The out-of-place twin of an in-place op whose mutated input is a private temporary
+        (computed here, used by nothing else), so mutating it equals returning a new value."""
+        t = node.target
+        if not isinstance(t, torch._ops.OpOverload) or not t._opname.endswith("_") or not node.args:
+            return None
+        packet = getattr(aten, t._opname[:-1], None)
+        fn = getattr(packet, t._overloadname, None) if packet is not None else None
+        arg = node.args[0]
+        if fn not in LOWERINGS or not isinstance(arg, torch.fx.Node) or arg in self.kept or len(arg.users) != 1:
+            return None
+        return fn
+
+    def _lower(self, node):
+        args = self.arg(node.args)
+        kwargs = {k: self.arg(v) for k, v in node.kwargs.items()}
+        if node.target is operator.getitem:
+            return args[0][args[1]]
+        target = node.target if node.target in LOWERINGS else self._functional(node)
+        return LOWERINGS[target](self, *args, **kwargs)
+
+    def arg(self, a):
+        if isinstance(a, torch.fx.Node):
+            if a in self.values:
+                return self.values[a]
+            val = a.meta.get("val")
+            if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+                return sympy.sympify(val.node.expr)
+            raise Unsupported(f"argument {a.name} has no lowered value")
+        if isinstance(a, (list, tuple)):
+            return type(a)(self.arg(x) for x in a)
+        return a
+
+    @property
+    def meta(self):
+        return self.node.meta["val"]
+
+    # -- externs and kept nodes ---------------------------------------------------------
+    def _keep(self, node, kind):
+        self.kept.add(node)
+        val = node.meta.get("val")
+        if is_tensor(val):
+            buf = self._node_buffer(node, kind, val)
+            self.values[node] = Pointwise.of_buffer(buf)
+        elif isinstance(val, (tuple, list)) and node.op != "placeholder":
+            self.values[node] = ExternTuple(val)
+        elif isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            self.values[node] = sympy.sympify(val.node.expr)
+        else:
+            self.values[node] = val
+
+    def _node_buffer(self, node, kind, val):
+        shape, stride = meta_layout(val)
+        buf = Buffer(node.name, shape, stride, val.dtype, val.device, kind, node, None, val)
+        self.buffers[buf.name] = buf
+        return buf
+
+    def _extern(self, node):
+        self._realize_args((node.args, node.kwargs))
+        self._keep(node, "extern")
+
+    def _realize_args(self, args):
+        for n in _nodes(args):
+            v = self.values.get(n)
+            for p in (v if isinstance(v, tuple) and not isinstance(v, ExternTuple) else (v,)):
+                if isinstance(p, Pointwise):
+                    self.realize(p, n if p is v else None)
+
+    # -- materialization ----------------------------------------------------------------
+    def realize(self, value: Pointwise, node=None) -> Buffer:
+        """Give ``value`` a buffer (filled by a kernel); later reads load from it."""
+        if value.buffer is not None:
+            return value.buffer
+        val = node.meta.get("val") if node is not None else None
+        base = getattr(value, "view_base", None)
+        if base is not None and node is not None and base.buffer is None \
+                and getattr(base, "view_base", None) is not None and isinstance(node.args[0], torch.fx.Node):
+            self.realize(base, node.args[0])   # a view of a view: the inner one becomes an ATen view first
+        if base is not None and node is not None and is_tensor(val) and base.buffer is not None \
+                and base.buffer.node is node.args[0]:
+            buf = self._node_buffer(node, "view", val)   # keep the ATen view of the stored base
+            self.kept.add(node)
+            value.buffer = buf
+            value._memo = {k: v for k, v in value._memo.items() if k and k[0] == "compute"}
+            return buf
+        if is_tensor(val) and tuple(size_expr(s) for s in val.shape) == value.shape:
+            shape, stride = meta_layout(val)
+            buf = Buffer(node.name, shape, stride, val.dtype, val.device, "pointwise", node, value, val)
+        else:
+            buf = Buffer(new_name(), value.shape, contiguous_strides(value.shape), value.dtype,
+                         value.device, "pointwise", None, value)
+        self.buffers[buf.name] = buf
+        self.computed.append(buf)
+        value.buffer = buf
+        value._memo = {k: v for k, v in value._memo.items() if k and k[0] == "compute"}
+        return buf
+
+    def _finish(self, node, value):
+        """Adopt internal buffers as the node's value and materialize where users need it."""
+        if isinstance(value, Pointwise):
+            buf = value.buffer
+            if buf is not None and buf.node is None and buf.kind != "view":
+                val = node.meta.get("val")
+                if is_tensor(val) and _same_layout(buf, val):
+                    buf.node, buf.fake = node, val
+            if self._must_realize(node, value):
+                self.realize(value, node)
+
+    def _must_realize(self, node, value):
+        users = [u for u in node.users]
+        for u in users:
+            if u.op == "output" or (u.op == "call_function" and not self._lowerable_target(u)):
+                return True
+        if value.buffer is None and len(users) > 1:
+            return not cheap(value, self.tuning.cheap_ops)
+        return False
+
+    def _lowerable_target(self, u):
+        return u.target is operator.getitem or u.target in LOWERINGS or self._functional(u) is not None
+
+    # -- helpers used by lowerings ------------------------------------------------------
+    def pointwise(self, fn, shape=None, dtype=None, device=None):
+        meta = self.meta if is_tensor(self.node.meta.get("val")) else None
+        shape = meta.shape if shape is None else shape
+        dtype = meta.dtype if dtype is None else dtype
+        return Pointwise(shape, dtype, device or self.device, fn)
+
+    @property
+    def device(self):
+        val = self.node.meta.get("val")
+        for v in (val if isinstance(val, (tuple, list)) else (val,)):
+            if is_tensor(v):
+                return v.device
+        return torch.device("cpu")
+
+    def reduction(self, red: Reduction, device) -> Pointwise:
+        """A reduction always owns a buffer; returns the value reading it."""
+        shape = tuple(size_expr(s) for s in red.out_shape)
+        buf = Buffer(new_name(), shape, contiguous_strides(shape), red.dtype, device, "reduction", None, red)
+        self.buffers[buf.name] = buf
+        self.computed.append(buf)
+        return Pointwise.of_buffer(buf)
+
+    def add_buffer(self, buf: Buffer) -> Pointwise:
+        self.buffers[buf.name] = buf
+        self.computed.append(buf)
+        return Pointwise.of_buffer(buf)
+
+
+def _nodes(args):
+    out = []
+    torch.fx.node.map_arg(args, lambda n: out.append(n))
+    return out
+
+
+def _same_layout(buf, val):
+    shape, stride = meta_layout(val)
+    if shape != buf.shape:
+        return False
+    return all(a == b for s, a, b in zip(shape, stride, buf.stride) if s != 1)
+
+
+def cheap(value: Pointwise, limit: int) -> bool:
+    """At most ``limit`` ops (and no RNG): recomputed in every user instead of stored. Ops on indices and
+    constants alone (a padding's or a causal mask's bounds tests) are not counted: they read nothing."""
+    idx = [sympy.Symbol(f"c{i}", integer=True, nonnegative=True) for i in range(len(value.shape))]
+    n = 0
+    reads: dict = {}
+    for e in value(idx).walk():
+        if e.op == "rand":
+            return False
+        if e.op not in ("load", "const", "index", "cast") and _reads(e, reads):
+            n += 1
+    return n <= limit
+
+
+def _reads(e, memo) -> bool:
+    """Whether ``e`` loads anything (memoized by node: expressions share subtrees)."""
+    hit = memo.get(id(e))
+    if hit is None:
+        hit = e.op in ("load", "rand") or any(_reads(c, memo) for c in e.children())
+        memo[id(e)] = hit
+    return hit
+
+
+# -- shared helpers for lowerings ---------------------------------------------------------
+def broadcast(idx, in_shape, out_shape):
+    """Index into a value of ``in_shape`` broadcast (right-aligned) to ``out_shape``."""
+    k = len(out_shape) - len(in_shape)
+    return [ZERO if s == 1 and o != 1 else idx[k + i] for i, (s, o) in
+            enumerate(zip(in_shape, out_shape[k:]))]
+
+
+def value_at(v, idx, out_shape, dtype):
+    """The Expr of value or Python scalar ``v`` at ``idx`` (broadcast), cast to ``dtype``."""
+    if isinstance(v, Pointwise):
+        return ops.cast(v(broadcast(idx, v.shape, out_shape)), dtype)
+    if isinstance(v, sympy.Expr):
+        return sym_value(v, dtype)
+    if isinstance(v, (bool, int, float)):
+        return ops.const(v, dtype)
+    raise Unsupported(f"operand {type(v).__name__}")
+
+
+def sym_value(v, dtype):
+    """A SymInt/SymFloat expression (sizes, counts) as a value of ``dtype``."""
+    if type(v).__name__ == "ToFloat":
+        return ops.cast(ops.index(v.args[0]), dtype)
+    if v.is_Float or v.is_Rational and not v.is_Integer:
+        return ops.const(float(v), dtype)
+    if any(type(a).__name__ not in ("Symbol", "Integer", "Add", "Mul", "Pow") for a in sympy.preorder_traversal(v)):
+        raise Unsupported(f"symbolic value {v}")
+    return ops.cast(ops.index(v), dtype)
+
+
+def result_dtype(*vals):
+    """torch's default type promotion over values and Python scalars."""
+    from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
+    args = []
+    for v in vals:
+        if isinstance(v, Pointwise):
+            args.append(torch.empty((1,) if len(v.shape) else (), dtype=v.dtype, device="meta"))
+        elif isinstance(v, (bool, int, float)):
+            args.append(v)
+        elif isinstance(v, sympy.Expr):
+            args.append(1.0 if type(v).__name__ == "ToFloat" or v.is_Float else 1)
+    return elementwise_dtypes(*args, type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)[1]
+
+
+__all__ = ["Lowering", "register", "LOWERINGS", "VIEW_OPS", "broadcast", "value_at", "result_dtype",
+           "aten", "Unsupported", "is_tensor", "cheap", "KEEP"]

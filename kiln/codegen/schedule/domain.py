@@ -1,0 +1,187 @@
+"""Where a buffer sits in a kernel's domain.
+
+A kernel iterates a *domain*: a tuple of ``(size, is_reduced)`` dims (size-1 dims dropped), split
+into a flat kept part ``xindex`` and a flat reduced part ``rindex``. A pointwise buffer is placed
+on the domain when its shape (without 1s) equals all dims (it varies along ``rindex``) or only
+the kept dims; a reduction when its iteration space equals the domain. ``body`` is the expression a
+buffer's kernel evaluates there, ``current`` the element it computes at (xindex, rindex), ``loads``
+what an expression reads.
+"""
+from __future__ import annotations
+
+import enum
+import weakref
+
+import sympy
+
+from kiln.codegen.ir.indexing import (RINDEX, XINDEX, ZERO, Ranges, contiguous_strides, memo_get, memo_put, prod,
+                                      same_sizes, unflatten)
+from kiln.codegen.ir.loops import Pointwise, Reduction, ops
+from kiln.codegen.schedule.colpart import colpart_body, colpart_dims, colpart_index
+
+
+class Role(enum.Enum):
+    """How a buffer sits in its kernel: what ``body`` evaluates and where ``current`` places it."""
+    ROW = "row"          # one element at each point (xindex, rindex) of the domain
+    OUTER = "outer"      # a reduction over all rows of a row kernel (its reduced index is xindex)
+    SCALAR = "scalar"    # a one-element value computed after all rows (from outer reductions)
+    COLPART = "colpart"  # a folded column partial: one program per chunk of rows (``colpart.py``)
+
+
+def domain_ranges(dims):
+    return Ranges({XINDEX: prod([s for s, r in dims if not r]), RINDEX: prod([s for s, r in dims if r])})
+
+
+def squeeze(shape):
+    return [s for s in shape if s != 1]
+
+
+def node_dims(buf):
+    """The domain a buffer would have as a kernel of its own (a folded column partial: its rows and
+    columns, the columns reduced in the row kernel's sense)."""
+    c = buf.compute
+    if isinstance(c, Reduction) and c.fold:
+        return colpart_dims(c)
+    if isinstance(c, Reduction):
+        return tuple((s, d in c.reduced) for d, s in enumerate(c.ranges) if s != 1)
+    if isinstance(c, Pointwise):
+        return tuple((s, False) for s in squeeze(memory_order(buf.shape, buf.stride)))
+    return None
+
+
+def memory_order(shape, stride):
+    """``shape`` listed from the largest stride to the smallest when ``stride`` is a dense permuted
+    layout (a channels-last tensor: N, H, W, C), else as it is: a kernel over this domain walks
+    memory in address order (``place`` maps it back through ``memory_unflatten``)."""
+    order = _dense_order(shape, stride)
+    return list(shape) if order is None else [shape[d] for d in order]
+
+
+def domain_vars(dims):
+    key = ("dv", dims)
+    hit = memo_get(key)
+    if hit is None:
+        hit = memo_put(key, tuple(_domain_vars(dims)))
+    return list(hit)
+
+
+def _domain_vars(dims):
+    xs = unflatten(XINDEX, [s for s, r in dims if not r])
+    rs = unflatten(RINDEX, [s for s, r in dims if r])
+    xi, ri = iter(xs), iter(rs)
+    return [next(ri) if r else next(xi) for _, r in dims]
+
+
+def place(shape, dims, stride=None):
+    """Index (one expr per dim of ``shape``) of the element computed at (xindex, rindex), or None.
+
+    A buffer with the domain's elements in another shape is walked in its memory order (``stride``):
+    a transposed copy stored from a row-major domain then writes consecutive addresses."""
+    key = ("pl", tuple(shape), dims, None if stride is None else tuple(stride))
+    hit = memo_get(key)
+    if hit is None:
+        hit = _place(shape, dims, stride)
+        hit = memo_put(key, False if hit is None else tuple(hit))
+    return None if hit is False else list(hit)
+
+
+def _place(shape, dims, stride=None):
+    sq = squeeze(shape)
+    full = [s for s, _ in dims]
+    xs = [s for s, r in dims if not r]
+    if same_sizes(sq, full):
+        vs = iter(domain_vars(dims))
+    elif len(xs) < len(full) and same_sizes(sq, xs):
+        vs = iter(unflatten(XINDEX, xs))
+    elif same_sizes([prod(sq)], [prod(full)]):   # same elements, another shape: walk both in memory order
+        flat = sum((v * st for v, st in zip(domain_vars(dims), contiguous_strides(full))), ZERO)
+        return memory_unflatten(flat, list(shape), stride)
+    elif len(xs) < len(full) and same_sizes([prod(sq)], [prod(xs)]):
+        return memory_unflatten(XINDEX, list(shape), stride)
+    else:
+        return None
+    return [ZERO if s == 1 else next(vs) for s in shape]
+
+
+def memory_unflatten(flat, shape, stride=None):
+    """Per-dimension indices of flat position ``flat`` in the memory order of a dense layout
+    ``stride`` (a permutation of row-major strides); row-major when the layout is not one."""
+    order = _dense_order(shape, stride)
+    if order is None or order == [d for d in range(len(shape)) if int(shape[d]) != 1]:
+        return unflatten(flat, shape)
+    out = [ZERO] * len(shape)
+    for d, v in zip(order, unflatten(flat, [shape[d] for d in order])):
+        out[d] = v
+    return out
+
+
+def _dense_order(shape, stride):
+    """The non-size-1 dims of ``shape`` from the largest stride to the smallest when ``stride`` is a
+    dense permuted layout, else None."""
+    if stride is None or not all(sympy.sympify(x).is_Integer for x in list(shape) + list(stride)):
+        return None
+    dims = [d for d in range(len(shape)) if int(shape[d]) != 1]
+    order = sorted(dims, key=lambda d: -int(stride[d]))
+    expect = 1
+    for d in reversed(order):
+        if int(stride[d]) != expect:
+            return None
+        expect *= int(shape[d])
+    return order
+
+
+def body(buf, dims, role: Role = Role.ROW):
+    """The Expr a buffer's kernel evaluates under ``dims`` in ``role`` (None if it does not fit): an
+    outer reduction's element at row ``xindex``; a folded column partial's at row ``xindex`` (chunk
+    ``xindex // chunk``), column ``rindex``."""
+    c = buf.compute
+    if isinstance(c, Reduction) and c.fold:
+        return colpart_body(c, dims)
+    if role is Role.OUTER:
+        return c.fn(unflatten(XINDEX, list(c.ranges)))
+    if role is Role.SCALAR:
+        return c.compute([ZERO] * len(buf.shape))
+    if isinstance(c, Reduction):
+        if dims_key(node_dims(buf)) != dims_key(dims):
+            return None
+        vs = iter(domain_vars(dims))
+        return c.fn([ZERO if s == 1 else next(vs) for s in c.ranges])
+    idx = place(buf.shape, dims, buf.stride)
+    return None if idx is None else c.compute(idx)
+
+
+def dims_key(dims) -> tuple:
+    """``dims`` with sizes expanded: equal keys, equal domains."""
+    return tuple((sympy.expand(s), r) for s, r in dims)
+
+
+def current(buf, dims, role: Role = Role.ROW):
+    """Flat index of the element of ``buf`` computed at (xindex, rindex) (a colpart's: at its
+    program's chunk ``XPID``, column ``rindex``, once the chunk's rows are reduced)."""
+    if role in (Role.OUTER, Role.SCALAR):
+        return buf.index([ZERO] * len(buf.shape))
+    if role is Role.COLPART:
+        return colpart_index(buf, dims)
+    return buf.index(place(buf.shape, dims, buf.stride))
+
+
+_LOADS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def loads(expr):
+    """[(buffer name, index)] of every load in ``expr`` (memoized: Exprs are immutable)."""
+    hit = _LOADS.get(expr)
+    if hit is None:
+        hit = _LOADS[expr] = tuple((e.args[0], e.args[1]) for e in expr.walk() if e.op == "load")
+    return list(hit)
+
+
+def scatter_exprs(buf):
+    """Every Expr a scatter kernel evaluates (for dependency tracking)."""
+    s = buf.compute
+    vs = [sympy.Symbol(f"s{i}", integer=True, nonnegative=True) for i in range(len(s.shape))]
+    base_idx = [sympy.Symbol(f"b{i}", integer=True, nonnegative=True) for i in range(len(buf.shape))]
+    target = s.target(vs)
+    return [s.value(vs), s.base(base_idx), ops.index(target)]
+
+

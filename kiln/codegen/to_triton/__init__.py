@@ -1,0 +1,2 @@
+"""The Triton emitter: a kernel plan as a module of ``@triton.jit`` functions and a launcher
+(``module.write_module``)."""

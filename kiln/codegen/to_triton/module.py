@@ -1,0 +1,403 @@
+"""Kernel module text: the ``@triton.jit`` functions of a plan and the launcher around them.
+
+A generated module holds the kernel (named ``PLACEHOLDER`` until the runtime names it by a hash of the
+text) and ``call(*inputs, *scalars)``, which binds dynamic sizes from its inputs, allocates outputs
+with the graph's strides and launches through ``kiln.runtime.launch``. Everything a launch depends on
+is in the text, so equal text means an equal kernel. ``write_module`` is the emitter's entry point.
+"""
+from __future__ import annotations
+
+import sympy
+import torch
+
+from kiln.codegen.ir.indexing import RINDEX, XINDEX, FloorDiv, ModIdx, next_pow2
+from kiln.codegen.schedule.plan import KernelPlan, KernelSource, Programs, ScatterPlan
+from kiln.codegen.to_triton.config import Blocks, config, grid_of
+from kiln.codegen.to_triton.emit import TritonTarget, past_l1
+from kiln.codegen.to_triton.ops import HELPERS, TL_DTYPE, combine, neutral, reduce_code
+from kiln.codegen.to_triton.rows import TritonKernel
+
+HEADER = "# kiln generated kernel\n"
+PLACEHOLDER = "__KILN_KERNEL__"   # the kernel's name in generated text; ``kiln.runtime.kernels`` names it
+
+
+def pyexpr(e, names):
+    """A sympy size expression as Python over local names."""
+    e = sympy.sympify(e)
+    if e.is_Integer:
+        return str(int(e))
+    if e.is_Symbol:
+        return names[e]
+    if isinstance(e, FloorDiv):
+        return f"({pyexpr(e.args[0], names)} // {pyexpr(e.args[1], names)})"
+    if isinstance(e, ModIdx):
+        a, d, m = (pyexpr(x, names) for x in e.args)
+        return f"(({a} // {d}) % {m})"
+    if e.is_Add:
+        return "(" + " + ".join(pyexpr(t, names) for t in e.args) + ")"
+    if e.is_Mul:
+        return "(" + "*".join(pyexpr(t, names) for t in e.args) + ")"
+    if e.is_Pow and e.exp.is_Integer and e.exp > 0:
+        return "(" + "*".join([pyexpr(e.base, names)] * int(e.exp)) + ")"
+    raise ValueError(f"cannot print size {e}")
+
+
+def mask_lines(var, index, numel, shape, static, even):
+    """``var = index < numel``, or, with ``even`` (``tuning.even_masks``), a constant-true mask when
+    ``numel`` is static and the block (XBLOCK for ``xmask``, else RBLOCK) divides it: written as a
+    compile-time branch on the block size, Triton drops it from loads, stores and selects."""
+    plain = f"{var} = {index} < {numel}"
+    if not (static and even):
+        return [plain]
+    block = "XBLOCK" if var == "xmask" else "RBLOCK"
+    return [f"if {numel} % {block} == 0:", f"    {var} = tl.full({shape}, True, tl.int1)", "else:",
+            f"    {plain}"]
+
+
+def _render(lines, indent, out, static_r, even):
+    for line in lines:
+        if isinstance(line, tuple):
+            out.append(f"{indent}for roffset in range(0, rnumel, RBLOCK):")
+            out.append(f"{indent}    rindex = roffset + rbase")
+            rmask = mask_lines("rmask", "rindex", "rnumel", "[1, RBLOCK]", static_r, even)
+            out += [f"{indent}    {ln}" for ln in rmask]
+            _render(line[1].lines, indent + "    ", out, static_r, even)
+        else:
+            out.append(indent + line)
+
+
+def _size_symbols(k) -> set:
+    syms = set(k.sizes)
+    for e in [k.xnumel, k.rnumel]:
+        syms |= sympy.sympify(e).free_symbols
+    for b in k.plan.stored:
+        for e in b.shape + b.stride:
+            syms |= sympy.sympify(e).free_symbols
+    return {s for s in syms if s not in (XINDEX, RINDEX)}
+
+
+def bind_sizes(kernels, inputs, buffers):
+    """(Python name per size symbol, lines binding them, symbols passed as ``call`` arguments): every
+    size symbol of ``kernels`` is read from an input's shape when one has it as a dimension, else
+    passed to ``call`` as an extra argument (``scalars``). Each kernel takes every symbol."""
+    names, lines, scalars = {}, [], []
+    syms = set().union(*[_size_symbols(k) for k in kernels])
+    for s in sorted(syms, key=str):
+        name = f"ks_{s.name}"
+        names[s] = name
+        found = None
+        for i, bname in enumerate(inputs):
+            for d, size in enumerate(buffers[bname].shape):
+                if size == s:
+                    found = f"in{i}.shape[{d}]"
+                    break
+            if found:
+                break
+        if found:
+            lines.append(f"{name} = {found}")
+        else:
+            scalars.append(s)
+    return names, lines, scalars
+
+
+def _static(k):
+    """Whether xnumel/rnumel are written into the kernel (never under the interpreter)."""
+    return k.xnumel.is_Integer and not k.interpret, k.rnumel.is_Integer and not k.interpret
+
+
+def kernel_def(k: TritonKernel, name, names, extra_params=(), tail_lines=()):
+    """The ``@triton.jit`` function text of written kernel ``k`` (``names``: the module's size names;
+    ``extra_params``/``tail_lines``: a chained tail's, see ``_chain``)."""
+    plan = k.plan
+    even = k.tuning.even_masks
+    static_x, static_r = _static(k)
+    # integer numels are known when Triton compiles (constants, or constexpr under the interpreter)
+    known_x, known_r = k.xnumel.is_Integer, k.rnumel.is_Integer
+    last = plan.programs is Programs.LAST
+    params = [k.inputs[b] for b in k.inputs] + [k.out_args[b.name] for b in plan.stored]
+    params += [p[4] for p in k.partials] + (["sem_ptr"] if last else []) + list(extra_params)
+    params += [names[s] for s in sorted(names, key=str)] + list(k.seeds.values())
+    # Triton's interpreter cannot loop to a runtime int: numels are constexpr there
+    ann = ": tl.constexpr" if k.interpret else ""
+    if not static_x:
+        params.append("xnumel" + ann)
+    if k.red and not static_r:
+        params.append("rnumel" + ann)
+    params.append("XBLOCK: tl.constexpr")
+    if k.red:
+        params.append("RBLOCK: tl.constexpr")
+    body = []
+    if static_x:
+        body.append(f"xnumel = {int(k.xnumel)}")
+    if k.red and static_r:
+        body.append(f"rnumel = {int(k.rnumel)}")
+    ind = ""
+    if k.red:
+        cast = ".to(tl.int64)" if plan.wide_index else ""
+        body.append(f"rbase = tl.arange(0, RBLOCK)[None, :]{cast}")
+        if k.persistent:
+            body += ["rindex = rbase"] + mask_lines("rmask", "rindex", "rnumel", "[1, RBLOCK]", known_r, even)
+    pid = "tl.program_id(0).to(tl.int64)" if plan.wide_index else "tl.program_id(0)"
+    xshape = "[XBLOCK, 1]" if k.red else "[XBLOCK]"
+    xrange = "tl.arange(0, XBLOCK)[:, None]" if k.red else "tl.arange(0, XBLOCK)"
+    xmask = mask_lines("xmask", "xindex", "xnumel", xshape, known_x, even)
+    if plan.programs is Programs.CHUNKS:   # folded column partials: each program walks its chunk of rows
+        chunk = plan.chunks[1]
+        body += [f"xpid = {pid}"] + k.pre + [f"for xoffset in range(0, {chunk}, XBLOCK):"]
+        body.append(f"    xindex = xpid * {chunk} + xoffset + {xrange}")
+        # rows past the chunk's end belong to the next program (chunks divide the rows exactly)
+        xmask = mask_lines("xmask", f"(xoffset + {xrange})", str(chunk), xshape, True, even)
+        ind = "    "
+    elif plan.programs is Programs.ONE:   # one program walks all rows
+        body += k.pre if plan.outer else []   # ... accumulating the outer reductions
+        body.append("for xoffset in range(0, xnumel, XBLOCK):")
+        ind = "    "
+        body.append(ind + f"xindex = xoffset + {xrange}")
+    else:
+        body.append(f"xoffset = {pid} * XBLOCK")
+        body.append(f"xindex = xoffset + {xrange}")
+    body += [ind + ln for ln in xmask]
+    if last:
+        body += k.pre
+    _render(k.top.lines, ind, body, known_r, even)
+    if last:
+        body += _last_program(k)
+    elif plan.outer or plan.chunks:
+        _render(k.post.lines, "", body, False, even)
+    body += list(tail_lines)
+    return "\n".join(["@triton.jit", f"def {name}({', '.join(params)}):"] + ["    " + b for b in body])
+
+
+def _last_program(k):
+    """The end of a row kernel whose outer reductions span many programs: each program stores its
+    partial result of every outer reduction (``part_ptrN[pid]``) and counts itself done on ``sem_ptr``;
+    the last to arrive reads all partials in program order (a fixed order: the result does not depend
+    on timing), computes the scalar epilogue and sets the counter back to 0 for the next launch.
+    The barrier makes the program's stores visible before its count; the partials are loaded past L1
+    (``.cg``), where another SM's writes are not seen. ``sem_ptr`` is one counter per kernel module,
+    device and stream (``semaphore``)."""
+    out = []
+    block = k.tuning.parts_block
+    for var, kind, dt, acc, part in k.partials:
+        out.append(f"tl.store({part} + tl.program_id(0) + tl.full([1, 1], 0, tl.int32), "
+                   f"{reduce_code(kind, acc, k.interpret, axis=0)})")
+    cg = past_l1(k.interpret)
+    # Triton's interpreter loops only to constants: there, step over xnumel (>= n_programs, masked)
+    bound = "xnumel" if k.interpret else "n_programs"
+    out += last_program_if(k.plan)
+    for var, kind, dt, acc, part in k.partials:
+        n = neutral(kind, dt)
+        out += [f"    {acc}_all = tl.full([{block}, 1], {n}, {TL_DTYPE[dt]})",
+                f"    for p_offset in range(0, {bound}, {block}):",
+                f"        p_index = p_offset + tl.arange(0, {block})[:, None]",
+                f"        p_value = tl.load({part} + p_index, p_index < n_programs, {n}{cg})",
+                f"        {acc}_all = {combine(kind, f'{acc}_all', 'p_value')}",
+                f"    {var} = {reduce_code(kind, f'{acc}_all', k.interpret, axis=0)}"]
+    _render(k.post.lines, "    ", out, False, k.tuning.even_masks)
+    out.append(LAST_PROGRAM_RESET)
+    return out
+
+
+# The gate of a kernel's last program (``_last_program``, ``_chain``): make this program's stores
+# visible, count it done, and let only the last one in; that one sets the counter back to 0 at its end.
+LAST_PROGRAM_IF = ["tl.debug_barrier()",
+                   "n_programs = (xnumel + XBLOCK - 1) // XBLOCK",
+                   "if tl.atomic_add(sem_ptr, 1) == n_programs - 1:"]
+LAST_PROGRAM_RESET = "    tl.atomic_xchg(sem_ptr, 0)"
+
+
+def last_program_if(plan: KernelPlan) -> list:
+    """``LAST_PROGRAM_IF`` for ``plan`` (a kernel of folded column partials has one program per chunk of
+    rows)."""
+    if plan.programs is Programs.CHUNKS:
+        return [LAST_PROGRAM_IF[0], f"n_programs = {plan.chunks[0]}", LAST_PROGRAM_IF[2]]
+    return LAST_PROGRAM_IF
+
+
+def kernel_args(k, ins, outs, names, extra_args=()):
+    """Launcher-side argument names for kernel ``k`` (``ins``/``outs``: buffer name -> local)."""
+    last = k.plan.programs is Programs.LAST
+    args = [ins[b] for b in k.inputs] + [outs[b.name] for b in k.plan.stored]
+    args += [f"part{i}" for i in range(len(k.partials))] + (["sem"] if last else []) + list(extra_args)
+    args += [names[s] for s in sorted(names, key=str)] + list(k.seeds.values())
+    static_x, static_r = _static(k)
+    if not static_x:
+        args.append("xnumel")
+    if k.red and not static_r:
+        args.append("rnumel")
+    return args
+
+
+def narrow_data(k) -> bool:
+    """Whether kernel ``k`` reads or writes 2-byte elements (``config``'s ``narrow``)."""
+    bufs = [k.plan.buffers[b] for b in k.inputs] + list(k.plan.stored)
+    return any(b.dtype.itemsize <= 2 for b in bufs)
+
+
+def launch_line(k, name, args, names):
+    plan = k.plan
+    kind = "reduction" if k.red else "pointwise"
+    inner = bool(k.dims) and k.dims[-1][1]
+    cfg = None
+    narrow = narrow_data(k)
+    blocks = Blocks.of(k.tuning)
+    if k.xnumel.is_Integer and k.rnumel.is_Integer and not k.autotune:
+        cfg = config(kind, int(k.xnumel), int(k.rnumel), k.persistent, inner, k.interpret, narrow, blocks)
+    meta = dict(kind=kind, persistent=k.persistent, inner=inner, interpret=k.interpret, autotune=k.autotune,
+                outer=plan.programs is Programs.ONE, narrow=narrow, programs=plan.chunks[0] if plan.chunks else None)
+    if cfg is not None and not k.interpret and "xnumel" not in args and "rnumel" not in args:
+        xb, rb, warps = cfg   # all static: grid and block sizes are constants of the module
+        if int(k.xnumel) <= 0:
+            return []
+        grid = grid_of(int(k.xnumel), xb, meta)
+        consts = (xb,) if kind == "pointwise" else (xb, rb)
+        return [f"launch.launch({name}, ({', '.join(args)},), {grid}, {consts}, {warps})"]
+    if cfg is None:   # chosen at each launch: the module carries the tuning the choice reads
+        meta["blocks"] = tuple(blocks)
+    return [f"xnumel, rnumel = {pyexpr(k.xnumel, names)}, {pyexpr(k.rnumel, names)}",
+            f"launch.run({name}, ({', '.join(args)},), xnumel, rnumel, {cfg}, {meta!r})"]
+
+
+def module(kernels, defs, inputs, buffers, body_fn, into=False):
+    """(module text, scalars): imports, helpers, kernel ``defs`` (each ``def(names)``) and ``call``
+    (body from ``body_fn(names)``; ``into``: ``call`` takes an optional tensor to write its output into)."""
+    names, bind_lines, scalars = bind_sizes(kernels, inputs, buffers)
+    # the input dtypes are part of the text: equal text then means an equal kernel for every
+    # argument, which lets a launch site reuse its compiled kernel (``launch``) without re-checking
+    dtypes = ", ".join(str(buffers[b].dtype).replace("torch.", "") for b in inputs)
+    lines = [HEADER + f"# inputs: {dtypes}", "import torch", "import triton", "import triton.language as tl"]
+    if any(k.libdevice for k in kernels):
+        lines.append("from triton.language.extra import libdevice")
+    lines += ["from kiln.runtime import launch", ""]
+    for h in sorted(set().union(*[k.helpers for k in kernels])):
+        lines += ["", HELPERS[h]]
+    for d in defs:
+        lines += ["", d(names)]
+    args = [f"in{i}" for i in range(len(inputs))] + [names[s] for s in scalars] + (["into=None"] if into else [])
+    lines += ["", "", f"def call({', '.join(args)}):"]
+    lines += ["    " + b for b in bind_lines]
+    for i, b in enumerate(inputs):
+        buf = buffers[b]
+        if all(sympy.sympify(x).is_Integer for x in buf.shape + buf.stride) and buf.shape:
+            st = _tuple(buf.stride)
+            lines.append(f"    if in{i}.stride() != {st}:")
+            lines.append(f"        in{i} = launch.restride(in{i}, {_tuple(buf.shape)}, {st})")
+    lines += ["    " + ln for b in body_fn(names) for ln in b.split("\n")]
+    return "\n".join(lines) + "\n", scalars
+
+
+def alloc_line(local, buf, names, device):
+    """``local = <new tensor>``; ``device`` None: the current CUDA device, through torch's C++ helper
+    (``empty_cuda``: the wrapper enters the graph's device before it calls kernels)."""
+    shape = "(" + "".join(pyexpr(x, names) + ", " for x in buf.shape) + ")"
+    stride = "(" + "".join(pyexpr(x, names) + ", " for x in buf.stride) + ")"
+    if device is None:
+        return f"{local} = launch.empty_cuda({shape}, {stride}, {buf.dtype})"
+    return f"{local} = torch.empty_strided({shape}, {stride}, dtype={buf.dtype}, device={device})"
+
+
+def device_expr(interpret, has_inputs, device):
+    """The device expression of a module's allocations: None (the current CUDA device) for compiled
+    kernels, which only run on CUDA; the interpreter's kernels allocate on their inputs' device."""
+    if not interpret and torch.device(device).type == "cuda":
+        return None
+    return "in0.device" if has_inputs else f"torch.device({str(device)!r})"
+
+
+def _chain(head: TritonKernel, tail: TritonKernel):
+    """(head's extra parameters, its extra arguments, the tail call its last program makes, the tail's
+    helper name) for a chained pair: the last program of ``head`` runs ``tail``'s body, a
+    ``@triton.jit`` helper (its own names, inlined by Triton), with the head's warps."""
+    plan = tail.plan
+    kind = "reduction" if tail.red else "pointwise"
+    inner = bool(tail.dims) and tail.dims[-1][1]
+    xb, rb, _ = config(kind, int(tail.xnumel), int(tail.rnumel), tail.persistent, inner, tail.interpret, False,
+                       Blocks.of(tail.tuning))
+    if tail.red and tail.persistent and not tail.interpret:
+        # one program does the whole tail: a tile of tuning.tail_tile elements per step (a [64, S] tile took
+        # 48 dependent steps for a 3072-column bias gradient)
+        xb = max(xb, min(next_pow2(int(tail.xnumel)), max(1, tail.tuning.tail_tile // rb)))
+    static_x, static_r = _static(tail)
+    call = [head.out_args[b] for b in tail.inputs] + [f"tail_ptr{i}" for i in range(len(plan.stored))]
+    call += [] if static_x else [str(int(tail.xnumel))]
+    call += [] if static_r or not tail.red else [str(int(tail.rnumel))]
+    call += [str(xb)] + ([str(rb)] if tail.red else [])
+    params = [f"tail_ptr{i}" for i in range(len(plan.stored))] + ["sem_ptr"]
+    args = [f"tail{i}" for i in range(len(plan.stored))] + ["sem"]
+    name = PLACEHOLDER + "_tail"
+    lines = last_program_if(head.plan) + [f"    {name}({', '.join(call)})", LAST_PROGRAM_RESET]
+    return params, args, lines, name
+
+
+def write_module(plan, target: TritonTarget) -> KernelSource:
+    """The Triton module of ``plan`` (a ``KernelPlan``, with its chained tail if any, or a ``ScatterPlan``)."""
+    if isinstance(plan, ScatterPlan):
+        return _scatter_module(plan, target)
+    k = TritonKernel(plan, target).write()
+    tail = None
+    if plan.tail is not None:
+        tail = TritonKernel(plan.tail, TritonTarget(target.interpret, False, target.tuning)).write()
+    name = PLACEHOLDER
+    inputs = list(k.inputs)
+    ins = {b: f"in{i}" for i, b in enumerate(inputs)}
+    outs = {b.name: f"out{i}" for i, b in enumerate(plan.stored)}
+    device = device_expr(k.interpret, bool(inputs), plan.device)
+    tail_bufs = list(plan.tail.stored) if tail is not None else []
+    counter = plan.programs is Programs.LAST or tail is not None
+    reuse = [] if tail is not None else [i for i, b in enumerate(inputs) if b in plan.reusable]
+    extra_params, extra_args, tail_lines, tail_name = _chain(k, tail) if tail is not None else ((), (), (), None)
+
+    def body(names):
+        out = [alloc_line(outs[b.name], b, names, device) for b in plan.stored]
+        if reuse:   # the wrapper may hand over a dying input of the output's layout (``KernelPlan.reusable``)
+            st = _tuple(plan.stored[0].stride)
+            out[0] = f"if into is not None and into.stride() == {st}:\n    out0 = into\nelse:\n    {out[0]}"
+        out += [alloc_line(f"tail{i}", b, names, device) for i, b in enumerate(tail_bufs)]
+        for i, (_, _, dt, _, _) in enumerate(k.partials):   # one partial per program at most
+            n = pyexpr(k.xnumel, names)
+            out.append(f"part{i} = torch.empty(({n},), dtype={dt}, device={device or 'launch.cuda_here()'})")
+        if counter:
+            out.append(f"sem = launch.semaphore(SEMAPHORES, {device or 'launch.cuda_here()'})")
+        out += [f"{seed} = launch.seed()" for seed in k.seeds.values()]
+        out += launch_line(k, name, kernel_args(k, ins, outs, names, extra_args), names)
+        locs = [outs[b.name] for b in plan.stored] + [f"tail{i}" for i in range(len(tail_bufs))]
+        out.append(f"return {locs[0]}" if len(locs) == 1 else f"return ({', '.join(locs)},)")
+        return out
+    defs = [lambda names: kernel_def(tail, tail_name, names)] if tail is not None else []
+    defs += [lambda names: kernel_def(k, name, names, extra_params, tail_lines)]
+    defs += [lambda names: "SEMAPHORES = {}   # device -> this kernel's counter"] if counter else []
+    text, scalars = module([k] + ([tail] if tail is not None else []), defs, inputs, plan.buffers, body,
+                           into=bool(reuse))
+    kind = "reduction" if k.red else "pointwise"
+    return KernelSource(text, tuple(inputs), tuple(b.name for b in plan.stored + tuple(tail_bufs)), tuple(scalars),
+                        kind, tuple(reuse), target.interpret)
+
+
+def _scatter_module(plan: ScatterPlan, target: TritonTarget) -> KernelSource:
+    """One module, two kernels: a pointwise copy of the base into the output, then a kernel over the
+    source positions that writes (``tl.store``) or accumulates (``tl.atomic_add``) each value at its
+    computed target index (the scatter kernel reads the output it writes: its out_ptr0 only)."""
+    target = TritonTarget(target.interpret, False, target.tuning)   # scatters are never autotuned
+    copy = TritonKernel(plan.copy, target).write()
+    scatter = TritonKernel(plan.write, target).write()
+    buf = plan.write.scatter.buffer
+    name = PLACEHOLDER
+    inputs = list(dict.fromkeys(list(copy.inputs) + list(scatter.inputs)))
+    ins = {b: f"in{i}" for i, b in enumerate(inputs)}
+    outs = {buf.name: "out0"}
+    device = device_expr(target.interpret, bool(inputs), buf.device)
+
+    def body(names):
+        out = [alloc_line("out0", buf, names, device)]
+        out += launch_line(copy, f"{name}_copy", kernel_args(copy, ins, outs, names), names)
+        out += [f"{seed} = launch.seed()" for seed in scatter.seeds.values()]
+        out += launch_line(scatter, name, kernel_args(scatter, ins, outs, names), names)
+        out.append("return out0")
+        return out
+    defs = [lambda names: kernel_def(copy, f"{name}_copy", names), lambda names: kernel_def(scatter, name, names)]
+    text, scalars = module([copy, scatter], defs, inputs, plan.write.buffers, body)
+    return KernelSource(text, tuple(inputs), (buf.name,), tuple(scalars), "scatter", (), target.interpret)
+
+
+def _tuple(xs):
+    return "(" + "".join(f"{int(x)}, " for x in xs) + ")"

@@ -1,0 +1,195 @@
+"""How each loop-IR op is written in Triton, for GPUs and for Triton's CPU interpreter.
+
+The interpreter has no libdevice, so ops that need it there are written with ``tl`` primitives
+(or small ``@triton.jit`` helpers in ``HELPERS``). An op without a template raises ``Unsupported``
+while emitting, and the graph stays ATen.
+"""
+from __future__ import annotations
+
+import torch
+
+from kiln.codegen.ir.loops import neutral_value
+
+TL_DTYPE = {
+    torch.float32: "tl.float32", torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16",
+    torch.float64: "tl.float64", torch.int64: "tl.int64", torch.int32: "tl.int32", torch.int16: "tl.int16",
+    torch.int8: "tl.int8", torch.uint8: "tl.uint8", torch.bool: "tl.int1",
+}
+
+# op -> template over {0}, {1}, {d} (result dtype); a (gpu, interpret) pair where they differ
+FLOAT_UNARY = {
+    "neg": "-{0}", "abs": "tl.abs({0})", "exp": "tl.exp({0})", "exp2": "tl.exp2({0})",
+    "log": "tl.log({0})", "log2": "tl.log2({0})", "log10": "(tl.log({0}) * 0.4342944819032518)",
+    "sqrt": "tl.sqrt({0})", "rsqrt": "tl.rsqrt({0})", "sin": "tl.sin({0})", "cos": "tl.cos({0})",
+    "sigmoid": ("tl.sigmoid({0})", "(1.0 / (1.0 + tl.exp(-{0})))"), "erf": "tl.erf({0})", "erfc": "(1.0 - tl.erf({0}))",
+    "floor": "tl.floor({0})", "ceil": "tl.ceil({0})", "reciprocal": "(1.0 / {0})",
+    "isnan": "({0} != {0})", "isinf": "(tl.abs({0}) == float('inf'))",
+    "sign": "tl.where({0} > 0, 1.0, tl.where({0} < 0, -1.0, 0.0)).to({d})",
+    "logical_not": "({0} == 0)",
+    "log1p": ("libdevice.log1p({0})", "tl.log(1.0 + {0})"),
+    "expm1": ("libdevice.expm1({0})", "(tl.exp({0}) - 1.0)"),
+    "tanh": ("libdevice.tanh({0})", "(2.0 / (1.0 + tl.exp(-2.0 * {0})) - 1.0)"),
+    "tan": ("libdevice.tan({0})", "(tl.sin({0}) / tl.cos({0}))"),
+    "sinh": ("libdevice.sinh({0})", "((tl.exp({0}) - tl.exp(-{0})) * 0.5)"),
+    "cosh": ("libdevice.cosh({0})", "((tl.exp({0}) + tl.exp(-{0})) * 0.5)"),
+    "asinh": ("libdevice.asinh({0})", "_kiln_asinh({0})"),
+    "acosh": ("libdevice.acosh({0})", "tl.log({0} + tl.sqrt({0} * {0} - 1.0))"),
+    "atanh": ("libdevice.atanh({0})", "(0.5 * tl.log((1.0 + {0}) / (1.0 - {0})))"),
+    "trunc": ("libdevice.trunc({0})", "tl.where({0} < 0, tl.ceil({0}), tl.floor({0}))"),
+    "round": ("libdevice.nearbyint({0})", "_kiln_rint({0})"),
+    "signbit": ("libdevice.signbit({0}) != 0", "({0} < 0)"),
+    "asin": ("libdevice.asin({0})", None), "acos": ("libdevice.acos({0})", None),
+    "atan": ("libdevice.atan({0})", None), "lgamma": ("libdevice.lgamma({0})", None),
+}
+INT_UNARY = {
+    "neg": "-{0}", "abs": "tl.abs({0})", "bitwise_not": "~{0}", "logical_not": "({0} == 0)",
+    "sign": "tl.where({0} > 0, 1, tl.where({0} < 0, -1, 0)).to({d})", "isnan": "({0} != {0})",
+    "isinf": "({0} != {0})", "signbit": "({0} < 0)", "floor": "{0}", "ceil": "{0}", "trunc": "{0}",
+    "round": "{0}",
+}
+BOOL_UNARY = {"logical_not": "({0} == 0)", "bitwise_not": "({0} == 0)"}
+BINARY = {
+    "add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "truediv": "({0} / {1})",
+    "eq": "({0} == {1})", "ne": "({0} != {1})", "lt": "({0} < {1})", "le": "({0} <= {1})",
+    "gt": "({0} > {1})", "ge": "({0} >= {1})", "logical_and": "(({0} != 0) & ({1} != 0))",
+    "logical_or": "(({0} != 0) | ({1} != 0))", "logical_xor": "(({0} != 0) ^ ({1} != 0))",
+    "bitwise_and": "({0} & {1})", "bitwise_or": "({0} | {1})", "bitwise_xor": "({0} ^ {1})",
+    "lshift": "({0} << {1})", "rshift": "({0} >> {1})",
+}
+FLOAT_BINARY = {
+    "maximum": "tl.maximum({0}, {1}, tl.PropagateNan.ALL)",
+    "minimum": "tl.minimum({0}, {1}, tl.PropagateNan.ALL)",
+    "remainder": "({0} - {1} * tl.floor({0} / {1}))",
+    "fmod": ("libdevice.fmod({0}, {1})", "({0} - {1} * _kiln_trunc({0} / {1}))"),
+    "pow": ("libdevice.pow({0}, {1})", "_kiln_pow({0}, {1})"),
+    "atan2": ("libdevice.atan2({0}, {1})", None),
+    "hypot": ("libdevice.hypot({0}, {1})", "tl.sqrt({0} * {0} + {1} * {1})"),
+    "copysign": ("libdevice.copysign({0}, {1})", "tl.where({1} < 0, -tl.abs({0}), tl.abs({0}))"),
+}
+INT_BINARY = {
+    "maximum": "tl.maximum({0}, {1})", "minimum": "tl.minimum({0}, {1})",
+    "floordiv": "_kiln_floordiv({0}, {1})", "truncdiv": "({0} // {1})",
+    "remainder": "_kiln_remainder({0}, {1})", "fmod": "({0} % {1})",
+}
+
+HELPERS = {
+    "_kiln_floordiv": '''@triton.jit
+def _kiln_floordiv(a, b):
+    q = a // b
+    return tl.where(((a % b) != 0) & ((a < 0) != (b < 0)), q - 1, q)
+''',
+    "_kiln_remainder": '''@triton.jit
+def _kiln_remainder(a, b):
+    r = a % b
+    return tl.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
+''',
+    "_kiln_trunc": '''@triton.jit
+def _kiln_trunc(x):
+    return tl.where(x < 0, tl.ceil(x), tl.floor(x))
+''',
+    "_kiln_rint": '''@triton.jit
+def _kiln_rint(x):
+    r = tl.floor(x + 0.5)
+    return tl.where((r - x == 0.5) & ((r - 2.0 * tl.floor(r * 0.5)) != 0.0), r - 1.0, r)
+''',
+    "_kiln_asinh": '''@triton.jit
+def _kiln_asinh(x):
+    a = tl.abs(x)
+    r = tl.log(a + tl.sqrt(a * a + 1.0))
+    return tl.where(x < 0, -r, r)
+''',
+    "_kiln_pow": '''@triton.jit
+def _kiln_pow(a, b):
+    r = tl.exp(b * tl.log(tl.abs(a)))
+    bi = tl.floor(b)
+    whole = bi == b
+    odd = tl.where(whole, (bi - 2.0 * tl.floor(bi * 0.5)) == 1.0, False)
+    neg = a < 0
+    r = tl.where(neg, tl.where(odd, -r, r), r)
+    r = tl.where(neg, tl.where(whole, r, float('nan')), r)
+    return tl.where(b == 0, 1.0, r)
+''',
+    "_kiln_prod": '''@triton.jit
+def _kiln_prod(a, b):
+    return a * b
+''',
+    "_kiln_philox": '''@triton.jit
+def _kiln_philox(seed, offset):
+    seed = seed.to(tl.uint64)
+    k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
+    k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    c0 = offset.to(tl.uint32)
+    c1 = c0 * 0
+    c2 = c0 * 0
+    c3 = c0 * 0
+    for _ in tl.static_range(10):
+        _c0 = c0
+        _c2 = c2
+        c0 = tl.umulhi(0xCD9E8D57, _c2) ^ c1 ^ k0
+        c2 = tl.umulhi(0xD2511F53, _c0) ^ c3 ^ k1
+        c1 = _c2 * 0xCD9E8D57
+        c3 = _c0 * 0xD2511F53
+        k0 = k0 + 0x9E3779B9
+        k1 = k1 + 0xBB67AE85
+    return c0, c1
+''',
+    "_kiln_uniform": '''@triton.jit
+def _kiln_uniform(x):
+    x = x.to(tl.int32, bitcast=True)
+    x = tl.where(x < 0, -x - 1, x)
+    return x * 4.6566127342e-10
+''',
+    "_kiln_rand": '''@triton.jit
+def _kiln_rand(seed, offset):
+    a, b = _kiln_philox(seed, offset)
+    return _kiln_uniform(a)
+''',
+    "_kiln_randn": '''@triton.jit
+def _kiln_randn(seed, offset):
+    a, b = _kiln_philox(seed, offset)
+    u1 = tl.maximum(1.0e-7, _kiln_uniform(a))
+    th = 6.283185307179586 * _kiln_uniform(b)
+    r = tl.sqrt(-2.0 * tl.log(u1))
+    return r * tl.cos(th)
+''',
+}
+HELPER_DEPS = {"_kiln_rand": ["_kiln_philox", "_kiln_uniform"], "_kiln_randn": ["_kiln_philox", "_kiln_uniform"]}
+
+
+def combine(kind: str, acc: str, v: str) -> str:
+    """Triton source folding value ``v`` into accumulator ``acc`` for reduction ``kind``."""
+    return {"sum": f"{acc} + {v}", "prod": f"{acc} * {v}",
+            "max": f"tl.maximum({acc}, {v})", "min": f"tl.minimum({acc}, {v})"}[kind]
+
+
+def reduce_code(kind: str, x: str, interpret: bool, axis: int = 1) -> str:
+    """Triton source reducing 2-D ``x`` over ``axis`` (keeping it), for sum/max/min/prod."""
+    keep = "[:, None]" if axis == 1 else "[None, :]"
+    if kind == "prod":
+        return f"tl.reduce({x}, {axis}, _kiln_prod){keep}"
+    if interpret:  # the interpreter has numpy fast paths for these standard combine functions
+        comb = {"sum": "_sum_combine", "max": "_elementwise_max", "min": "_elementwise_min"}[kind]
+        return f"tl.reduce({x}, {axis}, tl.standard.{comb}){keep}"
+    return f"tl.{kind}({x}, {axis}){keep}"
+
+
+def template(op: str, dtype: torch.dtype, interpret: bool, arity: int):
+    """The Triton template for ``op`` on operands of ``dtype`` (None if it cannot be written)."""
+    if arity == 1:
+        table = FLOAT_UNARY if dtype.is_floating_point else (BOOL_UNARY if dtype == torch.bool else INT_UNARY)
+        t = table.get(op)
+    else:
+        t = BINARY.get(op)
+        if t is None:
+            t = (FLOAT_BINARY if dtype.is_floating_point else INT_BINARY).get(op)
+    if isinstance(t, tuple):
+        t = t[1] if interpret else t[0]
+    return t
+
+
+def neutral(kind: str, dtype: torch.dtype) -> str:
+    """The identity element of a reduction, as Triton source."""
+    v = neutral_value(kind, dtype)
+    if isinstance(v, float):
+        return "float('inf')" if v > 0 else "float('-inf')"
+    return str(v)

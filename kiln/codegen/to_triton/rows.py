@@ -1,0 +1,231 @@
+"""How a Triton kernel's body walks its rows (``TritonKernel.write``), following the plan.
+
+Persistent rows and pointwise kernels are straight-line code (``_straight``); looped rows get one
+loop over ``rindex`` per pass of the plan (``_looped``), where a softmax's max and sum of exponentials
+share one online pass; outer reductions and folded column partials accumulate across row blocks
+(``_outer``, ``_colparts``); a scatter writes through its computed indices (``_scatter``).
+"""
+from __future__ import annotations
+
+from kiln.codegen.ir.indexing import RINDEX, XINDEX
+from kiln.codegen.ir.loops import ops
+from kiln.codegen.schedule.domain import Role
+from kiln.codegen.schedule.plan import KernelPlan, Level, Programs
+from kiln.codegen.to_triton.emit import ExprWriter, Scope, TritonTarget
+from kiln.codegen.to_triton.ops import TL_DTYPE, combine, neutral, reduce_code, template
+
+
+class TritonKernel(ExprWriter):
+    """One ``@triton.jit`` function written from a plan; ``module.kernel_def`` renders it."""
+
+    def __init__(self, plan: KernelPlan, target: TritonTarget):
+        super().__init__(plan, target)
+        self.partials = []   # (result var, kind, acc dtype, accumulator, scratch arg) per outer reduction
+
+    def write(self) -> "TritonKernel":
+        """Write the kernel body (``top``, ``pre``, ``post``) from the plan."""
+        plan = self.plan
+        if plan.scatter is not None:
+            self._scatter()
+            return self
+        if plan.looped:
+            self._looped()
+        else:
+            self._straight()
+        if plan.outer:
+            self._outer()
+        if plan.chunks:
+            self._colparts()
+        return self
+
+    # -- straight-line rows -------------------------------------------------------------------
+    def _straight(self):
+        """Pointwise kernels and persistent reductions: one scope, no loops."""
+        scope = self.top
+        for m in self.plan.members:
+            if m.role is not Role.ROW:
+                continue
+            if m.reduce:
+                v = self._reduce_value(m, m.value, scope)
+                masked = self.tmp()
+                scope.lines.append(f"{masked} = tl.where(xmask & rmask, {v}, {neutral(m.reduce, m.acc)})")
+                self._reduce_final(m, masked, scope, "rindex.to(tl.int64)")
+            if m.stored:
+                self._store(m, m.result, scope)
+
+    # -- looped rows ----------------------------------------------------------------------------
+    def _looped(self):
+        plan = self.plan
+        partner = {mx: plan.member(sm) for p in plan.passes for mx, sm in p.online}   # max -> its sum
+        for i, p in enumerate(plan.passes):
+            self.pass_index = i
+            loop = Scope(self.top)
+            accs = []
+            for name in p.reduce:
+                m = plan.member(name)
+                kind, dt = m.reduce, m.acc
+                acc = f"_acc{self.count}"   # never a buffer name: equal kernels must have equal text
+                self.count += 1
+                self.top.lines.append(f"{acc} = tl.full([XBLOCK, RBLOCK], {neutral(kind, dt)}, {TL_DTYPE[dt]})")
+                v = self._reduce_value(m, m.value, loop)
+                mask = "xmask & rmask"
+                if kind in ("argmax", "argmin"):
+                    # per lane: the best value so far and the first rindex reaching it
+                    self.top.lines.append(f"{acc}_i = tl.full([XBLOCK, RBLOCK], 0, tl.int64)")
+                    better = self.tmp()
+                    cmp = ">" if kind == "argmax" else "<"
+                    loop.lines.append(f"{better} = ({mask}) & ({v} {cmp} {acc})")
+                    loop.lines.append(f"{acc}_i = tl.where({better}, rindex.to(tl.int64), {acc}_i)")
+                    loop.lines.append(f"{acc} = tl.where({better}, {v}, {acc})")
+                    accs.append((m, (acc, f"{acc}_i")))
+                    continue
+                if name in partner:   # the max of an online pair: its sum updates beside it
+                    acc_sum = f"_acc{self.count}"
+                    self.count += 1
+                    self.top.lines.append(f"{acc_sum} = tl.full([XBLOCK, RBLOCK], 0, {TL_DTYPE[dt]})")
+                    self._online_step(loop, mask, v, acc, acc_sum, dt)
+                    accs.append((m, acc))
+                    accs.append((partner[name], ("online", acc, acc_sum, name, dt)))
+                    continue
+                loop.lines.append(f"{acc} = tl.where({mask}, {combine(kind, acc, v)}, {acc})")
+                accs.append((m, acc))
+            for name in p.stores:
+                m = plan.member(name)
+                self._store(m, m.result, loop)
+            self.top.lines.append(("loop", loop))
+            self.pass_index = None
+            for m, acc in accs:
+                if isinstance(acc, tuple) and acc[0] == "online":
+                    _, acc_max, acc_sum, max_name, dt = acc
+                    self._online_final(m, acc_max, acc_sum, self.red_vars[max_name], dt)
+                elif isinstance(acc, tuple):
+                    self._reduce_final(m, acc[0], self.top, acc[1])
+                else:
+                    self._reduce_final(m, acc, self.top)
+        for name in plan.row_stores:
+            m = plan.member(name)
+            self._store(m, m.result, self.top)
+
+    def _online_step(self, loop, mask, v, acc_max, acc_sum, dt):
+        """Loop lines of one online softmax step: the running max and the rescaled running sum."""
+        exp = template("exp", dt, self.interpret, 1)
+        new, safe = self.tmp(), self.tmp()
+        loop.lines.append(f"{new} = tl.where({mask}, tl.maximum({acc_max}, {v}), {acc_max})")
+        # a lane that has seen only -inf has no scale yet: shift by 0 (exp(-inf) = 0, never nan)
+        loop.lines.append(f"{safe} = tl.where({new} == float('-inf'), 0.0, {new})")
+        loop.lines.append(f"{acc_sum} = tl.where({mask}, {acc_sum} * {exp.format(f'({acc_max} - {safe})')} + "
+                          f"{exp.format(f'({v} - {safe})')}, {acc_sum})")
+        loop.lines.append(f"{acc_max} = {new}")
+
+    def _online_final(self, m, acc_max, acc_sum, max_var, dt):
+        """The row's sum from the lanes' partial sums, each rescaled to the row's max. A row of
+        -inf gives nan, as ``sum(exp(v - max))`` does."""
+        exp = template("exp", dt, self.interpret, 1)
+        safe, var = self.tmp(), self.tmp("red")
+        self.top.lines.append(f"{safe} = tl.where({max_var} == float('-inf'), 0.0, {max_var})")
+        scaled = f"{acc_sum} * {exp.format(f'({acc_max} - {safe})')}"
+        self.top.lines.append(f"{var} = {reduce_code('sum', scaled, self.interpret)}")
+        self.top.lines.append(f"{var} = tl.where({max_var} == float('-inf'), float('nan'), {var})")
+        self.red_vars[m.name] = var
+
+    # -- reductions ---------------------------------------------------------------------------------
+    def _reduce_value(self, m, e, scope):
+        v = self._tensor(self.emit(e, scope), e)
+        if e.dtype != m.acc:
+            v = f"{v}.to({TL_DTYPE[m.acc]})"
+        return v
+
+    def _reduce_final(self, m, acc, scope, index=None):
+        """Reduce the [XBLOCK, RBLOCK] tile ``acc`` to the row result (``index``: the rindex of
+        each lane's value, for argmax/argmin)."""
+        kind = m.reduce
+        var = self.tmp("red")
+        if kind in ("argmax", "argmin"):
+            best = self.tmp()
+            scope.lines.append(f"{best} = {reduce_code(kind[3:], acc, self.interpret)}")
+            big = "9223372036854775807"
+            first = reduce_code("min", f"tl.where({acc} == {best}, {index}, {big})", self.interpret)
+            scope.lines.append(f"{var} = {first}")
+        else:
+            if kind == "prod":
+                self.helpers.add("_kiln_prod")
+            scope.lines.append(f"{var} = {reduce_code(kind, acc, self.interpret)}")
+        self.red_vars[m.name] = var
+
+    def _accumulate(self, m, e, acc, shape, mask):
+        """Declare accumulator ``acc`` of ``shape`` before the rows (``pre``) and fold reduction
+        ``m``'s element ``e`` into it at each row block (``top``) where ``mask`` holds."""
+        kind, dt = m.reduce, m.acc
+        self.pre.append(f"{acc} = tl.full({shape}, {neutral(kind, dt)}, {TL_DTYPE[dt]})")
+        v = self._reduce_value(m, e, self.top)
+        self.top.lines.append(f"{acc} = tl.where({mask}, {combine(kind, acc, v)}, {acc})")
+        if kind == "prod":
+            self.helpers.add("_kiln_prod")
+
+    def _outer(self):
+        """Accumulate outer reductions across rows, then write the scalar results."""
+        last = self.plan.programs is Programs.LAST
+        for m in self.plan.members:
+            if m.role not in (Role.OUTER, Role.SCALAR):
+                continue
+            if m.reduce:
+                acc = f"_outer_{m.name}"
+                self._accumulate(m, m.value, acc, "[XBLOCK, 1]", "xmask")
+                var = self.tmp("red")
+                if last:
+                    self.partials.append((var, m.reduce, m.acc, acc, f"part_ptr{len(self.partials)}"))
+                else:
+                    self.post.lines.append(f"{var} = {reduce_code(m.reduce, acc, self.interpret, axis=0)}")
+                self.red_vars[m.name] = var
+            if m.stored:
+                value = ops.cast(m.result, m.buffer.dtype)
+                v = self._tensor(self.emit(value, self.post), value)
+                self.post.lines.append(f"tl.store({self.out_args[m.name]} + tl.full([1, 1], 0, tl.int32), "
+                                       f"tl.broadcast_to({v}, [1, 1]))")
+
+    def _colparts(self):
+        """Folded column partials: each program accumulates its chunk's rows column by column in an
+        [XBLOCK, RBLOCK] tile (one step per block of rows), then reduces the tile's rows and stores
+        the chunk's partial result at (program, column)."""
+        for m in self.plan.members:
+            if m.role is not Role.COLPART:
+                continue
+            acc = f"_col{len(self.pre)}"
+            self._accumulate(m, m.value, acc, "[XBLOCK, RBLOCK]", "xmask & rmask")
+            var = self.tmp("red")
+            self.post.lines.append(f"{var} = {reduce_code(m.reduce, acc, self.interpret, axis=0)}")
+            if m.stored:
+                idx = self.pexpr(m.index)
+                v = var if m.buffer.dtype == m.acc else f"{var}.to({TL_DTYPE[m.buffer.dtype]})"
+                self.post.lines.append(f"tl.store({self.out_args[m.name]} + ({idx}), {v}, rmask)")
+
+    # -- stores -------------------------------------------------------------------------------------
+    def _store(self, m, value, scope):
+        value = ops.cast(value, m.buffer.dtype)
+        lv = self.level(value)
+        v = self.emit(value, scope)
+        idx = m.index
+        syms = idx.free_symbols
+        ilv = Level.ELEMENT if RINDEX in syms and self.red else (Level.ROW if syms & {XINDEX, RINDEX} else Level.CONST)
+        slv = max(ilv, Level.ROW)
+        shape = "[XBLOCK]" if not self.red else ("[XBLOCK, 1]" if slv is Level.ROW else "[XBLOCK, RBLOCK]")
+        icode = self.pexpr(idx)
+        if ilv is Level.CONST:
+            icode = f"{icode} + tl.full({shape}, 0, tl.int32)"
+        if lv < slv:
+            v = f"tl.broadcast_to({self._tensor(v, value)}, {shape})"
+        target = scope if slv is Level.ELEMENT else self.top
+        target.lines.append(f"tl.store({self.out_args[m.name]} + ({icode}), {v}, {self._mask(slv, None)})")
+
+    def _scatter(self):
+        """The write-through-index kernel of a scatter: each value stored (or added atomically) at its
+        target index."""
+        w = self.plan.scatter
+        v = self.emit(w.value, self.top)
+        t = self.index(w.target.args[0], w.target.args[2], self.top, None)
+        if self.level(w.value) is Level.CONST:
+            v = f"tl.broadcast_to({self._tensor(v, w.value)}, [XBLOCK])"
+        if self.level(w.target) is Level.CONST:   # one target address: a block of pointers for the xmask
+            t = f"({t}) + tl.full([XBLOCK], 0, tl.int32)"
+        fn = "tl.atomic_add" if w.mode == "add" else "tl.store"
+        self.top.lines.append(f"{fn}(out_ptr0 + ({t}), {v}, xmask)")

@@ -1,0 +1,180 @@
+"""kiln's pipeline, top to bottom.
+
+Dynamo graph -> pre-grad passes -> AOTAutograd (kiln's decompositions) -> joint passes -> [freezing:
+parameters become constants, then folds] -> [channels-last, Triton target] -> partition -> post-grad
+passes on forward and backward -> [conv bias split, fusion and kernel precompile: Triton target] ->
+Python wrapper -> runtime [-> CUDA graphs, mode="reduce-overhead"].
+
+Each step runs through ``Trace.stage``, which times it, prints it (KILN_DEBUG), verifies it and dumps
+it (KILN_DUMP). Inference under ``torch.no_grad()`` takes AOTAutograd's inference path: the joint passes
+run on the inference graph and there is no backward; with ``freezing=True`` that path first turns the
+module's parameters and buffers into constants and folds them (``passes/freeze.py``). There is one
+AOTAutograd set-up (``aot_compilers``), used by ``compile_graph`` (Dynamo's graphs) and by
+``kiln.memory_efficient_fusion`` alike.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.fx as fx
+from torch._dynamo.backends.common import aot_autograd
+
+from kiln import compat, debug, partition, passes
+from kiln.capture.decomp import decomposition_table
+from kiln.codegen.fuse_graph import fuse_graph, triton_available
+from kiln.codegen.wrapper import emit_wrapper
+from kiln.debug import Trace, log
+from kiln.options import Options, using
+from kiln.passes import freeze
+from kiln.passes.channels_last import to_channels_last
+from kiln.passes.conv_bias import split_conv_bias
+from kiln.passes.registry import cache_key as registered_passes_key
+from kiln.repro import write_repro
+from kiln.runtime import cudagraph, precompile
+from kiln.runtime.kernels import load_kernel
+from kiln.runtime.load import load
+
+
+def compile_graph(gm: fx.GraphModule, example_inputs: list, opts: Options):
+    """Compile one Dynamo graph; returns a callable taking the same inputs."""
+    with using(opts):
+        trace = Trace(opts)
+        if opts.cpp_wrapper:
+            log(1, "cpp_wrapper=True: kiln has no C++ wrapper; running the Python wrapper")
+        trace.show("capture", gm)
+        if opts.dump_dir:
+            write_repro(trace, gm, example_inputs, opts)
+        trace.stage("pre_grad", passes.pre_grad, gm, opts)
+        target = resolve_target(opts, example_inputs)
+        region = None
+        if opts.freezing and not torch.is_grad_enabled():
+            region = freeze.module_region(gm, example_inputs)
+            if region is None:
+                log(1, "freeze: no parameters or buffers in this graph; compiling without freezing")
+        compiled = aot_autograd(**aot_compilers(opts, target, trace, region))(gm, example_inputs)
+        if region is not None:
+            freeze.finish(region, opts)
+        return compiled
+
+
+def aot_compilers(opts: Options, target: str, trace: Trace, region=None) -> dict:
+    """AOTAutograd's keyword arguments for one compiled region: kiln's compilers, partitioner and
+    decompositions. ``region``: the freezing state (``freeze.FrozenRegion``) of an inference region."""
+    if target == "triton":   # precompile workers start while AOTAutograd traces
+        precompile.start(opts)
+    graphs = cudagraphs_apply(opts, target)  # mode="reduce-overhead"
+    n_user = {}
+    layout: dict = {}   # names of saved values the forward produces with known strides (wrapper views)
+
+    def fw_compiler(g, inputs):
+        return lower(g, inputs, opts, trace, "forward", target, graphs, n_user.get("n", 0), layout=layout)
+
+    def bw_compiler(g, inputs):  # runs lazily at the first backward, maybe on another thread
+        return lower(g, inputs, opts, trace, "backward", target, graphs, layout=layout)
+
+    def inference_compiler(g, inputs):
+        if region is None:
+            trace.stage("joint", passes.joint, g, opts)
+            return lower(g, inputs, opts, trace, "inference", target, graphs)
+        keep = freeze.freeze_graph(g, inputs, region, opts, target, trace)
+        compiled = lower(g, [inputs[i] for i in keep], opts, trace, "inference", target, graphs, positions=keep)
+        return freeze.drop_frozen(compiled, keep)
+
+    def partition_fn(joint, joint_inputs, *, num_fwd_outputs, **kw):
+        with using(opts):
+            n_user["n"] = num_fwd_outputs
+            trace.stage("joint", passes.joint, joint, opts)
+            if target == "triton" and opts.layout_optimization:
+                trace.stage("channels_last", to_channels_last, joint, opts)
+            return trace.stage("partition", partition.partition_joint, joint, joint_inputs,
+                               num_fwd_outputs=num_fwd_outputs, opts=opts, **kw)
+
+    table = decomposition_table(target)
+    if region is not None:
+        freeze.keep_whole(table)   # eval BatchNorm stays one node, so that conv-BN folding sees it
+    return compat.aot_autograd_kwargs(
+        fw_compiler=fw_compiler, bw_compiler=bw_compiler, inference_compiler=inference_compiler,
+        partition_fn=partition_fn, decompositions=table, keep_inference_input_mutations=True)
+
+
+def lower(gm: fx.GraphModule, inputs: list, opts: Options, trace: Trace, kind: str, target: str,
+          graphs: bool = False, n_user: int = 0, layout=None, positions=None):
+    """Post-grad passes, fusion and wrapper generation for one forward/backward/inference graph;
+    with ``graphs`` the result replays as a CUDA graph (runtime/cudagraph.py). ``positions``: the
+    AOTAutograd input position of each of ``inputs`` (freezing drops some)."""
+    with using(opts):
+        if not graphs:
+            return _lower(gm, inputs, opts, trace, kind, target, layout)
+        mutated = cudagraph.mutated_inputs(gm)  # before fusion hides the writes inside kernels
+        compiled = _lower(gm, inputs, opts, trace, kind, target, layout)
+        return cudagraph.wrap(compiled, inputs, kind=kind, n_user=n_user, mutated=mutated, positions=positions)
+
+
+def cudagraphs_apply(opts: Options, target: str) -> bool:
+    """Whether ``mode="reduce-overhead"`` applies: CUDA graphs need the Triton target on CUDA."""
+    if opts.mode != "reduce-overhead":
+        return False
+    if target != "triton" or not torch.cuda.is_available():
+        log(1, f"mode='reduce-overhead': CUDA graphs need the Triton target on CUDA (target {target})")
+        return False
+    return True
+
+
+def _lower(gm: fx.GraphModule, inputs: list, opts: Options, trace: Trace, kind: str, target: str,
+           layout=None):
+    """``layout``: shared by a forward and its backward; the forward records which saved values it
+    produces with known strides, and the backward's wrapper reinterprets views of those."""
+    names = None
+    if layout is not None and kind == "forward":   # output names before passes: the backward's inputs
+        out = gm.graph.output_node().args[0]
+        names = [getattr(o, "name", None) for o in (out if isinstance(out, (tuple, list)) else (out,))]
+    if kind == "inference" and target == "triton" and opts.layout_optimization:
+        trace.stage("channels_last", to_channels_last, gm, opts)
+    trace.stage(f"post_grad_{kind}", passes.post_grad, gm, opts)
+    if target == "triton":
+        trace.stage(f"conv_bias_{kind}", split_conv_bias, gm)
+        trace.stage(f"fuse_{kind}", fuse_graph, gm, inputs, opts, load_kernel, _plan_printer(trace, kind))
+        trace.stage(f"precompile_{kind}", precompile.warm, gm, opts)
+    trusted = layout.get("saved", frozenset()) if layout is not None and kind == "backward" else frozenset()
+    wrapper = emit_wrapper(gm, f"{kind}_{trace.id}", trusted, opts)
+    if names is not None:
+        layout["saved"] = frozenset(n for n, ok in zip(names, wrapper.known_outputs) if ok and n)
+    log(4, f"{kind} wrapper:\n{wrapper.source}")
+    for k in wrapper.kernels:
+        log(4, f"kernel {k.name}:\n{k.source}")
+        trace.dump(f"kernel_{k.name}.py", k.source)
+    trace.dump(f"wrapper_{kind}.py", wrapper.source)
+    return load(wrapper)
+
+
+def _plan_printer(trace: Trace, kind: str):
+    """Where kernel plans go: printed at KILN_DEBUG=4, written to the dump (None: nobody reads them)."""
+    if debug.level() < 4 and trace.dir is None:
+        return None
+
+    def show(plans):
+        text = "\n\n".join(p.describe(f"kernel {i}") for i, p in enumerate(plans))
+        log(4, f"{kind} kernel plans:\n{text}")
+        trace.dump(f"plans_{kind}.txt", text)
+    return show
+
+
+def resolve_target(opts: Options, example_inputs) -> str:
+    """'aten' or 'triton': 'auto' picks Triton when inputs live on CUDA and Triton is usable."""
+    if opts.codegen != "auto":
+        return opts.codegen
+    on_cuda = any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in example_inputs)
+    if not on_cuda:
+        return "aten"
+    why = triton_available()
+    if why:
+        log(1, f"codegen: Triton target unavailable ({why}); running ATen kernels")
+        return "aten"
+    return "triton"
+
+
+def cache_key(opts: Options) -> str:
+    """What a compile depends on beyond its graph: the options and the passes registered through
+    ``kiln.passes.register`` (by their uuid() or source)."""
+    return hashlib.sha256(f"{opts.cache_key()}|{registered_passes_key()}".encode()).hexdigest()[:16]

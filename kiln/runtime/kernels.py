@@ -1,0 +1,193 @@
+"""Compiled kernels: the callable FX targets that ``fuse_graph`` puts into graphs (``load_kernel``).
+
+A ``Kernel`` has a ``name`` (unique per source text), its ``source`` (a Python module holding the
+``@triton.jit`` kernel and a ``call`` launcher) and ``__call__(*tensors, *sizes)``. Kernels are
+cached by source: twelve identical layers share one object and compile once. A graph's node calls a
+``KernelCall``: the shared kernel plus its call site's ATen fallback. If the kernel raises on its
+first call (Triton's ``CompilationError``, ``OutOfResources``, a module that does not import, ...)
+kiln logs the reason, counts ``counters['codegen']['runtime_fallback']``, marks the kernel failed and
+runs the fallback from then on, at every call site of that kernel. Errors after a kernel has run once
+propagate.
+
+Triton decides between compiling and interpreting when ``@triton.jit`` runs, i.e. when a module
+is executed: ``triton.jit`` reads ``triton.knobs.runtime.interpret`` (the ``TRITON_INTERPRET``
+environment variable unless set in code) at decoration time. kiln therefore executes a kernel
+module for CPU tensors with ``TRITON_INTERPRET=1`` set just for that import, and a CUDA module
+with it unset, whatever the process environment says; other Triton users are unaffected.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import os
+import sys
+import tempfile
+import threading
+
+from kiln.codegen.to_triton.module import PLACEHOLDER
+from kiln.debug import counters, log
+
+_CACHE: dict = {}
+_LOCK = threading.Lock()
+_RESETS: list = []   # functions clearing other caches of compiled kernels (``on_reset``)
+
+
+class KernelLoadError(RuntimeError):
+    """A generated kernel module failed to import; the message names the file to inspect."""
+
+
+def cache_dir() -> str:
+    d = os.environ.get("KILN_KERNEL_DIR") or os.path.join(tempfile.gettempdir(), f"kiln_kernels_{os.getuid()}")
+    os.makedirs(d, exist_ok=True)
+    return d
+
+
+@contextlib.contextmanager
+def interpret_mode(flag: bool):
+    """Make ``@triton.jit`` build interpreter (True) or compiled (False) kernels in this scope."""
+    import triton
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    saved_env = os.environ.get("TRITON_INTERPRET")
+    saved_attr = runtime.__dict__.pop("interpret", None) if runtime is not None else None
+    os.environ["TRITON_INTERPRET"] = "1" if flag else "0"
+    try:
+        yield
+    finally:
+        if saved_env is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = saved_env
+        if saved_attr is not None:
+            runtime.__dict__["interpret"] = saved_attr
+
+
+class Kernel:
+    """One generated kernel module, loaded on first call."""
+
+    def __init__(self, name: str, source: str, interpret: bool, n_outputs: int, reuse=()):
+        self.name, self.source, self.interpret, self.n_outputs = name, source, interpret, n_outputs
+        self.reuse = reuse   # inputs the output may be written into (``KernelPlan.reusable``)
+        self.__name__ = name
+        self._call = None
+        self.ran = False      # has completed a call (later errors are real errors)
+        self.failed = None    # the exception of a failed first call (see fallback.KernelCall)
+
+    def load(self):
+        if self._call is None:
+            with _LOCK:
+                if self._call is None:
+                    self._call = _load_module(self.name, self.source, self.interpret).call
+        return self._call
+
+    def __call__(self, *args, **kwargs):
+        return (self._call or self.load())(*args, **kwargs)
+
+    def __repr__(self):
+        return f"<kiln kernel {self.name}>"
+
+
+def module_file(name: str, source: str, directory=None, overwrite: bool = False) -> str:
+    """The path of kernel module ``name`` (``@triton.jit`` reads its source back from the file),
+    written atomically unless it exists and ``overwrite`` is off."""
+    path = os.path.join(directory or cache_dir(), f"{name}.py")
+    if overwrite or not os.path.exists(path):
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            f.write(source)
+        os.replace(tmp, path)
+    return path
+
+
+def import_file(modname: str, path: str, interpret: bool):
+    """A new module object executed from ``path`` (not registered in ``sys.modules``), with
+    ``@triton.jit`` building interpreter (True) or compiled (False) kernels."""
+    spec = importlib.util.spec_from_file_location(modname, path)
+    mod = importlib.util.module_from_spec(spec)
+    with interpret_mode(interpret):
+        spec.loader.exec_module(mod)
+    return mod
+
+
+def _load_module(name, source, interpret):
+    path = module_file(name, source)
+    try:
+        mod = import_file(f"kiln_kernels.{name}", path, interpret)
+    except Exception as e:
+        raise KernelLoadError(f"codegen: kernel {name} failed to load ({e}); see {path}") from e
+    sys.modules[mod.__name__] = mod
+    return mod
+
+
+def on_reset(fn) -> None:
+    """Have ``reset`` call ``fn()`` too (a module keeping its own table of compiled kernels)."""
+    _RESETS.append(fn)
+
+
+def reset() -> None:
+    """Forget every kernel this process loaded or compiled (the next compile is cold): the module
+    cache, the launch caches and the set of precompiled kernels. Compiled functions that exist keep
+    their kernels."""
+    with _LOCK:
+        _CACHE.clear()
+    for fn in _RESETS:
+        fn()
+
+
+def kernel_for(text: str, kind: str, interpret: bool, n_outputs: int, reuse=()) -> Kernel:
+    """The cached Kernel for module ``text`` (whose kernel is named ``PLACEHOLDER``)."""
+    digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+    name = f"kiln_{'red' if kind == 'reduction' else ('scatter' if kind == 'scatter' else 'pw')}_{digest}"
+    with _LOCK:
+        k = _CACHE.get(name)
+        if k is None:
+            k = Kernel(name, text.replace(PLACEHOLDER, name), interpret, n_outputs, reuse)
+            _CACHE[name] = k
+    return k
+
+
+def load_kernel(source, fallback=None) -> "KernelCall":
+    """The FX target for a generated module (``codegen.schedule.plan.KernelSource``): its cached
+    ``Kernel`` with ``fallback`` (``codegen.fallback.Fallback`` or None) for this call site."""
+    kernel = kernel_for(source.text, source.kind, source.interpret, len(source.outputs), source.reuse)
+    return KernelCall(kernel, fallback)
+
+
+class KernelCall:
+    """The FX target of one kernel node: calls ``kernel``, or ``fallback`` once the kernel failed
+    on its first call. Attributes of the kernel (``name``, ``source``...) read through."""
+
+    def __init__(self, kernel, fallback):
+        self.kernel, self.fallback = kernel, fallback
+        self.__name__ = kernel.name
+
+    def __getattr__(self, attr):
+        if attr == "kernel":   # not set yet (unpickling, copying)
+            raise AttributeError(attr)
+        return getattr(self.kernel, attr)
+
+    def __call__(self, *args, **kwargs):
+        """``kwargs``: ``into`` (a buffer the kernel may write its output into), which the fallback,
+        computing new tensors, does without."""
+        k = self.kernel
+        if k.ran:
+            return k(*args, **kwargs)
+        if k.failed is not None and self.fallback is not None:
+            return self.fallback(*args)
+        try:
+            out = k(*args, **kwargs)
+        except Exception as e:
+            if self.fallback is None:
+                raise
+            if k.failed is None:
+                k.failed = e
+                first = (str(e).strip().splitlines() or [""])[0]
+                counters["codegen"]["runtime_fallback"] += 1
+                log(1, f"codegen: kernel {k.name} failed on its first call, running its ATen nodes "
+                       f"instead ({type(e).__name__}: {first})")
+            return self.fallback(*args)
+        k.ran = True
+        return out
+
+    def __repr__(self):
+        return f"<kiln kernel call {self.kernel.name}{'' if self.fallback is not None else ' (no fallback)'}>"

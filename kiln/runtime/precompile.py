@@ -1,0 +1,267 @@
+"""Compile a graph's Triton kernels in worker processes before their first launch (CUDA only).
+
+Without this, each kernel compiles when it first launches, one after another in the main process
+(Triton's frontend, MLIR passes and ``ptxas``: a few hundred ms each; GPT-2's two graphs have about
+70 distinct kernels). ``warm(gm, opts)`` runs right after fusion: it replays each new kernel module's
+launcher on the graph's fake inputs to record its launches (``check._record``: argument dtypes,
+integer sizes, block sizes, warps), then calls ``JITFunction.warmup`` for each launch in a pool of
+spawned processes, which know the GPU target but open no CUDA context (``target_only_driver``). Warm-up compiles without launching and stores the result in Triton's on-disk
+cache under the key the JIT computes for the real launch (same module text, argument types, 16-byte
+aligned pointers as real tensors are, same integer specialization and options), so the first real
+launch loads it from disk instead of compiling.
+
+Three details decide whether the first launch really finds the workers' result (each was seen to
+fail on an H100): the workers key the cache with the parent's ptxas version (``key_state``: Triton
+computes it once per process, and Inductor repoints ``TRITON_PTXAS_PATH`` after that); they also
+build each kernel's host launcher, a C module Triton otherwise compiles with gcc at the first
+launch (``build_launcher``); and the pool starts while AOTAutograd traces (``start``), since
+spawning it costs seconds.
+
+It is an optimization only: a kernel that is not warmed (a failure, a timeout, an unusual alignment)
+compiles at its first launch as before. Workers: option ``compile_workers`` (-1: half the CPU cores,
+up to 8, when CUDA is available; 0: off). Launches with symbolic sizes are not warmed.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import os
+import sys
+import threading
+import time
+
+import torch
+import torch.fx as fx
+
+from kiln.debug import counters, log
+from kiln.runtime import check
+from kiln.runtime.kernels import import_file, module_file, on_reset
+
+_POOL: list = []     # [executor] once started
+_DONE: set = set()   # kernel names already handed to the pool in this process
+on_reset(_DONE.clear)
+_LOCK = threading.Lock()
+_ENV = ("TRITON_CACHE_DIR", "TRITON_HOME", "KILN_KERNEL_DIR")
+
+
+def n_workers(opts) -> int:
+    """Worker processes to use for ``opts`` (0: precompiling is off)."""
+    n = getattr(opts, "compile_workers", -1)
+    if n is None or n < 0:
+        if not torch.cuda.is_available():
+            return 0
+        n = min(8, max(1, (os.cpu_count() or 2) // 2))
+    return int(n)
+
+
+def _kernel_of(target):
+    k = getattr(target, "kernel", target)   # a KernelCall wraps a Kernel
+    return k if hasattr(k, "source") and hasattr(k, "interpret") else None
+
+
+def _arg(a):
+    if isinstance(a, torch.Tensor):
+        return a.dtype   # warm-up turns a dtype into a mock tensor with an aligned pointer
+    if isinstance(a, bool) or not isinstance(a, int):
+        raise TypeError(type(a).__name__)
+    return int(a)
+
+
+def tasks(gm: fx.GraphModule) -> list:
+    """``(path, module name, kernel name, args, constexprs, warps)`` per launch of the new kernels."""
+    out = []
+    for node in gm.graph.nodes:
+        k = _kernel_of(node.target) if node.op == "call_function" else None
+        if k is None or k.interpret or k.name in _DONE:
+            continue
+        _DONE.add(k.name)
+        example = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in node.args]
+        if any(isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and
+               any(isinstance(s, torch.SymInt) for s in (*v.shape, *v.stride()))) for v in example):
+            continue
+        try:
+            path = module_file(k.name, k.source)   # the file the runtime loads (kernel._load_module)
+            for fn, args, (xb, rb, warps), _ in check._record(check._exec_compiled(k), example):
+                consts = {"XBLOCK": xb, **({"RBLOCK": rb} if "RBLOCK" in fn.arg_names else {})}
+                out.append((path, f"kiln_kernels.{k.name}", fn.__name__, [_arg(a) for a in args],
+                            consts, warps))
+        except Exception as e:   # nothing to warm for this one: it compiles at its first launch
+            log(2, f"precompile: {k.name} not warmed ({type(e).__name__}: {e})")
+    return out
+
+
+def target_only_driver(target):
+    """A Triton driver that knows the GPU target and nothing else: enough for ``JITFunction.warmup``
+    (device 0, stream 0, ``target``), so workers compile without opening a CUDA context (which costs
+    hundreds of MB of GPU memory per process)."""
+    from triton.backends.nvidia.driver import CudaDriver
+
+    class TargetOnly(CudaDriver):
+        def __init__(self):
+            pass
+
+        def get_current_target(self):
+            return target
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_active_torch_device(self):
+            return torch.device("cuda", 0)
+    return TargetOnly()
+
+
+def _current_target():
+    """``(backend, arch, warp_size)`` of the active Triton driver (the GPU kiln compiles for)."""
+    from triton.runtime.driver import driver
+    t = driver.active.get_current_target()
+    return (t.backend, t.arch, t.warp_size)
+
+
+def key_state(target) -> dict:
+    """The parts of Triton's cache key that live in the parent process's memory, not in its
+    environment: the ptxas version string, which Triton computes once per process and keeps (a
+    library may later point ``TRITON_PTXAS_PATH`` at another ptxas, as Inductor does at its first
+    compile: the parent keeps keying with the old version while a worker would read the new one),
+    and a libdevice path set through ``triton.knobs``."""
+    import triton
+    from triton.backends.nvidia import compiler as nvc
+    return {"ptxas_version": nvc.get_ptxas_version(target[1]),
+            "libdevice_path": getattr(triton.knobs.nvidia, "libdevice_path", None)}
+
+
+def worker_view(target) -> dict:
+    """``key_state`` as a process sees it, with its ``TRITON_PTXAS_PATH`` (run in a worker to compare
+    with the parent's: ``_pool(n).submit(worker_view, target).result()``)."""
+    return {**key_state(target), "TRITON_PTXAS_PATH": os.environ.get("TRITON_PTXAS_PATH")}
+
+
+def _adopt(state) -> None:
+    """Worker: key (and link) as the parent process does (``key_state``)."""
+    import triton
+    from triton.backends.nvidia import compiler as nvc
+    version = state.get("ptxas_version")
+    if version is not None:
+        nvc.get_ptxas_version = lambda arch=80: version
+    if state.get("libdevice_path"):
+        triton.knobs.nvidia.libdevice_path = state["libdevice_path"]
+
+
+def _warm(task, env, target=None, state=None) -> bool:
+    """Worker: compile one launch into Triton's cache (no launch)."""
+    path, modname, fn_name, args, consts, warps = task
+    os.environ.update(env)
+    if state:
+        _adopt(state)
+    if target is not None:
+        from triton.backends.compiler import GPUTarget
+        from triton.runtime.driver import driver
+        if driver._active is None:
+            driver.set_active(target_only_driver(GPUTarget(*target)))
+    mod = import_file(modname, path, interpret=False)
+    compiled = getattr(mod, fn_name).warmup(*args, grid=(1,), num_warps=warps, **consts)
+    build_launcher(compiled)
+    return True
+
+
+def build_launcher(compiled) -> bool:
+    """Build the host-side launcher of a compiled kernel: a small C extension that Triton generates
+    per argument signature and compiles with the system C compiler (about a second each) when the
+    kernel is first launched, cached on disk by its source. Built here, the runtime's first launch
+    only loads it. Needs the CUDA driver library on the machine (not a CUDA context)."""
+    try:
+        from triton.backends.nvidia.driver import CudaLauncher
+        CudaLauncher(compiled.src, compiled.metadata)
+        return True
+    except Exception as e:   # no libcuda here, another backend, a Triton without it: built at launch
+        log(3, f"precompile: launcher not built ({type(e).__name__}: {e})")
+        return False
+
+
+def _ready() -> bool:
+    """Worker start-up work done ahead of the first task: the imports a warm-up needs."""
+    import triton.compiler  # noqa: F401
+    from kiln.runtime import kernels  # noqa: F401
+    return True
+
+
+def start(opts) -> None:
+    """Start the worker pool in the background (no waiting) when precompiling is on: spawning the
+    workers and importing torch and Triton in them takes seconds, which then overlap the tracing
+    and graph passes that come before the first fused graph."""
+    n = n_workers(opts)
+    if n <= 0 or _POOL:
+        return
+    try:
+        with _hidden_main():
+            pool = _pool(n)
+            for _ in range(n):
+                pool.submit(_ready)
+    except Exception as e:   # no pool here: warm() reports it when it needs one
+        log(2, f"precompile: pool not started early ({type(e).__name__}: {e})")
+
+
+@contextlib.contextmanager
+def _hidden_main():
+    """Start workers without re-running the user's script: a spawned process imports the parent's
+    ``__main__`` (a training script without an ``if __name__ == "__main__"`` guard would train again
+    in every worker), unless the main module shows neither a file nor a spec while workers start."""
+    main = sys.modules.get("__main__")
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if main is not None and k in main.__dict__}
+    try:
+        if main is not None:
+            main.__dict__.pop("__file__", None)
+            main.__dict__["__spec__"] = None
+        yield
+    finally:
+        if main is not None:
+            main.__dict__.update(saved)
+            if "__spec__" not in saved:
+                main.__dict__.pop("__spec__", None)
+
+
+def _pool(n: int):
+    with _LOCK:
+        if not _POOL:
+            import atexit
+            import multiprocessing as mp
+            _POOL.append(cf.ProcessPoolExecutor(max_workers=n, mp_context=mp.get_context("spawn")))
+            atexit.register(_shutdown)   # before module teardown, or the executor's callbacks complain
+        return _POOL[0]
+
+
+def _shutdown():
+    if _POOL:
+        _POOL.pop().shutdown(wait=False, cancel_futures=True)
+
+
+def warm(gm: fx.GraphModule, opts) -> int:
+    """Precompile the new kernels of fused graph ``gm``; returns how many launches were warmed."""
+    n = n_workers(opts)
+    if n <= 0:
+        return 0
+    todo = tasks(gm)
+    if not todo or (not _POOL and len({t[1] for t in todo}) < opts.tuning.precompile_min_kernels):
+        return 0   # a few kernels compile as fast in place as a new pool starts (a started one: use it)
+    env = {k: os.environ[k] for k in _ENV if k in os.environ}
+    t0 = time.perf_counter()
+    try:
+        target = _current_target()
+        state = key_state(target)
+        with _hidden_main():   # workers start on demand, at a submit
+            futures = [_pool(n).submit(_warm, t, env, target, state) for t in todo]
+    except Exception as e:   # no GPU target, no pool (a sandbox without spawning): compile at launch
+        log(1, f"precompile: not started ({type(e).__name__}: {e}); kernels compile at first launch")
+        return 0
+    done, _ = cf.wait(futures, timeout=opts.tuning.precompile_timeout_s)   # then the JIT compiles the rest
+    ok = sum(1 for f in done if f.exception() is None)
+    for f in done:
+        if f.exception() is not None:
+            log(2, f"precompile: a launch was not warmed ({f.exception()})")
+    counters["codegen"]["precompiled"] += ok
+    log(1, f"precompile: {ok}/{len(todo)} launches of {len({t[1] for t in todo})} kernels compiled on "
+           f"{n} workers in {time.perf_counter() - t0:.1f} s")
+    return ok

@@ -1,0 +1,167 @@
+"""kiln's structure: imports run one way, down the layers of the pipeline; no import cycle; no module
+bigger than 600 lines; no module-level switches; tests and tools set knobs through options, never by
+patching kiln's modules.
+
+Every import counts, at module level or inside a function: a cycle hidden in a function is still a
+cycle, and an upward import is still an upward import.
+"""
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import os
+import re
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# lowest first; a module belongs to the layer of its longest listed prefix and may import only modules
+# of its own layer (without cycles) or of lower ones
+LAYERS = [
+    ("base", ["kiln.compat", "kiln.options", "kiln.config", "kiln.debug"]),
+    ("capture", ["kiln.capture.decomp", "kiln.capture"]),
+    ("passes", ["kiln.passes", "kiln.pattern_matcher"]),
+    ("partition", ["kiln.partition"]),
+    ("loop IR", ["kiln.codegen.ir"]),
+    ("lowering", ["kiln.codegen.lower"]),
+    ("scheduling", ["kiln.codegen.schedule"]),
+    ("emitters", ["kiln.codegen.to_triton"]),
+    ("code generation", ["kiln.codegen"]),
+    ("runtime", ["kiln.runtime"]),
+    ("pipeline", ["kiln.pipeline", "kiln.repro", "kiln.mef", "kiln.capture.dynamo", "kiln"]),
+    ("tools", ["kiln.bench", "kiln.cli"]),
+]
+
+
+def _modules(top="kiln") -> dict:
+    """{module name: path} of every module under ``top``."""
+    out = {}
+    for d, _, files in os.walk(os.path.join(ROOT, top)):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(d, f)
+                name = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+                out[name[:-len(".__init__")] if name.endswith(".__init__") else name] = path
+    return out
+
+
+def _imports(path: str, modules: dict) -> set:
+    """The kiln modules ``path`` imports, anywhere in the file."""
+    out = set()
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name in modules}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            subs = {f"{node.module}.{a.name}" for a in node.names} & set(modules)
+            out |= subs or ({node.module} & set(modules))
+    return out
+
+
+def _graph():
+    modules = _modules()
+    return modules, {m: _imports(p, modules) - {m} for m, p in modules.items()}
+
+
+def _layer(module: str) -> int:
+    best, at = -1, None
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and len(p) > best:
+                best, at = len(p), i
+    assert at is not None, f"{module} is in no layer: add it to LAYERS"
+    return at
+
+
+def test_imports_run_down_the_layers():
+    _, edges = _graph()
+    wrong = [f"{a} ({LAYERS[_layer(a)][0]}) imports {b} ({LAYERS[_layer(b)][0]})"
+             for a, bs in sorted(edges.items()) for b in sorted(bs) if _layer(b) > _layer(a)]
+    assert not wrong, "imports against the layers:\n" + "\n".join(wrong)
+
+
+def test_no_import_cycles():
+    _, edges = _graph()
+    index, low, stack, on, cycles, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):   # Tarjan's strongly connected components
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_small_modules_and_no_switches():
+    modules, _ = _graph()
+    lines = {m: len(open(p).read().splitlines()) for m, p in modules.items()}
+    assert not [m for m, n in lines.items() if n > 600], {m: n for m, n in lines.items() if n > 600}
+    assert sum(lines.values()) < 20000, sum(lines.values())
+    switches = [f"{m}: {ln.strip()}" for m, p in modules.items() for ln in open(p)
+                if re.match(r"^[A-Z][A-Z0-9_]* = (True|False)\b", ln)]
+    assert not switches, f"module-level switches (make them Options fields): {switches}"
+
+
+def _kiln_module_names(tree) -> set:
+    """Names a file binds to kiln modules (``import kiln.x as y``, ``from kiln.x import module``)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("kiln"):
+                    names.add(a.asname or a.name.split(".")[0])
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kiln"):
+            for a in node.names:
+                try:
+                    obj = getattr(importlib.import_module(node.module), a.name, None)
+                except ImportError:
+                    obj = None
+                if inspect.ismodule(obj) or obj is None and importlib.util.find_spec(f"{node.module}.{a.name}"):
+                    names.add(a.asname or a.name)
+    return names
+
+
+def test_nothing_patches_kiln_modules():
+    """Tests, benchmarks and tools set knobs through options (``kiln.config.patch``, ``Options``), not
+    by setting attributes of kiln's modules."""
+    files = [p for d in ("tests", "benchmarks", os.path.join("kiln", "bench"))
+             for p in _modules(d).values()]
+    found = []
+    for path in files:
+        tree = ast.parse(open(path).read())
+        mods = _kiln_module_names(tree)
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and node.args):
+                continue
+            f = node.func
+            setter = (isinstance(f, ast.Attribute) and f.attr == "setattr") or (isinstance(f, ast.Name) and f.id == "setattr")
+            target = node.args[0]
+            if not setter:
+                continue
+            if isinstance(target, ast.Name) and target.id in mods or \
+                    isinstance(target, ast.Constant) and str(target.value).startswith("kiln"):
+                found.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}")
+        for node in ast.walk(tree):   # module.NAME = value
+            if isinstance(node, ast.Assign):
+                for t in node.targets:
+                    if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id in mods:
+                        found.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}")
+    assert not found, f"kiln modules patched at: {found}"
