@@ -13,7 +13,12 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from kiln.debug import log
+from kiln.debug import counters, log
+from kiln.passes.cse import cse
+from kiln.passes.match.trace import remove_noop_aliases
+from kiln.passes.onehot import scatter_to_where
+from kiln.passes.pad_mm import pad_matmuls
+from kiln.passes.patterns import BUILTIN
 from kiln.passes.registry import STAGES, cache_key, passes_for, register, run_stage  # noqa: F401
 
 
@@ -60,21 +65,17 @@ def post_grad(gm: fx.GraphModule, opts) -> int:
 
 
 def _cse(gm: fx.GraphModule) -> None:
-    from kiln.passes.cse import cse
     removed = cse(gm)
     log(2, f"cse: {removed} nodes removed")
 
 
 def _onehot(gm: fx.GraphModule) -> None:
-    from kiln.passes.onehot import scatter_to_where
     n = scatter_to_where(gm)
     if n:
         log(2, f"onehot: {n} scatters became compares")
 
 
 def _pad_matmuls(gm: fx.GraphModule, opts) -> None:
-    from kiln.debug import counters
-    from kiln.passes.pad_mm import pad_matmuls
     padded = pad_matmuls(gm, devices=None if opts.pad_matmuls == "always" else ("cuda",),
                          min_flops=opts.tuning.pad_mm_min_flops,
                          min_flops_per_byte=opts.tuning.pad_mm_min_flops_per_byte)
@@ -85,11 +86,9 @@ def _pad_matmuls(gm: fx.GraphModule, opts) -> None:
 
 def _builtin(stage: str, gm: fx.GraphModule) -> None:
     """kiln's own pattern lists for ``stage`` (kiln/passes/patterns/)."""
-    from kiln.passes.patterns import BUILTIN
     if not BUILTIN.get(stage):
         return
     if stage == "joint":  # patterns are traced without AOT's no-op alias nodes
-        from kiln.passes.match.trace import remove_noop_aliases
         remove_noop_aliases(gm.graph)
     for p in BUILTIN[stage]:
         n = p.apply(gm.graph)

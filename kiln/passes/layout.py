@@ -10,7 +10,11 @@ keep the layout, see ``fold.like``), so the compiled graph reads prepared weight
 """
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
+
+from kiln.passes import channels_last
+from kiln.passes.constant_fold import fake_mode_of, infer_val
 
 
 def convert_conv_weights(gm: fx.GraphModule, opts) -> int:
@@ -20,9 +24,6 @@ def convert_conv_weights(gm: fx.GraphModule, opts) -> int:
     ``layout_devices``: the GPU by default), so that cuDNN sees one layout and no convolution converts
     its weight per call.
     """
-    import torch
-    from kiln.passes import channels_last
-    from kiln.passes.constant_fold import fake_mode_of
     if not opts.layout_optimization:
         return 0
     fake, changed, devices = fake_mode_of(gm), 0, channels_last.devices(opts)
@@ -87,8 +88,6 @@ def pin_eager_strides(gm: fx.GraphModule, fake_mode=None) -> int:
     the layout already matches) right before each ``as_strided``, each view that the other layout would
     break, and the graph output. Returns how many were inserted.
     """
-    import torch
-    from kiln.passes.constant_fold import fake_mode_of, infer_val
     fake_mode = fake_mode or fake_mode_of(gm)
     free: set = set()
     for n in gm.graph.nodes:

@@ -13,12 +13,13 @@ splices them into the graph being rewritten.
 """
 from __future__ import annotations
 
-import functools
 from typing import Any, Dict, Sequence
 
 import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
+
+from kiln.capture.decomp import decomposition_table as kiln_table
 
 aten = torch.ops.aten
 
@@ -29,17 +30,8 @@ class PatternTraceError(RuntimeError):
     arguments only."""
 
 
-@functools.lru_cache(maxsize=1)
-def _core_table():
-    return dict(torch._decomp.core_aten_decompositions())
-
-
 def decomposition_table() -> Dict[Any, Any]:
-    """kiln's table (``kiln.capture.decomp.decomposition_table()``) when it exists, else core ATen's."""
-    try:
-        from kiln.capture.decomp import decomposition_table as kiln_table
-    except ImportError:
-        return _core_table()
+    """kiln's table (``kiln.capture.decomp.decomposition_table()``)."""
     return kiln_table()
 
 
