@@ -165,11 +165,13 @@ class TritonKernel(ExprWriter):
     def _outer(self):
         """Accumulate outer reductions across rows, then write the scalar results."""
         last = self.plan.programs is Programs.LAST
+        n = 0
         for m in self.plan.members:
             if m.role not in (Role.OUTER, Role.SCALAR):
                 continue
             if m.reduce:
-                acc = f"_outer_{m.name}"
+                acc = f"_outer{n}"   # never a buffer name: equal kernels must have equal text
+                n += 1
                 self._accumulate(m, m.value, acc, "[XBLOCK, 1]", "xmask")
                 var = self.tmp("red")
                 if last:
