@@ -86,3 +86,49 @@ def test_entry_point_without_importing_kiln():
                        cwd="/", timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "ok" in r.stdout
+
+
+def test_tuning_fields_scope_and_merge():
+    """Tuning constants are options: dotted names or a dict, merged into the tuning in force."""
+    from kiln.options import Tuning
+    assert current().tuning == Tuning()
+    with kiln.config.patch(**{"tuning.persistent_max": 1024}):
+        with kiln.config.patch(tuning={"fold": False}):
+            t = current().tuning
+            assert (t.persistent_max, t.fold, t.chain) == (1024, False, True)
+        assert current().tuning.fold is True
+    assert current().tuning.persistent_max == Tuning().persistent_max
+    opts = current().replace(tuning={"outer_max": 64})
+    assert opts.tuning.outer_max == 64 and opts.replace(codegen="aten").tuning.outer_max == 64
+
+
+def test_tuning_values_are_checked():
+    with pytest.raises(OptionError, match="tuning.pw_xblock=1000 must be a power of two"):
+        current(**{"tuning.pw_xblock": 1000})
+    with pytest.raises(OptionError, match="tuning.pw_warps=64: a kernel has at most 32 warps"):
+        current(tuning={"pw_warps": 64})
+    with pytest.raises(OptionError, match="tuning.fold='no' must be True or False"):
+        current(tuning={"fold": "no"})
+    with pytest.raises(OptionError, match="unknown kiln option 'tuning.persistnt_max'.*tuning.persistent_max"):
+        current(tuning={"persistnt_max": 4})
+    with pytest.raises(OptionError, match="tuning=3 must be a dict"):
+        current(tuning=3)
+
+
+def test_tuning_from_the_environment(monkeypatch):
+    monkeypatch.setenv("KILN_TUNING_PERSISTENT_MAX", "2048")
+    monkeypatch.setenv("KILN_TUNING_ONLINE_SOFTMAX", "off")
+    t = current().tuning
+    assert t.persistent_max == 2048 and t.online_softmax is False
+    monkeypatch.setenv("KILN_TUNING_FOLD", "maybe")
+    with pytest.raises(OptionError, match="KILN_TUNING_FOLD: tuning.fold: cannot read 'maybe'"):
+        current()
+
+
+def test_tuning_is_listed_and_keyed():
+    from kiln.options import describe
+    text = describe()
+    assert "tuning.persistent_max" in text and "KILN_TUNING_PERSISTENT_MAX" in text
+    base = current().cache_key()
+    assert current(**{"tuning.online_softmax": False}).cache_key() != base
+    assert current(**{"tuning.precompile_timeout_s": 5.0}).cache_key() == base   # changes no kernel

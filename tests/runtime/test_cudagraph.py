@@ -105,6 +105,24 @@ def test_inference_outputs_survive_the_next_replay():
 
 
 @gpu
+def test_frozen_inference_replays_with_parameters_in_place():
+    """Freezing and reduce-overhead together: the frozen region's CUDA graph reads the inputs it kept
+    (AOTAutograd's static inputs found through the kept positions), values as eager's, replayed."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(8 * 10 * 10, 4)).cuda().eval()
+    f = kiln.compile(copy.deepcopy(model), mode="reduce-overhead", freezing=True)
+    xs = [torch.randn(2, 3, 10, 10, device="cuda") for _ in range(4)]
+    counters.clear()
+    with torch.no_grad():
+        outs = [f(x) for x in xs]
+        for x, o in zip(xs, outs):
+            torch.testing.assert_close(o, model(x), rtol=1e-3, atol=1e-3)
+    assert counters["kiln"]["frozen_params"] > 0
+    assert counters["cudagraph"]["captured"] == 1 and counters["cudagraph"]["replays"] >= 2
+
+
+@gpu
 def test_input_mutation_reaches_the_caller():
     def f(x, y):
         x.mul_(2)

@@ -22,7 +22,7 @@ from kiln.options import Options
 
 aten = torch.ops.aten
 LOWERINGS: dict = {}
-VIEW_OPS = set()     # filled by lower_view: ops whose output may alias their input
+VIEW_OPS = set()     # filled by lower/view.py: ops whose output may alias their input
 KEEP = object()      # a lowering's answer for "leave this node as an ATen view"
 
 
