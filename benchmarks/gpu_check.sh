@@ -7,7 +7,7 @@
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-timeout 120 python3 -m pytest -p no:logging -p no:cacheprovider -m gpu tests/ -q -rf --tb=short \
+timeout 200 python3 -m pytest -p no:logging -p no:cacheprovider -m gpu tests/ -q -rf --tb=short \
    > "$OUT/gpu_tests.log" 2>&1; echo "tests exit $?"; tail -2 "$OUT/gpu_tests.log"
 KILN_DEBUG=1 timeout 260 python3 -m kiln.bench --suite models --backends inductor,kiln --device cuda \
   --cases gpt2,resnet50_train,resnet50_infer,resnet50_infer_freezing --no-warm --no-record \
