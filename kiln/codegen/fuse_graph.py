@@ -23,7 +23,8 @@ from kiln.codegen.lower import Lowering, is_tensor
 from kiln.codegen.schedule.chain import chain_plans
 from kiln.codegen.schedule.domain import body, loads, scatter_exprs
 from kiln.codegen.schedule.fuse import schedule
-from kiln.codegen.schedule.plan import ScatterPlan, numel_summary, plan_group
+from kiln.codegen.schedule.plan import ScatterPlan
+from kiln.codegen.schedule.planner import numel_summary, plan_group
 from kiln.codegen.to_triton.emit import TritonTarget
 from kiln.codegen.to_triton.module import write_module
 from kiln.debug import counters, log

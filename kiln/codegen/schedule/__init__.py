@@ -1,2 +1,2 @@
 """Scheduling: fused groups of buffers (``fuse``), folded column reductions (``fold``, ``colpart``),
-kernel plans (``plan``) and chained kernels (``chain``)."""
+kernel plans (``plan``, made by ``planner``) and chained kernels (``chain``)."""

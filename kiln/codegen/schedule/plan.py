@@ -1,7 +1,7 @@
 """Kernel plans: what one scheduled kernel computes, as plain data that an emitter reads once.
 
-``plan_kernel(group, ...)`` turns a fused ``Group`` into a ``KernelPlan``. Everything a target needs
-to decide is settled here, the same for every emitter:
+A ``KernelPlan`` (made by ``planner.plan_group`` from a fused ``Group``) settles everything that is the
+same for every target:
 
 - each member's *resolved* expression: reads of buffers the kernel computes itself become register
   values (a reduction's result, ``red(buf)``, or the producer's expression inlined), and every index is
@@ -13,23 +13,21 @@ to decide is settled here, the same for every emitter:
   whether it draws random numbers, which input its one output may overwrite.
 
 A plan prints as readable text (``describe``; KILN_DEBUG=4 and KILN_DUMP show it) between the fused
-graph and the kernel text. Emitters (``codegen/to_triton``) take a plan and write text in one pass.
+graph and the kernel text. Emitters (``codegen/to_triton``) take a plan and write text in one pass and
+return a ``KernelSource``.
 """
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Optional
 
 import sympy
 import torch
 
-from kiln.codegen.ir.indexing import RINDEX, XINDEX, equal, prod, simplify
-from kiln.codegen.ir.loops import Buffer, Expr, Reduction, indirect_symbol, ops, upcast
-from kiln.codegen.schedule.colpart import XPID, colpart_shape
-from kiln.codegen.schedule.domain import Role, body, current, domain_ranges, loads, place, squeeze
-from kiln.codegen.schedule.fuse import Group
-from kiln.options import Tuning
+from kiln.codegen.ir.indexing import RINDEX, XINDEX
+from kiln.codegen.ir.loops import Buffer, Expr
+from kiln.codegen.schedule.domain import Role, domain_ranges
 
 
 class Kind(enum.Enum):
@@ -222,264 +220,6 @@ class Levels:
         return lv
 
 
-class _Resolver:
-    """Resolution of a group's expressions (see the module docstring), memoized per kernel."""
-
-    def __init__(self, group: Group, buffers: dict):
-        self.group, self.buffers = group, buffers
-        self.names = {b.name for b in group.nodes}
-        self.ranges = group.ranges
-        self._memo = {}
-
-    def __call__(self, e: Expr) -> Expr:
-        r = self._memo.get(e)
-        if r is not None:
-            return r
-        if e.op == "load" and e.args[0] in self.names:
-            buf = self.buffers[e.args[0]]
-            if isinstance(buf.compute, Reduction):
-                r = red_ref(buf)
-            else:
-                r = self(body(buf, self.group.dims, self.group.role(buf)))
-            r = ops.cast(r, upcast(buf.dtype))
-        elif e.op in ("load", "index"):
-            # an index that folds to one without rindex is then a per-row value (hoisted out of the row
-            # loops), and two spellings of one address become one Expr (one load)
-            given = e.args[1] if e.op == "load" else e.args[0]
-            binds = [(s, self(v)) for s, v in e.args[2]]
-            idx = given
-            if not all(v is old for (_, v), (_, old) in zip(binds, e.args[2])):
-                idx = idx.xreplace({s: indirect_symbol(v) for s, v in binds})
-            idx = simplify(idx, self.ranges)
-            if idx == given:
-                r = e
-            else:
-                r = ops.load(self.buffers[e.args[0]], idx) if e.op == "load" else ops.index(idx, e.dtype)
-        elif e.children():
-            args = tuple(self(a) if isinstance(a, Expr) else a for a in e.args)
-            r = Expr(e.op, args, e.dtype)
-        else:
-            r = e
-        self._memo[e] = r
-        return r
-
-
-def numel_summary(buffers: dict) -> tuple:
-    """(every buffer's numel is static, the largest static numel): whether a graph's kernels may index
-    in 32 bits depends on the largest tensor of the graph."""
-    numels = [b.numel for b in buffers.values()]
-    static = all(n.is_Integer for n in numels)
-    return static, (max([int(n) for n in numels], default=0) if static else 0)
-
-
-def plan_kernel(group: Group, buffers: dict, tuning: Tuning, summary: tuple) -> KernelPlan:
-    """The plan of one fused group (``summary``: ``numel_summary`` of the graph's buffers)."""
-    red = group.kind == "reduction"
-    dims = group.dims
-    xnumel, rnumel = prod(group.xs), prod(group.rs)
-    roles = dict(group.roles)
-    outer_names = {n for n, r in roles.items() if r is Role.OUTER}
-    levels = Levels(outer_names, red)
-    resolve = _Resolver(group, buffers)
-    ranges = group.ranges
-    members = []
-    for buf in group.nodes:
-        role = group.role(buf)
-        c = buf.compute
-        stored = buf in group.stored
-        index = simplify(current(buf, dims, role), ranges) if stored and role in (Role.ROW, Role.COLPART) else None
-        is_red = isinstance(c, Reduction)
-        members.append(Member(buf, role, resolve(body(buf, dims, role)), c.kind if is_red else None,
-                              c.acc_dtype if is_red else None, stored, index))
-    fold = [colpart_shape(m.buffer) for m in members if m.role is Role.COLPART]
-    chunks = (int(fold[0][0]), int(fold[0][1])) if fold else None
-    outer = any(m.role in (Role.OUTER, Role.SCALAR) for m in members)
-    total = xnumel * rnumel
-    last = outer and not (total.is_Integer and int(total) <= tuning.outer_max)
-    # a persistent tile holds whole rows: right when rows are contiguous (inner reductions); a column
-    # reduction over long columns must loop so that a tile spans many columns, else each program reads
-    # one column with strided, uncoalesced loads (an H100 profile of GPT-2's bias gradients: 0.78 ms
-    # per layer with one 2048-row column per program)
-    inner = bool(dims) and dims[-1][1]
-    persistent = red and rnumel.is_Integer and int(rnumel) <= (
-        tuning.persistent_max if inner else tuning.outer_persistent_max)
-    programs = (Programs.CHUNKS if chunks else Programs.LAST if last else Programs.ONE if outer
-                else Programs.BLOCKS)
-    passes, row_stores = ((), ())
-    if red and not persistent:
-        passes, row_stores = _passes(members, levels, tuning)
-    emitted = [m.value for m in members if m.reduce] + [m.result for m in members if m.stored]
-    reads, symbols, random = _facts(emitted, ranges, [m.index for m in members if m.index is not None])
-    static, largest = summary
-    fits = xnumel.is_Integer and rnumel.is_Integer and static
-    wide = not fits or max(int(xnumel) * int(rnumel), largest) >= 2 ** 31
-    plan = KernelPlan(Kind.REDUCTION if red else Kind.POINTWISE, group.nodes[0].device, dims, xnumel, rnumel,
-                      tuple(members), tuple(group.stored), buffers, persistent, programs, chunks, passes, row_stores,
-                      wide, frozenset(reads), frozenset(symbols), random, frozenset(), levels)
-    return replace(plan, reusable=_reusable(plan, group))
-
-
-def _online_pairs(reductions, tuning: Tuning) -> dict:
-    """{sum name: max member} for sums of ``exp(v - max(v))`` over the rows whose max this kernel
-    reduces too (softmax, log-softmax, cross-entropy): looped, each pair runs as one online pass that
-    rescales the running sum whenever the running max grows, instead of a pass for the max and another
-    for the sum (one read of each row fewer)."""
-    if not tuning.online_softmax:
-        return {}
-    by_name = {m.name: m for m in reductions}
-    pairs, taken = {}, set()
-    for m in reductions:
-        e = m.value
-        if m.reduce != "sum" or e.op != "exp" or e.args[0].op != "sub" or not m.acc.is_floating_point:
-            continue
-        v, mx = e.args[0].args
-        if mx.op != "red" or mx.args[0] not in by_name or mx.args[0] in taken or reds(e) != {mx.args[0]}:
-            continue
-        a = by_name[mx.args[0]]
-        if a.reduce == "max" and a.value is v and a.acc == m.acc == v.dtype == mx.dtype:
-            pairs[m.name] = a
-            taken.add(a.name)
-    return pairs
-
-
-def _passes(members, levels: Levels, tuning: Tuning) -> tuple:
-    """(RowPass per loop, names of the row-level stores after the loops) of a looped kernel: a reduction
-    runs in the pass after those whose results it uses; a store of an element in the pass after the
-    reductions it reads."""
-    reductions = [m for m in members if m.role is Role.ROW and m.reduce]
-    online = _online_pairs(reductions, tuning)
-    stage = {}
-    for m in reductions:
-        if m.name in online:
-            stage[m.name] = stage[online[m.name].name]
-        else:
-            stage[m.name] = 1 + max([stage[r] for r in reds(m.value)], default=-1)
-    n = 1 + max(stage.values(), default=-1)
-    element_stores, row_stores = {}, []
-    for m in members:
-        if m.role is not Role.ROW or not m.stored:
-            continue
-        if levels(m.result) is Level.ELEMENT:
-            s = 1 + max([stage[r] for r in reds(m.result)], default=-1)
-            element_stores.setdefault(s, []).append(m)
-        else:
-            row_stores.append(m.name)
-    n = max([n] + [k + 1 for k in element_stores])
-    pairs = {a.name: s for s, a in online.items()}   # max -> sum
-    passes = []
-    for s in range(n):
-        reduce = [m for m in reductions if stage[m.name] == s and m.name not in online]
-        stores = element_stores.get(s, [])
-        roots = [m.value for m in reduce] + [ops.cast(m.result, m.buffer.dtype) for m in stores]
-        passes.append(RowPass(tuple(m.name for m in reduce), tuple((m.name, pairs[m.name]) for m in reduce
-                                                                  if m.name in pairs),
-                              tuple(m.name for m in stores), frozenset(element_reads(roots, levels))))
-    return tuple(passes), tuple(row_stores)
-
-
-def element_reads(roots, levels: Levels) -> set:
-    """Buffers loaded per element (``Level.ELEMENT``) in computing ``roots``: a load under a mask is
-    made at the mask's level when that is deeper than its own (it runs where the mask is known)."""
-    out, seen = set(), set()
-    stack = [(e, Level.CONST) for e in roots]
-    while stack:
-        e, m = stack.pop()
-        if (e, m) in seen or e.op == "red":
-            continue
-        seen.add((e, m))
-        if e.op == "load" and max(levels(e), m) is Level.ELEMENT:
-            out.add(e.args[0])
-        if e.op == "masked":
-            cond, val, other = e.args
-            stack += [(cond, m), (val, max(m, levels(cond))), (other, m)]
-        else:
-            stack += [(c, m) for c in e.children()]
-    return out
-
-
-def _facts(exprs, ranges, store_indices) -> tuple:
-    """(buffers loaded, size symbols of the printed indices, draws random numbers) of ``exprs``."""
-    reads, symbols, random = set(), set(), False
-    special = {XINDEX, RINDEX, XPID}
-
-    def add(index):
-        for s in simplify(index, ranges).free_symbols:
-            if s not in special and not s.name.startswith("ind"):
-                symbols.add(s)
-    seen = set()
-    for root in exprs:
-        for e in root.walk():
-            if e in seen:
-                continue
-            seen.add(e)
-            if e.op == "load":
-                reads.add(e.args[0])
-                add(e.args[1])
-            elif e.op == "index":
-                add(e.args[0])
-            elif e.op == "rand":
-                random = True
-                add(e.args[1])
-    for index in store_indices:
-        add(index)
-    return reads, symbols, random
-
-
-def _reusable(plan: KernelPlan, group: Group) -> frozenset:
-    """Inputs that the kernel's one output may be written into: a pointwise kernel with one stored
-    output, an input of the output's dtype, shape and strides, read only at the element the kernel
-    writes (so each program reads its elements before it stores them). The wrapper passes such an input
-    as ``into`` where it dies at the call (``wrapper._Emitter._into``): its memory is reused instead of a
-    new buffer of the same size living beside it."""
-    if plan.reduction or plan.outer or len(plan.stored) != 1:
-        return frozenset()
-    ob = plan.stored[0]
-    if not all(sympy.sympify(x).is_Integer for x in (*ob.shape, *ob.stride)):
-        return frozenset()
-    here = current(ob, plan.dims)
-    indices: dict = {}
-    for m in group.nodes:
-        for name, index in loads(body(m, plan.dims, group.role(m))):
-            indices.setdefault(name, []).append(index)
-    out = set()
-    for name in plan.reads:
-        b = plan.buffers[name]
-        same = b.dtype == ob.dtype and len(b.shape) == len(ob.shape) and all(
-            sympy.sympify(x) == sympy.sympify(y) for x, y in zip((*b.shape, *b.stride), (*ob.shape, *ob.stride)))
-        if same and indices.get(name) and all(equal(ix, here, plan.ranges) for ix in indices[name]):
-            out.add(name)
-    return frozenset(out)
-
-
-def plan_scatter(group: Group, buffers: dict, tuning: Tuning, summary: tuple) -> ScatterPlan:
-    """A scatter group's two kernels: a pointwise copy of the base into the output, then the write of
-    each value at its computed target index."""
-    buf = group.nodes[0]
-    s = buf.compute
-    copy_buf = Buffer(buf.name, buf.shape, buf.stride, buf.dtype, buf.device, "pointwise", buf.node, s.base)
-    copy = plan_kernel(Group(tuple((x, False) for x in squeeze(buf.shape)), [copy_buf], "pointwise", [copy_buf]),
-                       buffers, tuning, summary)
-    write_group = Group(tuple((x, False) for x in squeeze(s.shape)), [buf], "pointwise", [buf])
-    idx = place(s.shape, write_group.dims)
-    value = ops.cast(_Resolver(write_group, buffers)(s.value(idx)), buf.dtype)
-    target = ops.index(s.target(idx))   # carries the indirect bindings
-    reads, symbols, random = _facts([value, target], write_group.ranges, [])
-    static, largest = summary
-    xnumel = prod(write_group.xs)
-    wide = not (xnumel.is_Integer and static) or max(int(xnumel), largest) >= 2 ** 31
-    write = KernelPlan(Kind.POINTWISE, buf.device, write_group.dims, xnumel, prod([]), (), (buf,), buffers, False,
-                       Programs.BLOCKS, None, (), (), wide, frozenset(reads), frozenset(symbols), random, frozenset(),
-                       Levels(set(), False), ScatterWrite(buf, value, target, s.mode))
-    return ScatterPlan(copy, write)
-
-
-def plan_group(group: Group, buffers: dict, tuning: Tuning, summary: tuple):
-    """A ``KernelPlan`` (a ``ScatterPlan`` for a scatter) of one fused group."""
-    if group.kind == "scatter":
-        return plan_scatter(group, buffers, tuning, summary)
-    return plan_kernel(group, buffers, tuning, summary)
-
-
 # -- printing ------------------------------------------------------------------------------------------------
 def describe(plan: KernelPlan, title: str = "kernel") -> str:
     """A readable account of ``plan``: domain, how rows are walked, each member's role and expression."""
@@ -517,5 +257,4 @@ def _short(e, limit: int = 160) -> str:
 
 
 __all__ = ["Kind", "Level", "Programs", "Member", "RowPass", "ScatterWrite", "KernelPlan", "ScatterPlan",
-           "KernelSource", "Levels", "plan_group", "plan_kernel", "plan_scatter", "numel_summary", "red_ref", "reds",
-           "element_reads", "describe"]
+           "KernelSource", "Levels", "red_ref", "reds", "describe"]
