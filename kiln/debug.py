@@ -66,10 +66,7 @@ class Trace:
         self.opts = opts
         self.kind = kind
         self.step = 0
-        self.dir = None
-        if opts.dump_dir:
-            self.dir = os.path.join(opts.dump_dir, f"{kind}_{self.id:03d}")
-            os.makedirs(self.dir, exist_ok=True)
+        self.dir = _dump_dir(os.fspath(opts.dump_dir), kind) if opts.dump_dir else None
 
     def stage(self, name: str, fn, *args, **kwargs):
         """Run one pipeline stage, time it, and show / verify / dump its result."""
@@ -107,8 +104,30 @@ class Trace:
             return
         path = os.path.join(self.dir, f"{self.step:02d}_{filename}")
         self.step += 1
-        with open(path, "w") as f:
-            f.write(text)
+        try:
+            with open(path, "w") as f:
+                f.write(text)
+        except OSError as e:   # a debugging aid never stops a compile
+            log(1, f"KILN_DUMP: cannot write {path} ({e}); dumping stops for this region")
+            self.dir = None
+
+
+def _dump_dir(root: str, kind: str):
+    """A new folder ``root/<kind>_NNN`` for one compiled region: the first number not taken, made with
+    ``mkdir`` (atomic), so that processes sharing ``root`` never write into each other's folders. None
+    (with the reason logged) when ``root`` cannot hold it."""
+    try:
+        os.makedirs(root, exist_ok=True)
+        for n in range(1, 100000):
+            path = os.path.join(root, f"{kind}_{n:03d}")
+            try:
+                os.mkdir(path)
+            except FileExistsError:
+                continue
+            return path
+    except OSError as e:
+        log(1, f"KILN_DUMP: cannot write under {root} ({e}); compiling without dumps")
+    return None
 
 
 def graph_text(gm, stage: str, note: str = "") -> str:

@@ -18,7 +18,9 @@ import dataclasses
 import difflib
 import hashlib
 import inspect
+import math
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -50,6 +52,10 @@ def _check_value(f, value, name):
     if name == "activation_memory_limit":
         if value is not None:
             parse_bytes(value)
+        return
+    if name == "dump_dir":
+        if value is not None and not isinstance(value, (str, os.PathLike)):
+            raise OptionError(f"dump_dir={value!r} must be a directory path (a str) or None")
         return
     if name == TUNING:
         if not isinstance(value, Tuning):
@@ -107,11 +113,13 @@ def parse_bytes(value) -> int:
         unit = s[len(num):]
         if num and unit in _UNITS:
             try:
-                return int(float(num) * _UNITS[unit])
+                amount = float(num) * _UNITS[unit]
             except ValueError:
-                pass
-    raise OptionError(f"activation_memory_limit={value!r} is not a byte count; use an int or a string "
-                      f"like '4GiB' or '512MB' (units: {sorted(k for k in _UNITS if k)})")
+                amount = None
+            if amount is not None and math.isfinite(amount) and amount >= 0:
+                return int(amount)
+    raise OptionError(f"activation_memory_limit={value!r} is not a byte count; use a non-negative int or a "
+                      f"string like '4GiB' or '512MB' (units: {sorted(k for k in _UNITS if k)})")
 
 
 @dataclass(frozen=True)
@@ -394,17 +402,26 @@ def current(**extra) -> Options:
 
 
 class _Patch(contextlib.ContextDecorator):
-    def __init__(self, overrides):
-        self.overrides = _flatten(overrides)
-        _build({**_OVERRIDES.get(), **self.overrides})  # validate values now
-        self._tokens = []
+    """A scope of option overrides. Each use as a decorator enters a fresh copy (``_recreate_cm``), and
+    each thread keeps its own stack of entries, so one patch object shared by threads whose scopes end
+    in any order restores each thread's own options."""
+
+    def __init__(self, overrides, _checked=False):
+        self.overrides = overrides if _checked else _flatten(overrides)
+        if not _checked:
+            _build({**_OVERRIDES.get(), **self.overrides})  # validate values now
+        self._local = threading.local()
+
+    def _recreate_cm(self):
+        return _Patch(self.overrides, _checked=True)
 
     def __enter__(self):
-        self._tokens.append(_OVERRIDES.set({**_OVERRIDES.get(), **self.overrides}))
+        stack = self._local.__dict__.setdefault("tokens", [])
+        stack.append(_OVERRIDES.set({**_OVERRIDES.get(), **self.overrides}))
         return self
 
     def __exit__(self, *exc):
-        _OVERRIDES.reset(self._tokens.pop())
+        _OVERRIDES.reset(self._local.tokens.pop())
         return False
 
 

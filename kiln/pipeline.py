@@ -22,7 +22,7 @@ from torch._dynamo.backends.common import aot_autograd
 
 from kiln import compat, debug, partition, passes
 from kiln.capture.decomp import decomposition_table
-from kiln.codegen.fuse_graph import fuse_graph, triton_available
+from kiln.codegen.fuse_graph import UNFUSED, fuse_graph, triton_available
 from kiln.codegen.wrapper import emit_wrapper
 from kiln.debug import Trace, log
 from kiln.options import Options, using
@@ -45,22 +45,25 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list, opts: Options):
         trace.show("capture", gm)
         if opts.dump_dir:
             write_repro(trace, gm, example_inputs, opts)
-        trace.stage("pre_grad", passes.pre_grad, gm, opts)
+        registered = passes.snapshot()   # the backward, compiled later, runs these too
+        trace.stage("pre_grad", passes.pre_grad, gm, opts, registered)
         target = resolve_target(opts, example_inputs)
         region = None
         if opts.freezing and not torch.is_grad_enabled():
             region = freeze.module_region(gm, example_inputs)
             if region is None:
                 log(1, "freeze: no parameters or buffers in this graph; compiling without freezing")
-        compiled = aot_autograd(**aot_compilers(opts, target, trace, region))(gm, example_inputs)
+        compiled = aot_autograd(**aot_compilers(opts, target, trace, region, registered))(gm, example_inputs)
         if region is not None:
             freeze.finish(region, opts)
         return compiled
 
 
-def aot_compilers(opts: Options, target: str, trace: Trace, region=None) -> dict:
+def aot_compilers(opts: Options, target: str, trace: Trace, region=None, registered=None) -> dict:
     """AOTAutograd's keyword arguments for one compiled region: kiln's compilers, partitioner and
-    decompositions. ``region``: the freezing state (``freeze.FrozenRegion``) of an inference region."""
+    decompositions. ``region``: the freezing state (``freeze.FrozenRegion``) of an inference region;
+    ``registered``: the passes registered when the compile began (default: those in force now)."""
+    registered = passes.snapshot() if registered is None else registered
     if target == "triton":   # precompile workers start while AOTAutograd traces
         precompile.start(opts)
     graphs = cudagraphs_apply(opts, target)  # mode="reduce-overhead"
@@ -68,23 +71,25 @@ def aot_compilers(opts: Options, target: str, trace: Trace, region=None) -> dict
     layout: dict = {}   # names of saved values the forward produces with known strides (wrapper views)
 
     def fw_compiler(g, inputs):
-        return lower(g, inputs, opts, trace, "forward", target, graphs, n_user.get("n", 0), layout=layout)
+        return lower(g, inputs, opts, trace, "forward", target, graphs, n_user.get("n", 0), layout=layout,
+                     registered=registered)
 
     def bw_compiler(g, inputs):  # runs lazily at the first backward, maybe on another thread
-        return lower(g, inputs, opts, trace, "backward", target, graphs, layout=layout)
+        return lower(g, inputs, opts, trace, "backward", target, graphs, layout=layout, registered=registered)
 
     def inference_compiler(g, inputs):
         if region is None:
-            trace.stage("joint", passes.joint, g, opts)
-            return lower(g, inputs, opts, trace, "inference", target, graphs)
-        keep = freeze.freeze_graph(g, inputs, region, opts, target, trace)
-        compiled = lower(g, [inputs[i] for i in keep], opts, trace, "inference", target, graphs, positions=keep)
+            trace.stage("joint", passes.joint, g, opts, registered)
+            return lower(g, inputs, opts, trace, "inference", target, graphs, registered=registered)
+        keep = freeze.freeze_graph(g, inputs, region, opts, target, trace, registered)
+        compiled = lower(g, [inputs[i] for i in keep], opts, trace, "inference", target, graphs, positions=keep,
+                         registered=registered)
         return freeze.drop_frozen(compiled, keep)
 
     def partition_fn(joint, joint_inputs, *, num_fwd_outputs, **kw):
         with using(opts):
             n_user["n"] = num_fwd_outputs
-            trace.stage("joint", passes.joint, joint, opts)
+            trace.stage("joint", passes.joint, joint, opts, registered)
             if target == "triton" and opts.layout_optimization:
                 trace.stage("channels_last", to_channels_last, joint, opts)
             return trace.stage("partition", partition.partition_joint, joint, joint_inputs,
@@ -99,15 +104,15 @@ def aot_compilers(opts: Options, target: str, trace: Trace, region=None) -> dict
 
 
 def lower(gm: fx.GraphModule, inputs: list, opts: Options, trace: Trace, kind: str, target: str,
-          graphs: bool = False, n_user: int = 0, layout=None, positions=None):
+          graphs: bool = False, n_user: int = 0, layout=None, positions=None, registered=None):
     """Post-grad passes, fusion and wrapper generation for one forward/backward/inference graph;
     with ``graphs`` the result replays as a CUDA graph (runtime/cudagraph.py). ``positions``: the
     AOTAutograd input position of each of ``inputs`` (freezing drops some)."""
     with using(opts):
         if not graphs:
-            return _lower(gm, inputs, opts, trace, kind, target, layout)
+            return _lower(gm, inputs, opts, trace, kind, target, layout, registered)
         mutated = cudagraph.mutated_inputs(gm)  # before fusion hides the writes inside kernels
-        compiled = _lower(gm, inputs, opts, trace, kind, target, layout)
+        compiled = _lower(gm, inputs, opts, trace, kind, target, layout, registered)
         return cudagraph.wrap(compiled, inputs, kind=kind, n_user=n_user, mutated=mutated, positions=positions)
 
 
@@ -122,7 +127,7 @@ def cudagraphs_apply(opts: Options, target: str) -> bool:
 
 
 def _lower(gm: fx.GraphModule, inputs: list, opts: Options, trace: Trace, kind: str, target: str,
-           layout=None):
+           layout=None, registered=None):
     """``layout``: shared by a forward and its backward; the forward records which saved values it
     produces with known strides, and the backward's wrapper reinterprets views of those."""
     names = None
@@ -131,11 +136,12 @@ def _lower(gm: fx.GraphModule, inputs: list, opts: Options, trace: Trace, kind: 
         names = [getattr(o, "name", None) for o in (out if isinstance(out, (tuple, list)) else (out,))]
     if kind == "inference" and target == "triton" and opts.layout_optimization:
         trace.stage("channels_last", to_channels_last, gm, opts)
-    trace.stage(f"post_grad_{kind}", passes.post_grad, gm, opts)
+    trace.stage(f"post_grad_{kind}", passes.post_grad, gm, opts, registered)
     if target == "triton":
         trace.stage(f"conv_bias_{kind}", split_conv_bias, gm)
         trace.stage(f"fuse_{kind}", fuse_graph, gm, inputs, opts, load_kernel, _plan_printer(trace, kind))
         trace.stage(f"precompile_{kind}", precompile.warm, gm, opts)
+    fallback = gm.meta.pop(UNFUSED, None)   # the ATen graph, for kernels without a fallback of their own
     trusted = layout.get("saved", frozenset()) if layout is not None and kind == "backward" else frozenset()
     wrapper = emit_wrapper(gm, f"{kind}_{trace.id}", trusted, opts)
     if names is not None:
@@ -145,7 +151,7 @@ def _lower(gm: fx.GraphModule, inputs: list, opts: Options, trace: Trace, kind: 
         log(4, f"kernel {k.name}:\n{k.source}")
         trace.dump(f"kernel_{k.name}.py", k.source)
     trace.dump(f"wrapper_{kind}.py", wrapper.source)
-    return load(wrapper)
+    return load(wrapper, fallback)
 
 
 def _plan_printer(trace: Trace, kind: str):
@@ -174,7 +180,7 @@ def resolve_target(opts: Options, example_inputs) -> str:
     return "triton"
 
 
-def cache_key(opts: Options) -> str:
+def cache_key(opts: Options, registered=None) -> str:
     """What a compile depends on beyond its graph: the options and the passes registered through
-    ``kiln.passes.register`` (by their uuid() or source)."""
-    return hashlib.sha256(f"{opts.cache_key()}|{registered_passes_key()}".encode()).hexdigest()[:16]
+    ``kiln.passes.register`` (by their uuid() or source; ``registered``: a ``passes.snapshot()``)."""
+    return hashlib.sha256(f"{opts.cache_key()}|{registered_passes_key(registered)}".encode()).hexdigest()[:16]

@@ -30,6 +30,9 @@ from kiln.codegen.to_triton.module import write_module
 from kiln.debug import counters, log
 
 
+UNFUSED = "kiln_unfused"   # gm.meta key: the ATen graph, kept when some kernel has no fallback of its own
+
+
 class CodegenError(RuntimeError):
     """kiln could not generate kernels for a graph; without ``strict`` the graph stays ATen.
     Report it with the graph (``KILN_DEBUG=2``) and run with ``codegen='aten'`` meanwhile."""
@@ -226,7 +229,9 @@ def _rewrite(gm, lw, kernels, load_kernel):
     position = {n: i for i, n in enumerate(graph.nodes)}
     produced, new_nodes, priority = {}, [], {}
     calls = [_kernel_call(lw, position, load_kernel, *k) for k in kernels]
-    for call, (plan, src, sym_nodes, vals) in zip(calls, kernels):
+    if not all(own for _, own in calls):   # a kernel without its own fallback: keep the whole ATen graph
+        gm.meta[UNFUSED] = _copy(gm)
+    for (call, _), (plan, src, sym_nodes, vals) in zip(calls, kernels):
         args = []
         for name in src.inputs:
             buf = lw.buffers[name]
@@ -279,8 +284,16 @@ def _kernel_call(lw, position, load_kernel, plan, src, sym_nodes, vals):
     log(4, f"codegen: kernel {target.name} ({len(_members(plan))} buffers, {src.kind})\n{target.source}")
     if why is not None:
         log(4 if isinstance(why, NoFallback) else 1,
-            f"codegen: kernel {target.name} has no ATen fallback ({type(why).__name__}: {why})")
-    return target
+            f"codegen: kernel {target.name} has no ATen fallback of its own ({type(why).__name__}: {why}); "
+            f"the graph keeps its ATen nodes for it")
+    return target, fb is not None
+
+
+def _copy(gm) -> torch.fx.GraphModule:
+    """The graph as it is now (before kernels replace its nodes), runnable."""
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return torch.fx.GraphModule(gm, graph, class_name="KilnUnfused")
 
 
 def _stable_toposort(graph, position, priority):

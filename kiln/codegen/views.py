@@ -71,6 +71,8 @@ class ViewPlan:
         val, src = n.meta.get("val"), base.meta.get("val")
         if not (isinstance(val, torch.Tensor) and isinstance(src, torch.Tensor)) or val.dtype != src.dtype:
             return False
+        if val.is_conj() != src.is_conj() or val.is_neg() != src.is_neg():
+            return False   # _conj, _neg_view: a view that flips a bit reinterpret would drop
         if not all(isinstance(x, int) for t in (val, src) for x in (*t.shape, *t.stride(), t.storage_offset())):
             return False
         if not self.consistent(n, base):

@@ -111,7 +111,8 @@ class _Emitter:
             # frame less per call); subclasses (TorchBind ops) keep their own __call__
             fn = getattr(target, "_op", target) if type(target) is torch._ops.OpOverload else target
             return self.bind(fn, f"{target.namespace}_{target._opname}_{target._overloadname}")
-        return self.bind(target, getattr(target, "name", None) or getattr(target, "__name__", "fn"))
+        name = getattr(target, "name", None)   # a higher-order op's ``name`` is a method
+        return self.bind(target, name if isinstance(name, str) else getattr(target, "__name__", None) or "fn")
 
     # -- literals -------------------------------------------------------------------------------
     def lit(self, a) -> str:

@@ -7,7 +7,9 @@ Order (the hook contract PyTorch's users know):
   post_grad: DCE, post_grad_custom_pre_pass, built-in patterns, pad_matmuls (option pad_matmuls),
              post_grad_custom_post_pass
 Hooks receive a ``torch.fx.Graph`` and may edit it in place. ``pattern_matcher=False`` turns off
-kiln's built-in patterns, never user hooks.
+kiln's built-in patterns, never user hooks. ``registered``: the passes registered through
+``kiln.passes.register`` when the compile began (``registry.snapshot()``), so that a backward compiled
+later, outside the registration's scope, runs the same passes as its forward (None: those in force now).
 """
 from __future__ import annotations
 
@@ -19,48 +21,48 @@ from kiln.passes.match.trace import remove_noop_aliases
 from kiln.passes.onehot import scatter_to_where
 from kiln.passes.pad_mm import pad_matmuls
 from kiln.passes.patterns import BUILTIN
-from kiln.passes.registry import STAGES, cache_key, passes_for, register, run_stage  # noqa: F401
+from kiln.passes.registry import STAGES, cache_key, passes_for, register, run_stage, snapshot  # noqa: F401
 
 
-def _run(stage: str, gm: fx.GraphModule, hook) -> None:
-    run_stage(stage, gm, hook)
+def _run(stage: str, gm: fx.GraphModule, hook, registered) -> None:
+    run_stage(stage, gm, hook, registered)
 
 
 def _delta(gm: fx.GraphModule, before: int) -> int:
     return before - len(gm.graph.nodes)
 
 
-def pre_grad(gm: fx.GraphModule, opts) -> int:
+def pre_grad(gm: fx.GraphModule, opts, registered=None) -> int:
     """Run user passes on Dynamo's torch-level graph (nodes carry meta['example_value'])."""
     before = len(gm.graph.nodes)
-    _run("pre_grad", gm, opts.pre_grad_custom_pass)
+    _run("pre_grad", gm, opts.pre_grad_custom_pass, registered)
     return _delta(gm, before)
 
 
-def joint(gm: fx.GraphModule, opts) -> int:
+def joint(gm: fx.GraphModule, opts, registered=None) -> int:
     """Passes on the joint (or inference) ATen graph, before partitioning."""
     before = len(gm.graph.nodes)
-    _run("joint_pre", gm, opts.joint_custom_pre_pass)
+    _run("joint_pre", gm, opts.joint_custom_pre_pass, registered)
     if opts.cse:
         _cse(gm)
     if opts.pattern_matcher:
         _onehot(gm)
         _builtin("joint", gm)
-    _run("joint_post", gm, opts.joint_custom_post_pass)
+    _run("joint_post", gm, opts.joint_custom_post_pass, registered)
     return _delta(gm, before)
 
 
-def post_grad(gm: fx.GraphModule, opts) -> int:
+def post_grad(gm: fx.GraphModule, opts, registered=None) -> int:
     """Passes on each forward / backward / inference graph after partitioning."""
     before = len(gm.graph.nodes)
     if gm.graph.eliminate_dead_code():   # recompiling a large unchanged graph costs ~0.3 s
         gm.recompile()
-    _run("post_grad_pre", gm, opts.post_grad_custom_pre_pass)
+    _run("post_grad_pre", gm, opts.post_grad_custom_pre_pass, registered)
     if opts.pattern_matcher:
         _builtin("post_grad", gm)
     if opts.pad_matmuls != "never":
         _pad_matmuls(gm, opts)
-    _run("post_grad_post", gm, opts.post_grad_custom_post_pass)
+    _run("post_grad_post", gm, opts.post_grad_custom_post_pass, registered)
     return _delta(gm, before)
 
 

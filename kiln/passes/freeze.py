@@ -194,7 +194,8 @@ def keep_whole(decompositions: dict) -> None:
         decompositions.pop(op, None)
 
 
-def freeze_graph(gm: fx.GraphModule, inputs: list, region: FrozenRegion, opts, target: str, trace) -> list:
+def freeze_graph(gm: fx.GraphModule, inputs: list, region: FrozenRegion, opts, target: str, trace,
+                 registered=None) -> list:
     """The inference graph's stages under freezing: module state becomes constants, then the joint
     passes and the folding passes run on real tensors. Edits ``gm`` in place and returns the positions
     of the inputs the compiled graph still takes."""
@@ -203,7 +204,7 @@ def freeze_graph(gm: fx.GraphModule, inputs: list, region: FrozenRegion, opts, t
     fake_mode = detect_fake_mode(inputs)
     with unset_fake_temporarily():  # folding computes with the real tensors
         trace.stage("freeze", freeze_placeholders, gm, region, fake_mode)
-        trace.stage("joint", joint, gm, opts)
+        trace.stage("joint", joint, gm, opts, registered)
         stats = freezing_passes(gm, opts, target, trace, fake_mode, inputs)
     log(2, f"freezing: {len(region.frozen)} params frozen, {stats['constant_folded']} nodes folded, "
            f"{stats['conv_bn_folded']} conv-bn folds, {stats['binary_folded']} binary folds, "

@@ -73,10 +73,16 @@ def register(stage: str, fn: Callable, name: Optional[str] = None) -> PassHandle
     return handle
 
 
-def passes_for(stage: str) -> List[Tuple[str, Callable]]:
-    """``[(name, fn), ...]`` registered for ``stage``, in registration order."""
+def snapshot() -> Tuple[PassHandle, ...]:
+    """The registrations in force here (a compile keeps them for all of its graphs, the backward too)."""
+    return _PASSES.get()
+
+
+def passes_for(stage: str, registered=None) -> List[Tuple[str, Callable]]:
+    """``[(name, fn), ...]`` registered for ``stage`` (in ``registered``, a ``snapshot``; None: the
+    registrations in force here), in registration order."""
     _check_stage(stage)
-    return [(h.name, h.fn) for h in _PASSES.get() if h.stage == stage]
+    return [(h.name, h.fn) for h in (_PASSES.get() if registered is None else registered) if h.stage == stage]
 
 
 def pass_identity(fn: Callable) -> str:
@@ -91,22 +97,23 @@ def pass_identity(fn: Callable) -> str:
         return f"name:{getattr(target, '__qualname__', repr(target))}"
 
 
-def cache_key() -> str:
-    """A hash of every registered pass (stage, name, identity), in order."""
+def cache_key(registered=None) -> str:
+    """A hash of every registered pass (stage, name, identity), in order (``registered``: a ``snapshot``)."""
     h = hashlib.sha256()
-    for handle in _PASSES.get():
+    for handle in (_PASSES.get() if registered is None else registered):
         h.update(f"{handle.stage}|{handle.name}|{pass_identity(handle.fn)};".encode())
     return h.hexdigest()[:16]
 
 
-def run_stage(stage: str, graph_module: fx.GraphModule, hook_from_options: Optional[Callable] = None) -> None:
+def run_stage(stage: str, graph_module: fx.GraphModule, hook_from_options: Optional[Callable] = None,
+              registered=None) -> None:
     """Run the passes of ``stage`` on ``graph_module`` (each as ``fn(gm.graph)``), then recompile.
 
     The options hook (e.g. ``Options.joint_custom_pre_pass``) runs before the registered passes
     for ``pre_grad`` and the ``*_pre`` stages, after them for the ``*_post`` stages. At
     KILN_DEBUG >= 2 each pass prints its name, node-count change and time.
     """
-    passes = passes_for(stage)
+    passes = passes_for(stage, registered)
     if hook_from_options is not None:
         hook_name = f"options.{_option_name(stage)}"
         if stage.endswith("_post"):

@@ -88,15 +88,24 @@ class Kernel:
 
 
 def module_file(name: str, source: str, directory=None, overwrite: bool = False) -> str:
-    """The path of kernel module ``name`` (``@triton.jit`` reads its source back from the file),
-    written atomically unless it exists and ``overwrite`` is off."""
+    """The path of kernel module ``name`` (``@triton.jit`` reads its source back from the file). A file
+    already there is used only when it holds ``source`` exactly: one left truncated by a crash, or edited
+    by hand, is written again (atomically: a temporary file renamed over it)."""
     path = os.path.join(directory or cache_dir(), f"{name}.py")
-    if overwrite or not os.path.exists(path):
-        tmp = f"{path}.{os.getpid()}.tmp"
+    if overwrite or not _holds(path, source):
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
         with open(tmp, "w") as f:
             f.write(source)
         os.replace(tmp, path)
     return path
+
+
+def _holds(path: str, source: str) -> bool:
+    try:
+        with open(path) as f:
+            return f.read() == source
+    except OSError:
+        return False
 
 
 def import_file(modname: str, path: str, interpret: bool):
@@ -153,9 +162,16 @@ def load_kernel(source, fallback=None) -> "KernelCall":
     return KernelCall(kernel, fallback)
 
 
+class KernelFailed(RuntimeError):
+    """A generated kernel failed on its first call at a call site with no ATen fallback of its own (its
+    outputs are buffers no graph node computes, or it needs a value it is not passed). The compiled graph
+    (``runtime.load.Compiled``) then runs its whole ATen graph instead; the cause is chained."""
+
+
 class KernelCall:
     """The FX target of one kernel node: calls ``kernel``, or ``fallback`` once the kernel failed
-    on its first call. Attributes of the kernel (``name``, ``source``...) read through."""
+    on its first call (``KernelFailed`` when this site has none). Attributes of the kernel (``name``,
+    ``source``...) read through."""
 
     def __init__(self, kernel, fallback):
         self.kernel, self.fallback = kernel, fallback
@@ -177,14 +193,15 @@ class KernelCall:
         try:
             out = k(*args, **kwargs)
         except Exception as e:
-            if self.fallback is None:
-                raise
+            first = (str(e).strip().splitlines() or [""])[0]
             if k.failed is None:
                 k.failed = e
-                first = (str(e).strip().splitlines() or [""])[0]
                 counters["codegen"]["runtime_fallback"] += 1
                 log(1, f"codegen: kernel {k.name} failed on its first call, running its ATen nodes "
                        f"instead ({type(e).__name__}: {first})")
+            if self.fallback is None:
+                raise KernelFailed(f"kernel {k.name} failed on its first call ({type(e).__name__}: {first}) "
+                                   f"and has no ATen fallback of its own") from e
             return self.fallback(*args)
         k.ran = True
         return out

@@ -4,6 +4,8 @@ those modules, and the configurations of their launches, come from ``kiln/codege
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from kiln.codegen.ir.indexing import next_pow2
@@ -14,6 +16,7 @@ from kiln.runtime.kernels import on_reset
 
 
 _TUNED: dict = {}
+_INTERPRETER = threading.Lock()   # one interpreted kernel at a time (Triton 3.6's interpreter is not thread-safe)
 
 
 def run(kernel, args, xnumel, rnumel, cfg, meta):
@@ -31,7 +34,8 @@ def run(kernel, args, xnumel, rnumel, cfg, meta):
     grid = grid_of(xnumel, xb, meta)
     consts = (xb,) if kind == "pointwise" else (xb, rb)
     if meta.get("interpret"):
-        _jit_launch(kernel, grid, args, consts, warps)
+        with _INTERPRETER:   # Triton's interpreter patches the language module while a kernel runs
+            _jit_launch(kernel, grid, args, consts, warps)
     else:
         _launch(kernel, grid, args, consts, warps)
 

@@ -5,7 +5,8 @@ import hashlib
 import linecache
 
 from kiln.codegen.wrapper import Wrapper
-from kiln.runtime.kernels import KernelCall
+from kiln.debug import counters, log
+from kiln.runtime.kernels import KernelCall, KernelFailed
 
 # Lists that collect generated sources while a run_and_get_code scope is active. A plain list, not a
 # context variable: the backward is compiled lazily, on autograd's device threads on GPU.
@@ -13,22 +14,39 @@ _SOURCE_SINKS: list = []
 
 
 class Compiled:
-    """A loaded wrapper: ``compiled(args_list)`` runs it (boxed, so AOTAutograd can free inputs)."""
+    """A loaded wrapper: ``compiled(args_list)`` runs it (boxed, so AOTAutograd can free inputs).
 
-    def __init__(self, wrapper: Wrapper, fn):
+    ``fallback``: the graph's ATen nodes (a GraphModule) when some kernel has no ATen fallback of its
+    own: if such a kernel fails on the first call (``KernelFailed``), the call reruns the whole graph in
+    ATen from its inputs, and every later call does too (kernels run before anything writes to an input:
+    a graph's input mutations come at its end)."""
+
+    def __init__(self, wrapper: Wrapper, fn, fallback=None):
         # An instance attribute: Dynamo's disable() wrapper copies __dict__, not class attributes.
         self._boxed_call = True
         self.wrapper = wrapper
         self.fn = fn
+        self.fallback = fallback
         self.source = wrapper.source
         self.name = wrapper.name
         self._direct = False
 
     def __call__(self, args):
-        out = self.fn(args)
-        if not self._direct:
+        if self._direct:
+            return self.fn(args)
+        saved = list(args) if self.fallback is not None else None
+        try:
+            out = self.fn(args)
+        except KernelFailed as e:
+            if saved is None:
+                raise
+            counters["codegen"]["graph_fallback"] += 1
+            log(1, f"codegen: {self.name} runs its ATen graph from now on ({e})")
+            self.fn = _boxed(self.fallback)
             self._direct = True
-            direct_kernel_calls(self.fn.__globals__)
+            return self.fn(saved)
+        self._direct = True
+        direct_kernel_calls(self.fn.__globals__)
         return out
 
     def __repr__(self):
@@ -47,15 +65,25 @@ def direct_kernel_calls(namespace: dict) -> int:
     return n
 
 
-def load(wrapper: Wrapper) -> Compiled:
-    """Compile the wrapper source into a function; tracebacks show the generated lines."""
+def _boxed(gm):
+    """``gm`` called with a boxed argument list (cleared, so that inputs can be freed)."""
+    def run(args):
+        values = list(args)
+        args.clear()
+        return gm(*values)
+    return run
+
+
+def load(wrapper: Wrapper, fallback=None) -> Compiled:
+    """Compile the wrapper source into a function; tracebacks show the generated lines. ``fallback``:
+    see ``Compiled``."""
     digest = hashlib.sha256(wrapper.source.encode()).hexdigest()[:12]
     filename = f"<kiln {wrapper.name} {digest}>"
     linecache.cache[filename] = (len(wrapper.source), None, wrapper.source.splitlines(True), filename)
     namespace = dict(wrapper.globals)
     exec(compile(wrapper.source, filename, "exec"), namespace)
     record(wrapper)
-    return Compiled(wrapper, namespace["call"])
+    return Compiled(wrapper, namespace["call"], fallback)
 
 
 def record(wrapper: Wrapper) -> None:

@@ -166,3 +166,36 @@ def test_training_graph_with_every_fallback_taken(monkeypatch):
         _break(monkeypatch, s)
     assert_close(gm(*args), block(*args), atol=1e-4, rtol=1e-4)
     assert all(s.kernel.failed is not None for s in with_fb)
+
+
+def test_a_kernel_without_its_own_fallback_falls_back_with_its_graph(monkeypatch):
+    """A split reduction's partial kernel stores a buffer no graph node computes, so it has no ATen
+    fallback of its own; when it fails on its first call, the compiled graph reruns all its ATen nodes
+    (from the inputs it kept) and keeps doing so: right values, no exception."""
+    import re
+
+    import kiln.runtime.kernels as K
+    from kiln.options import current
+    from kiln.pipeline import compile_graph
+    from kiln.runtime.load import collect_sources
+
+    def f(x):
+        return (x * 2).sum(), x.amax()
+    x = torch.randn(4096)
+    opts = current(codegen="triton").replace(tuning=dict(split_min_r=64, split_min_numel=256, split_min_chunk=64,
+                                                         chain=False))
+    with collect_sources() as sources, torch.no_grad():
+        compiled = compile_graph(torch.fx.symbolic_trace(f), [x], opts)
+    wrapper = next(s for s in sources if s.startswith("# kiln wrapper"))
+    kernels = [K._CACHE[n] for n in sorted(set(re.findall(r"kiln_(?:pw|red)_[0-9a-f]{12}", wrapper)))]
+    assert len(kernels) >= 2   # the partials, then their final pass
+    for k in kernels:
+        _break(monkeypatch, KernelCall(k, None))
+    before = dict(counters["codegen"])
+    with torch.no_grad():
+        out = compiled(x)
+        again = compiled(x)
+    for o, a, r in zip(out, again, f(x)):
+        torch.testing.assert_close(o, r, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-4)
+    assert counters["codegen"]["graph_fallback"] == before.get("graph_fallback", 0) + 1

@@ -114,6 +114,9 @@ class Lowering:
 
     def arg(self, a):
         if isinstance(a, torch.fx.Node):
+            if a in self.kept and _flipped(a.meta.get("val")):
+                # kernels read storage as it is; ATen applies the bit (the reader stays ATen)
+                raise Unsupported(f"{a.name} is a tensor with its negative or conjugate bit set")
             if a in self.values:
                 return self.values[a]
             val = a.meta.get("val")
@@ -238,6 +241,11 @@ class Lowering:
         self.buffers[buf.name] = buf
         self.computed.append(buf)
         return Pointwise.of_buffer(buf)
+
+
+def _flipped(val) -> bool:
+    """A tensor whose values are its storage's negated or conjugated (``_neg_view``, ``_conj``)."""
+    return is_tensor(val) and (val.is_neg() or val.is_conj())
 
 
 def _nodes(args):

@@ -63,17 +63,40 @@ def _binary(op):
     return lower
 
 
+def int_division(lowering):
+    """``lowering`` of a division or remainder, kept ATen for integers divided by a tensor: ATen raises
+    on a zero divisor (on the CPU) and a kernel cannot; a nonzero number divides in the kernel."""
+    def lower(ctx, a, b, *rest, **kwargs):
+        number = isinstance(b, (int, float)) and not isinstance(b, bool)
+        if not ctx.meta.dtype.is_floating_point and not (number and b != 0):
+            raise Unsupported("integer division by a tensor (ATen raises on a zero divisor)")
+        return lowering(ctx, a, b, *rest, **kwargs)
+    return lower
+
+
+def _fminmax(op):
+    """fmax/fmin: the maximum/minimum of two numbers, the number where one is NaN (NaN if both are)."""
+    def fn(x, y):
+        m = E.bin(op, x, y)
+        if not x.dtype.is_floating_point:
+            return m
+        return ops.where(un("isnan", x), y, ops.where(un("isnan", y), x, m))
+    return lambda ctx, a, b: elementwise(ctx, fn, a, b)
+
+
 register(aten.add.Tensor, aten.add.Scalar)(_binary("add"))
 register(aten.sub.Tensor, aten.sub.Scalar)(_binary("sub"))
 register(aten.mul.Tensor, aten.mul.Scalar)(_binary("mul"))
-register(aten.maximum, aten.fmax)(_binary("maximum"))
-register(aten.minimum, aten.fmin)(_binary("minimum"))
+register(aten.maximum)(_binary("maximum"))
+register(aten.minimum)(_binary("minimum"))
+register(aten.fmax)(_fminmax("maximum"))
+register(aten.fmin)(_fminmax("minimum"))
 register(aten.atan2)(_binary("atan2"))
 register(aten.bitwise_and)(_binary("bitwise_and"))
 register(aten.bitwise_or)(_binary("bitwise_or"))
 register(aten.bitwise_xor)(_binary("bitwise_xor"))
-register(aten.remainder.Tensor, aten.remainder.Scalar)(_binary("remainder"))
-register(aten.fmod.Tensor, aten.fmod.Scalar)(_binary("fmod"))
+register(aten.remainder.Tensor, aten.remainder.Scalar)(int_division(_binary("remainder")))
+register(aten.fmod.Tensor, aten.fmod.Scalar)(int_division(_binary("fmod")))
 register(aten.copysign.Tensor, aten.copysign.Scalar)(_binary("copysign"))
 register(aten.hypot)(_binary("hypot"))
 
@@ -89,6 +112,7 @@ def _div(ctx, a, b):
 
 
 @register(aten.div.Tensor_mode, aten.div.Scalar_mode)
+@int_division
 def _div_mode(ctx, a, b, rounding_mode=None):
     meta = ctx.meta
     if rounding_mode is None:
@@ -101,6 +125,7 @@ def _div_mode(ctx, a, b, rounding_mode=None):
 
 
 @register(aten.floor_divide)
+@int_division
 def _floor_divide(ctx, a, b):
     if ctx.meta.dtype.is_floating_point:
         return elementwise(ctx, lambda x, y: un("floor", div(x, y)), a, b)

@@ -9,7 +9,7 @@ import torch._prims  # noqa: F401  (registers the prims namespace)
 
 from kiln.codegen.ir.indexing import ZERO, size_expr
 from kiln.codegen.lower.base import register
-from kiln.codegen.lower.pointwise import E, _binary, _compare, _unary, elementwise
+from kiln.codegen.lower.pointwise import E, _binary, _compare, _unary, elementwise, int_division
 from kiln.codegen.lower.pointwise import _where as aten_where
 from kiln.codegen.lower.reduce import reduce, variance
 from kiln.codegen.lower.view import _remap, _view
@@ -25,7 +25,9 @@ def _ops(*names):
 for _name in ("add", "sub", "mul", "maximum", "minimum", "atan2", "bitwise_and", "bitwise_or",
               "bitwise_xor", "remainder", "fmod", "pow", "hypot", "copysign"):
     if hasattr(prims, _name):
-        register(getattr(prims, _name).default)(_binary(_name if _name != "pow" else "pow"))
+        _lowering = _binary(_name)
+        register(getattr(prims, _name).default)(int_division(_lowering) if _name in ("remainder", "fmod")
+                                                 else _lowering)
 for _name in ("eq", "ne", "lt", "le", "gt", "ge"):
     register(getattr(prims, _name).default)(_compare(_name))
 for _name in ("neg", "abs", "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sqrt", "rsqrt",
@@ -37,6 +39,7 @@ for _name in ("neg", "abs", "exp", "exp2", "expm1", "log", "log2", "log10", "log
 
 
 @register(*_ops("div"))
+@int_division
 def _div(ctx, a, b):
     if ctx.meta.dtype.is_floating_point:
         return elementwise(ctx, lambda x, y: E.bin("truediv", x, y), a, b)

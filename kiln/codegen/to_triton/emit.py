@@ -10,6 +10,7 @@ is hash-consed). This module writes expressions; ``rows.py`` walks the plan arou
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +19,7 @@ from kiln.codegen.ir.indexing import RINDEX, XINDEX, FloorDiv, ModIdx, simplify
 from kiln.codegen.ir.loops import Expr, Unsupported
 from kiln.codegen.schedule.colpart import XPID
 from kiln.codegen.schedule.plan import KernelPlan, Level
-from kiln.codegen.to_triton.ops import HELPERS, TL_DTYPE, template
+from kiln.codegen.to_triton.ops import HELPERS, TL_DTYPE, reduce_code, template
 from kiln.options import Tuning
 
 
@@ -104,6 +105,8 @@ class ExprWriter:
 
     def _literal(self, e):
         v, dt = e.args[0], e.dtype
+        if self.interpret and isinstance(v, float) and v == 0 and math.copysign(1.0, v) < 0:
+            return f"(tl.full([1], 0.0, {TL_DTYPE[dt]}) * -1.0)"   # the interpreter drops a literal's sign
         if isinstance(v, float):
             lit = repr(v) if v == v and v not in (float("inf"), float("-inf")) else f"float('{v}')"
         else:
@@ -117,6 +120,23 @@ class ExprWriter:
         if e.op == "const" and not code.startswith("tl."):
             return f"tl.full([1], {code}, {TL_DTYPE[e.dtype]})"
         return code
+
+    def _shape(self, lv) -> str:
+        """The block shape of a value at level ``lv`` in this kernel."""
+        if lv is Level.CONST:
+            return "[1]"
+        if not self.red:
+            return "[XBLOCK]"
+        return "[XBLOCK, RBLOCK]" if lv is Level.ELEMENT else "[XBLOCK, 1]"
+
+    def _block(self, v, value, shape: str) -> str:
+        """``v`` (the code of ``value``) as a block of ``shape``: broadcast when its rank is the
+        block's, else (a literal, a one-element value in a 2-D kernel) filled in by a select, since
+        ``tl.broadcast_to`` does not add dimensions."""
+        x = self._tensor(v, value)
+        if shape.count(",") and self.level(value) is Level.CONST:
+            return f"tl.where(tl.full({shape}, True, tl.int1), {x}, {x})"
+        return f"tl.broadcast_to({x}, {shape})"
 
     def _mask(self, lv, mask):
         base = "xmask" if lv is not Level.ELEMENT else "xmask & rmask"
@@ -153,12 +173,13 @@ class ExprWriter:
             ptr = self.arg_for(a[0])
             idx = self.index(a[1], a[2], scope, mask)
             m = self._mask(lv, mask)
-            if m and lv in (Level.ROW, Level.ELEMENT) and self.level(e) is Level.CONST:
-                # a scalar address under a block mask (a constant-index load inside a masked
-                # region): Triton rejects a block mask on a scalar pointer, so make the address a block
-                # (tl.full, not tl.zeros: a jit function of Triton's standard library, which an
-                # interpreted kernel cannot call unless Triton itself was imported in interpreter mode)
-                shape = "[XBLOCK]" if not self.red else ("[XBLOCK, RBLOCK]" if lv is Level.ELEMENT else "[XBLOCK, 1]")
+            if m and self.level(e) is Level.CONST:
+                # a scalar address under a block mask (a constant-index load inside a masked region,
+                # even one whose condition is a one-element block): Triton rejects a block mask on a
+                # scalar pointer, so make the address a block (tl.full, not tl.zeros: a jit function of
+                # Triton's standard library, which an interpreted kernel cannot call unless Triton itself
+                # was imported in interpreter mode)
+                shape = self._shape(lv)
                 idx = f"({idx}) + tl.full({shape}, 0, tl.int32)"
             sfx = self.load_suffix
             if lv is Level.ELEMENT and self.red and not self.persistent and not sfx:
@@ -183,6 +204,8 @@ class ExprWriter:
             x = self._tensor(self.emit(a[0], scope, mask), a[0])
             if e.dtype == torch.bool:
                 return f"({x} != 0)"
+            if self.interpret and e.dtype == torch.bfloat16 and a[0].dtype != torch.float32:
+                x = f"{x}.to(tl.float32)"   # Triton 3.6's interpreter converts only fp32 to bf16 right
             return f"{x}.to({TL_DTYPE[e.dtype]})"
         if op == "where":
             c, x, y = (self.emit(v, scope, mask) for v in a)
@@ -206,6 +229,13 @@ class ExprWriter:
         elif all(v.op == "const" for v in a):
             args[0] = self._tensor(args[0], a[0])
         return t.format(*args, d=TL_DTYPE.get(e.dtype, ""))
+
+    # -- reductions ---------------------------------------------------------------------
+    def reduce(self, kind, x, dtype, axis=1) -> str:
+        """``reduce_code`` for a reduction over ``dtype`` values, its helpers registered."""
+        code = reduce_code(kind, x, self.interpret, axis, dtype.is_floating_point)
+        self.helpers.update(h for h in HELPERS if h in code)
+        return code
 
     # -- indices --------------------------------------------------------------------------
     def arg_for(self, name):

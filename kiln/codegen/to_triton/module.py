@@ -100,6 +100,10 @@ def bind_sizes(kernels, inputs, buffers):
     return names, lines, scalars
 
 
+def _nonempty(numel) -> bool:
+    return numel.is_Integer and int(numel) > 0
+
+
 def _static(k):
     """Whether xnumel/rnumel are written into the kernel (never under the interpreter)."""
     return k.xnumel.is_Integer and not k.interpret, k.rnumel.is_Integer and not k.interpret
@@ -111,8 +115,9 @@ def kernel_def(k: TritonKernel, name, names, extra_params=(), tail_lines=()):
     plan = k.plan
     even = k.tuning.even_masks
     static_x, static_r = _static(k)
-    # integer numels are known when Triton compiles (constants, or constexpr under the interpreter)
-    known_x, known_r = k.xnumel.is_Integer, k.rnumel.is_Integer
+    # integer numels are known when Triton compiles (constants, or constexpr under the interpreter); an
+    # empty one must keep its real mask (all false): a constant-true mask would let loads run past it
+    known_x, known_r = _nonempty(k.xnumel), _nonempty(k.rnumel)
     last = plan.programs is Programs.LAST
     params = [k.inputs[b] for b in k.inputs] + [k.out_args[b.name] for b in plan.stored]
     params += [p[4] for p in k.partials] + (["sem_ptr"] if last else []) + list(extra_params)
@@ -180,7 +185,7 @@ def _last_program(k):
     block = k.tuning.parts_block
     for var, kind, dt, acc, part in k.partials:
         out.append(f"tl.store({part} + tl.program_id(0) + tl.full([1, 1], 0, tl.int32), "
-                   f"{reduce_code(kind, acc, k.interpret, axis=0)})")
+                   f"{reduce_code(kind, acc, k.interpret, 0, dt.is_floating_point)})")
     cg = past_l1(k.interpret)
     # Triton's interpreter loops only to constants: there, step over xnumel (>= n_programs, masked)
     bound = "xnumel" if k.interpret else "n_programs"
@@ -191,8 +196,8 @@ def _last_program(k):
                 f"    for p_offset in range(0, {bound}, {block}):",
                 f"        p_index = p_offset + tl.arange(0, {block})[:, None]",
                 f"        p_value = tl.load({part} + p_index, p_index < n_programs, {n}{cg})",
-                f"        {acc}_all = {combine(kind, f'{acc}_all', 'p_value')}",
-                f"    {var} = {reduce_code(kind, f'{acc}_all', k.interpret, axis=0)}"]
+                f"        {acc}_all = {combine(kind, f'{acc}_all', 'p_value', dt.is_floating_point)}",
+                f"    {var} = {reduce_code(kind, f'{acc}_all', k.interpret, 0, dt.is_floating_point)}"]
     _render(k.post.lines, "    ", out, False, k.tuning.even_masks)
     out.append(LAST_PROGRAM_RESET)
     return out

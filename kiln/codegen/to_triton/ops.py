@@ -17,8 +17,9 @@ TL_DTYPE = {
 }
 
 # op -> template over {0}, {1}, {d} (result dtype); a (gpu, interpret) pair where they differ
+# float neg is a product: Triton's -x is 0 - x, which makes +0.0 of +0.0
 FLOAT_UNARY = {
-    "neg": "-{0}", "abs": "tl.abs({0})", "exp": "tl.exp({0})", "exp2": "tl.exp2({0})",
+    "neg": "({0} * -1.0)", "abs": "tl.abs({0})", "exp": "tl.exp({0})", "exp2": "tl.exp2({0})",
     "log": "tl.log({0})", "log2": "tl.log2({0})", "log10": "(tl.log({0}) * 0.4342944819032518)",
     "sqrt": "tl.sqrt({0})", "rsqrt": "tl.rsqrt({0})", "sin": "tl.sin({0})", "cos": "tl.cos({0})",
     "sigmoid": ("tl.sigmoid({0})", "(1.0 / (1.0 + tl.exp(-{0})))"), "erf": "tl.erf({0})", "erfc": "(1.0 - tl.erf({0}))",
@@ -113,6 +114,14 @@ def _kiln_pow(a, b):
 def _kiln_prod(a, b):
     return a * b
 ''',
+    "_kiln_max_nan": '''@triton.jit
+def _kiln_max_nan(a, b):
+    return tl.maximum(a, b, tl.PropagateNan.ALL)
+''',
+    "_kiln_min_nan": '''@triton.jit
+def _kiln_min_nan(a, b):
+    return tl.minimum(a, b, tl.PropagateNan.ALL)
+''',
     "_kiln_philox": '''@triton.jit
 def _kiln_philox(seed, offset):
     seed = seed.to(tl.uint64)
@@ -156,25 +165,38 @@ def _kiln_randn(seed, offset):
 HELPER_DEPS = {"_kiln_rand": ["_kiln_philox", "_kiln_uniform"], "_kiln_randn": ["_kiln_philox", "_kiln_uniform"]}
 
 
-def combine(kind: str, acc: str, v: str) -> str:
-    """Triton source folding value ``v`` into accumulator ``acc`` for reduction ``kind``."""
+def combine(kind: str, acc: str, v: str, floating: bool = False) -> str:
+    """Triton source folding value ``v`` into accumulator ``acc`` for reduction ``kind``; a max or min
+    of ``floating`` values propagates NaN, as eager's does."""
+    if floating and kind in ("max", "min"):
+        return f"tl.{kind}imum({acc}, {v}, tl.PropagateNan.ALL)"
     return {"sum": f"{acc} + {v}", "prod": f"{acc} * {v}",
             "max": f"tl.maximum({acc}, {v})", "min": f"tl.minimum({acc}, {v})"}[kind]
 
 
-def reduce_code(kind: str, x: str, interpret: bool, axis: int = 1) -> str:
-    """Triton source reducing 2-D ``x`` over ``axis`` (keeping it), for sum/max/min/prod."""
+def reduce_code(kind: str, x: str, interpret: bool, axis: int = 1, floating: bool = False) -> str:
+    """Triton source reducing 2-D ``x`` over ``axis`` (keeping it), for sum/max/min/prod; a max or min
+    of ``floating`` values propagates NaN (``_kiln_max_nan``)."""
     keep = "[:, None]" if axis == 1 else "[None, :]"
     if kind == "prod":
         return f"tl.reduce({x}, {axis}, _kiln_prod){keep}"
+    if floating and kind in ("max", "min"):
+        return f"tl.reduce({x}, {axis}, _kiln_{kind}_nan){keep}"
     if interpret:  # the interpreter has numpy fast paths for these standard combine functions
         comb = {"sum": "_sum_combine", "max": "_elementwise_max", "min": "_elementwise_min"}[kind]
         return f"tl.reduce({x}, {axis}, tl.standard.{comb}){keep}"
     return f"tl.{kind}({x}, {axis}){keep}"
 
 
+# the integer type of a float's bits (the sign of a zero is only there)
+BITS = {torch.float64: "tl.int64", torch.float32: "tl.int32", torch.float16: "tl.int16", torch.bfloat16: "tl.int16"}
+
+
 def template(op: str, dtype: torch.dtype, interpret: bool, arity: int):
     """The Triton template for ``op`` on operands of ``dtype`` (None if it cannot be written)."""
+    if interpret and op in ("signbit", "copysign") and dtype in BITS:   # no libdevice: read the sign bit
+        negative = f"({{{arity - 1}}}.to({BITS[dtype]}, bitcast=True) < 0)"
+        return negative if op == "signbit" else f"tl.where({negative}, tl.abs({{0}}) * -1.0, tl.abs({{0}}))"
     if arity == 1:
         table = FLOAT_UNARY if dtype.is_floating_point else (BOOL_UNARY if dtype == torch.bool else INT_UNARY)
         t = table.get(op)

@@ -7,12 +7,14 @@ share one online pass; outer reductions and folded column partials accumulate ac
 """
 from __future__ import annotations
 
+import torch
+
 from kiln.codegen.ir.indexing import RINDEX, XINDEX
 from kiln.codegen.ir.loops import ops
 from kiln.codegen.schedule.domain import Role
 from kiln.codegen.schedule.plan import KernelPlan, Level, Programs
 from kiln.codegen.to_triton.emit import ExprWriter, Scope, TritonTarget
-from kiln.codegen.to_triton.ops import TL_DTYPE, combine, neutral, reduce_code, template
+from kiln.codegen.to_triton.ops import HELPERS, TL_DTYPE, combine, neutral, reduce_code, template
 
 
 class TritonKernel(ExprWriter):
@@ -70,11 +72,15 @@ class TritonKernel(ExprWriter):
                 v = self._reduce_value(m, m.value, loop)
                 mask = "xmask & rmask"
                 if kind in ("argmax", "argmin"):
-                    # per lane: the best value so far and the first rindex reaching it
+                    # per lane: the best value so far and the first rindex reaching it (a NaN beats
+                    # every number, the first NaN stays: eager's index)
                     self.top.lines.append(f"{acc}_i = tl.full([XBLOCK, RBLOCK], 0, tl.int64)")
                     better = self.tmp()
                     cmp = ">" if kind == "argmax" else "<"
-                    loop.lines.append(f"{better} = ({mask}) & ({v} {cmp} {acc})")
+                    wins = f"{v} {cmp} {acc}"
+                    if dt.is_floating_point:
+                        wins = f"({wins}) | (({v} != {v}) & ({acc} == {acc}))"
+                    loop.lines.append(f"{better} = ({mask}) & ({wins})")
                     loop.lines.append(f"{acc}_i = tl.where({better}, rindex.to(tl.int64), {acc}_i)")
                     loop.lines.append(f"{acc} = tl.where({better}, {v}, {acc})")
                     accs.append((m, (acc, f"{acc}_i")))
@@ -87,7 +93,7 @@ class TritonKernel(ExprWriter):
                     accs.append((m, acc))
                     accs.append((partner[name], ("online", acc, acc_sum, name, dt)))
                     continue
-                loop.lines.append(f"{acc} = tl.where({mask}, {combine(kind, acc, v)}, {acc})")
+                loop.lines.append(f"{acc} = tl.where({mask}, {combine(kind, acc, v, dt.is_floating_point)}, {acc})")
                 accs.append((m, acc))
             for name in p.stores:
                 m = plan.member(name)
@@ -124,7 +130,7 @@ class TritonKernel(ExprWriter):
         safe, var = self.tmp(), self.tmp("red")
         self.top.lines.append(f"{safe} = tl.where({max_var} == float('-inf'), 0.0, {max_var})")
         scaled = f"{acc_sum} * {exp.format(f'({acc_max} - {safe})')}"
-        self.top.lines.append(f"{var} = {reduce_code('sum', scaled, self.interpret)}")
+        self.top.lines.append(f"{var} = {self.reduce('sum', scaled, dt)}")
         self.top.lines.append(f"{var} = tl.where({max_var} == float('-inf'), float('nan'), {var})")
         self.red_vars[m.name] = var
 
@@ -142,14 +148,15 @@ class TritonKernel(ExprWriter):
         var = self.tmp("red")
         if kind in ("argmax", "argmin"):
             best = self.tmp()
-            scope.lines.append(f"{best} = {reduce_code(kind[3:], acc, self.interpret)}")
+            scope.lines.append(f"{best} = {self.reduce(kind[3:], acc, m.acc)}")
             big = "9223372036854775807"
-            first = reduce_code("min", f"tl.where({acc} == {best}, {index}, {big})", self.interpret)
+            at = f"{acc} == {best}"
+            if m.acc.is_floating_point:   # a NaN best: the first lane holding a NaN
+                at = f"({at}) | (({acc} != {acc}) & ({best} != {best}))"
+            first = self.reduce("min", f"tl.where({at}, {index}, {big})", torch.int64)
             scope.lines.append(f"{var} = {first}")
         else:
-            if kind == "prod":
-                self.helpers.add("_kiln_prod")
-            scope.lines.append(f"{var} = {reduce_code(kind, acc, self.interpret)}")
+            scope.lines.append(f"{var} = {self.reduce(kind, acc, m.acc)}")
         self.red_vars[m.name] = var
 
     def _accumulate(self, m, e, acc, shape, mask):
@@ -158,9 +165,9 @@ class TritonKernel(ExprWriter):
         kind, dt = m.reduce, m.acc
         self.pre.append(f"{acc} = tl.full({shape}, {neutral(kind, dt)}, {TL_DTYPE[dt]})")
         v = self._reduce_value(m, e, self.top)
-        self.top.lines.append(f"{acc} = tl.where({mask}, {combine(kind, acc, v)}, {acc})")
-        if kind == "prod":
-            self.helpers.add("_kiln_prod")
+        self.top.lines.append(f"{acc} = tl.where({mask}, {combine(kind, acc, v, dt.is_floating_point)}, {acc})")
+        # helpers of the final reduce (``post`` or the last program's combine)
+        self.helpers.update(h for h in HELPERS if h in reduce_code(kind, acc, self.interpret, 0, dt.is_floating_point))
 
     def _outer(self):
         """Accumulate outer reductions across rows, then write the scalar results."""
@@ -177,13 +184,12 @@ class TritonKernel(ExprWriter):
                 if last:
                     self.partials.append((var, m.reduce, m.acc, acc, f"part_ptr{len(self.partials)}"))
                 else:
-                    self.post.lines.append(f"{var} = {reduce_code(m.reduce, acc, self.interpret, axis=0)}")
+                    self.post.lines.append(f"{var} = {self.reduce(m.reduce, acc, m.acc, axis=0)}")
                 self.red_vars[m.name] = var
             if m.stored:
                 value = ops.cast(m.result, m.buffer.dtype)
-                v = self._tensor(self.emit(value, self.post), value)
-                self.post.lines.append(f"tl.store({self.out_args[m.name]} + tl.full([1, 1], 0, tl.int32), "
-                                       f"tl.broadcast_to({v}, [1, 1]))")
+                v = self._block(self.emit(value, self.post), value, "[1, 1]")
+                self.post.lines.append(f"tl.store({self.out_args[m.name]} + tl.full([1, 1], 0, tl.int32), {v})")
 
     def _colparts(self):
         """Folded column partials: each program accumulates its chunk's rows column by column in an
@@ -195,7 +201,7 @@ class TritonKernel(ExprWriter):
             acc = f"_col{len(self.pre)}"
             self._accumulate(m, m.value, acc, "[XBLOCK, RBLOCK]", "xmask & rmask")
             var = self.tmp("red")
-            self.post.lines.append(f"{var} = {reduce_code(m.reduce, acc, self.interpret, axis=0)}")
+            self.post.lines.append(f"{var} = {self.reduce(m.reduce, acc, m.acc, axis=0)}")
             if m.stored:
                 idx = self.pexpr(m.index)
                 v = var if m.buffer.dtype == m.acc else f"{var}.to({TL_DTYPE[m.buffer.dtype]})"
@@ -215,7 +221,7 @@ class TritonKernel(ExprWriter):
         if ilv is Level.CONST:
             icode = f"{icode} + tl.full({shape}, 0, tl.int32)"
         if lv < slv:
-            v = f"tl.broadcast_to({self._tensor(v, value)}, {shape})"
+            v = self._block(v, value, shape)
         target = scope if slv is Level.ELEMENT else self.top
         target.lines.append(f"tl.store({self.out_args[m.name]} + ({icode}), {v}, {self._mask(slv, None)})")
 
