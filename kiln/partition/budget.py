@@ -12,6 +12,18 @@
 
 hold.py adds the backward's hold set to these saved sets; limit.py searches budgets for
 ``activation_memory_limit``.
+
+What is monotone in the budget. The knapsack is exact and its ties go to more bytes, so the set kept
+at a larger capacity is worth at least as much, and when it is worth more it weighs more (a lighter
+one would have fitted the smaller capacity too): kept bytes never fall as the budget rises, and the
+saved bytes follow them when recomputing a matmul needs no value the backward does not read anyway
+(seed 001's chains; a linear layer's input). A backward hold (hold.py) adds to the saved set, never
+replaces it. tests/partition/test_budget_property.py checks this on random chains in random node
+orders. The modelled activation peak is not monotone, and cannot be while the budget fixes which
+matmuls are saved: on seed 001's own uneven chain the only plan saving 8 of 50 units models a higher
+forward peak than the best plan saving 19 (``test_seed_budgets_rule_out_a_monotone_peak``). Forcing
+it (a budget whose plan models more than the next larger budget's takes a plan of a lower budget)
+would save less than the knapsack's optimum, which the seed's exact sums forbid.
 """
 from __future__ import annotations
 

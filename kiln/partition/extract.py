@@ -153,8 +153,9 @@ def lazy_order(nodes: Sequence[fx.Node], need: set, anchors: set, available: set
 
 class Saved(list):
     """The values to save (a plain list) and, optionally, ``hold``: forward values the backward rebuilds
-    from the saved ones at its start and keeps, recomputing everything else it needs from them
-    (``hold_steps``). Built by ``kiln.partition.hold``; ``extract`` and ``peak.model_peak`` read it."""
+    from the saved ones at its start and keeps beside them, recomputing everything else it needs from
+    both (``hold_steps``). A hold never replaces a saved value: the forward saves the same list with or
+    without one. Built by ``kiln.partition.hold``; ``extract`` and ``peak.model_peak`` read it."""
     hold: Optional[List[fx.Node]] = None
 
     @staticmethod
@@ -170,16 +171,21 @@ def hold_steps(nodes: Sequence[fx.Node], saved: Sequence[fx.Node], hold: Sequenc
 
     Phase 1 runs, in graph order, the forward nodes that compute ``hold`` from ``saved`` and the
     placeholders (keys ``(n, 1)``); phase 2 runs what ``roots`` need in ``lazy_order`` around
-    ``anchors`` from ``hold``, the placeholders and saved SymInts only (keys ``(n, 2)``), so a forward
-    value used by both phases is computed twice and phase 1's copy dies with the phase. Values
-    available at the start have keys ``(n, 0)``."""
+    ``anchors`` from ``hold``, ``saved`` and the placeholders (keys ``(n, 2)``), so a forward value used
+    by both phases is computed twice and phase 1's copy dies with the phase. Values available at the
+    start have keys ``(n, 0)``.
+
+    Phase 2 reads the saved values too: were it to recompute one instead, ``extract`` would stop saving
+    it (it saves what the backward reads), and the forward would save less than the partitioner chose
+    (seed 001's uneven chain saved 3 of 19 units at budget 19/50 when the hold of a higher budget
+    left out two of its three matmuls)."""
     ph = {n for n in nodes if n.op == "placeholder"}
     avail1 = set(saved) | ph
     hold = normalize_saved(hold) if hold else []
     need1 = _ancestors(hold, avail1)
     p1 = [n for n in nodes if n in need1 and n not in avail1]
     k1 = {n: ((n, 1) if n in set(p1) else (n, 0)) for n in need1}
-    avail2 = set(hold) | ph | {n for n in saved if is_sym(n)}
+    avail2 = set(hold) | avail1
     need2 = _ancestors(roots, avail2)
     p2 = lazy_order(nodes, need2, anchors, avail2)
     p2set = set(p2)
@@ -298,6 +304,28 @@ def _bind_symbols(joint: fx.Graph, bw_inputs: Sequence[fx.Node], syms: List[fx.N
     return extra
 
 
+def read_saved(joint_gm: fx.GraphModule, saved, num_fwd_outputs: int, tang: Optional[set] = None
+               ) -> List[fx.Node]:
+    """The values of ``saved`` (a list or a ``Saved``) that the backward reads, in graph order: what
+    ``extract`` saves, before the SymInts that bind shapes (with a hold: what ``hold_steps`` reads at
+    its start). ``tang``: the joint graph's ``tangent_closure`` when the caller has it."""
+    joint = joint_gm.graph
+    tang = tang if tang is not None else tangent_closure(joint)
+    _, bwd_in = split_inputs(joint)
+    roots = [o for o in split_outputs(joint, num_fwd_outputs)[1] if isinstance(o, fx.Node)]
+    roots += [n for n in tang if is_impure(n)]
+    hold = getattr(saved, "hold", None)
+    saved = normalize_saved(saved)
+    if hold is None:
+        need = _ancestors(roots, set(saved) | set(bwd_in))
+        return [n for n in saved if n in need]
+    nodes = [n for n in joint.nodes if n.op != "output"]
+    steps = hold_steps(nodes, saved, hold, roots, tang)
+    start = {a for _, _, ins in steps for a, k in ins.items() if k[1] == 0}
+    start |= {o for o in roots if o not in phase_key(steps)}
+    return normalize_saved(start - set(bwd_in))
+
+
 def extract(joint_gm: fx.GraphModule, saved: Iterable[fx.Node], *, num_fwd_outputs: int
             ) -> Tuple[fx.GraphModule, fx.GraphModule]:
     """Build (forward, backward) GraphModules from ``joint_gm`` saving exactly ``saved`` (minus values the
@@ -318,17 +346,8 @@ def extract(joint_gm: fx.GraphModule, saved: Iterable[fx.Node], *, num_fwd_outpu
     def order(sv):
         return [n for n in sv if not is_sym(n)] + [n for n in sv if is_sym(n)]
 
-    # Drop saved values the backward does not use.
     roots = [o for o in bwd_out if isinstance(o, fx.Node)] + [n for n in tang if is_impure(n)]
-    if hold is not None:  # the backward rebuilds ``hold``: it uses what hold_steps reads at its start
-        nodes = [n for n in joint.nodes if n.op != "output"]
-        steps = hold_steps(nodes, saved, hold, roots, tang)
-        start = {a for _, _, ins in steps for a, k in ins.items() if k[1] == 0}
-        start |= {o for o in roots if o not in phase_key(steps)}
-        saved = order(normalize_saved(start - set(bwd_in)))
-    else:
-        need = _ancestors(roots, set(saved) | set(bwd_in))
-        saved = order([n for n in saved if n in need])
+    saved = order(read_saved(joint_gm, Saved.of(saved, hold), num_fwd_outputs, tang))
     syms = [n for n in saved if is_sym(n)]
     saved = order(saved + _bind_symbols(joint, saved + bwd_in, syms, fwd_in))
     tensors, syms = [n for n in saved if not is_sym(n)], [n for n in saved if is_sym(n)]

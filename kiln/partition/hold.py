@@ -13,21 +13,27 @@ the cause is the partition's backward schedule, not the code generator's orderin
 The fix: rebuild a smaller hold set in the backward. The forward still saves exactly the budget's
 set ``S_b`` (saved bytes keep PyTorch's budget semantics). The backward may instead start by rerunning
 the forward from ``S_b`` to rebuild a hold set ``H`` (phase 1, whose other values die with the phase),
-then run as the backward of a partition that saved ``H`` (phase 2: recompute from ``H`` lazily,
-``extract.hold_steps``). The candidates for ``H`` are the saved sets the same joint graph gets at the
-higher budgets of the ladder 0.1, 0.2, ..., 1.0 (plus the values that can never be recomputed); the
-plan keeps the candidate (or no hold) with the lowest modelled peak, ties going to fewer recompute
-FLOPs, so a hold is used only when the model says it lowers the peak. Phase 2 with ``H = S_b'`` is
-the backward of budget ``b'``, so a searched plan's modelled peak at ``b`` is at most that of ``b'``
+then run as the backward of a partition that saved ``H`` and ``S_b`` (phase 2: recompute from them
+lazily, ``extract.hold_steps``). The candidates for ``H`` are the saved sets the same joint graph gets
+at the higher budgets of the ladder 0.1, 0.2, ..., 1.0; the plan keeps the candidate (or no hold) with
+the lowest modelled peak, ties going to fewer recompute FLOPs, so a hold is used only when the model
+says it lowers the peak. Phase 2 with ``H = S_b'`` is the backward of budget ``b'`` (when ``S_b`` is
+inside ``S_b'``, as at budget 0), so a searched plan's modelled peak at ``b`` is at most that of ``b'``
 unless phase 1 (``S_b`` plus the rerun forward, bounded by the forward of ``b'``) is higher. The price
 is recompute: values phase 2 needs that ``H`` does not hold run twice (a forward's worth of extra
 FLOPs at most, counted in ``Peak.recompute_flops``).
+
+Phase 2 reads ``S_b`` as well as ``H`` because ``extract`` saves only what the backward reads: when
+phase 2 read ``H`` alone, a hold from a higher budget whose knapsack had kept other matmuls made the
+forward drop saved values (seed 001's uneven chain written as one sum over its matmuls saved 3 units
+at budget 19/50 and 8 at budget 8/50).
 
 The search (a min-cut per rung) runs only when the plain plan's modelled peak is not below budget 1's,
 the pathology above; a plan below it is kept as is, which keeps the common case cheap on big graphs
 (budget 1's cut is cached, and its saved bytes bound its peak from below, so the check usually costs
 no peak model). Between two budgets below 1 the curve is therefore not non-increasing by
-construction; tests/partition/test_monotone.py measures it on the built-in GPT.
+construction (nor can it be with exact saved bytes: budget.py); tests/partition/test_monotone.py
+measures it on the built-in GPT.
 
 ``plan_for_budget(info, b, opts)`` is what the partitioner saves at budget ``b``: ``saved_for_budget``'s
 set and, below budget 1, the hold set this search picks (an ``extract.Saved``).
@@ -73,13 +79,10 @@ def plan_with_hold(info, saved: List[fx.Node], budget: float, opts) -> Saved:
     # are alive when the forward ends), so the peak model of budget 1 is needed only above that bound.
     if p.peak < saved_bytes(normalize_saved(top)) or p.peak < model_peak(info.gm, Saved.of(top), n, info).peak:
         return plain
-    pinned = [s for s in normalize_saved(saved)
-              if s.op != "placeholder" and info.index.get(s) in info.static_reason]
     for b in LADDER:
         if b <= budget:
             break
         hold = [h for h in normalize_saved(ladder_saved(info, b, opts)) if h.op != "placeholder"]
-        hold = list(dict.fromkeys(hold + pinned))
         cand = Saved.of(saved, hold=hold)
         q = model_peak(info.gm, cand, n, info)
         log(3, f"remat: budget {budget}: hold the budget-{b} set -> modelled peak {q.peak} B "
