@@ -115,7 +115,28 @@ def _table(target: str):
     if target == "triton":
         table[aten._native_batch_norm_legit_no_training.default] = _batch_norm_eval
         table[aten.max_pool2d_with_indices.default] = _max_pool2d_with_indices
+        table = {op: _real_only(fn) for op, fn in table.items()}
     return table
+
+
+def _complex(value) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.is_complex()
+    if isinstance(value, (list, tuple)):
+        return any(_complex(v) for v in value)
+    return False
+
+
+def _real_only(decomposition):
+    """``decomposition``, declining (``NotImplemented``) on complex tensors: no kernel computes them,
+    so the op stays one ATen call, and some of torch's decompositions fail on them (``nan_to_num``'s
+    calls ``isneginf``, which rejects complex)."""
+    @functools.wraps(decomposition)
+    def decompose(*args, **kwargs):
+        if _complex(args) or _complex(tuple(kwargs.values())):
+            return NotImplemented
+        return decomposition(*args, **kwargs)
+    return decompose
 
 
 def decomposition_table(target: str = "aten") -> dict:

@@ -257,3 +257,39 @@ def test_dumps_of_two_processes_never_share_a_folder(tmp_path):
     assert len(folders) == 2
     captures = [(f / "00_capture.py").read_text() for f in folders]
     assert "sin" in captures[0] and "cos" in captures[1]
+
+
+def test_complex_values_stay_aten():
+    """No kernel computes complex numbers; decompositions that reject them (nan_to_num's) are not used."""
+    z = torch.tensor([complex(float("nan"), 1.0), complex(float("inf"), -2.0), 3 + 4j], dtype=torch.complex64)
+    for fn in [lambda z: torch.nan_to_num(z, nan=1.5, posinf=2.0, neginf=-3.0), lambda z: (z * z.conj()).real + 1,
+               lambda z: torch.abs(z) * 2]:
+        a, b = fn(z), compiled(fn, "triton")(z)
+        assert torch.equal(a.isnan(), b.isnan()) and torch.allclose(a.nan_to_num(0), b.nan_to_num(0))
+
+
+def test_a_scatter_copies_its_stored_base():
+    """The copy kernel of a scatter reads its base where the base is stored (it used to recompute it
+    from a reduction result that no kernel stored)."""
+    def f(a0, a1, a2, a3):
+        v0 = torch.all(a0, dim=1, keepdim=True)
+        return v0, torch.where(a2, a3, v0.index_fill(0, a1, 1))
+    args = [torch.randn(2, 3, 1), torch.tensor([1]), torch.rand(2, 1, 1) > 0.5, torch.rand(2, 1, 1) > 0.5]
+    for a, b in zip(f(*args), compiled(f, "triton")(*args)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fn", [torch.remainder, torch.fmod, lambda a, b: torch.div(a, b, rounding_mode="floor"),
+                                torch.maximum, torch.minimum, lambda a, b: torch.clamp(a, min=b)])
+def test_division_and_extrema_as_eager_computes_them(fn):
+    """fmod-based remainder and floor division (exact, zeros keep the dividend's sign, division by an
+    infinity rounds as eager's), maximum/minimum keep the first operand on ties (the sign of zeros)."""
+    a = torch.tensor([-1.0, 1.0, -0.5, 0.5, -0.0, 0.0, 7.0, -7.0, 3.0, float("nan"), float("inf"), -2.0])
+    b = torch.tensor([1.0, -1.0, float("inf"), float("-inf"), 0.0, -0.0, 2.0, 2.0, 0.0, 1.0, 2.0, float("nan")])
+    same(fn(a, b), compiled(fn, "triton")(a, b))
+
+
+def test_interpreter_math_keeps_signed_zeros():
+    x = torch.tensor([-0.0, 0.0, -0.3, 0.3, -2.5, 1.5])
+    for fn in (torch.round, torch.tanh, torch.sinh, torch.asinh, torch.atanh, torch.expm1, torch.log1p, torch.trunc):
+        same(fn(x), compiled(fn, "triton")(x))

@@ -85,6 +85,8 @@ class Lowering:
         return self
 
     def _lowerable(self, node):
+        if _touches_complex(node):   # no kernel computes complex numbers: the op stays ATen
+            return False
         if node.target is operator.getitem:
             return not isinstance(self.values.get(node.args[0]), ExternTuple)
         if node.target not in LOWERINGS and self._functional(node) is not None:
@@ -241,6 +243,12 @@ class Lowering:
         self.buffers[buf.name] = buf
         self.computed.append(buf)
         return Pointwise.of_buffer(buf)
+
+
+def _touches_complex(node) -> bool:
+    vals = [node.meta.get("val")] + [a.meta.get("val") for a in node.all_input_nodes]
+    return any(is_tensor(v) and v.is_complex() for v in vals) or any(
+        isinstance(v, (tuple, list)) and any(is_tensor(t) and t.is_complex() for t in v) for v in vals)
 
 
 def _flipped(val) -> bool:

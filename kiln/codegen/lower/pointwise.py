@@ -117,9 +117,8 @@ def _div_mode(ctx, a, b, rounding_mode=None):
     meta = ctx.meta
     if rounding_mode is None:
         return elementwise(ctx, div, a, b)
-    if meta.dtype.is_floating_point:
-        post = "floor" if rounding_mode == "floor" else "trunc"
-        return elementwise(ctx, lambda x, y: un(post, div(x, y)), a, b)
+    if meta.dtype.is_floating_point and rounding_mode == "trunc":
+        return elementwise(ctx, lambda x, y: un("trunc", div(x, y)), a, b)
     op = "floordiv" if rounding_mode == "floor" else "truncdiv"
     return elementwise(ctx, lambda x, y: E.bin(op, x, y), a, b)
 
@@ -127,9 +126,7 @@ def _div_mode(ctx, a, b, rounding_mode=None):
 @register(aten.floor_divide)
 @int_division
 def _floor_divide(ctx, a, b):
-    if ctx.meta.dtype.is_floating_point:
-        return elementwise(ctx, lambda x, y: un("floor", div(x, y)), a, b)
-    return elementwise(ctx, lambda x, y: E.bin("floordiv", x, y), a, b)
+    return elementwise(ctx, lambda x, y: E.bin("floordiv", x, y), a, b)   # floats: eager's rounding
 
 
 def _compare(op):

@@ -12,7 +12,7 @@ from dataclasses import replace
 import sympy
 
 from kiln.codegen.ir.indexing import RINDEX, XINDEX, equal, prod, simplify
-from kiln.codegen.ir.loops import Buffer, Expr, Reduction, indirect_symbol, ops, upcast
+from kiln.codegen.ir.loops import Buffer, Expr, Pointwise, Reduction, indirect_symbol, ops, upcast
 from kiln.codegen.schedule.colpart import XPID, colpart_shape
 from kiln.codegen.schedule.domain import Role, body, current, loads, place, squeeze
 from kiln.codegen.schedule.fuse import Group
@@ -255,7 +255,10 @@ def plan_scatter(group: Group, buffers: dict, tuning: Tuning, summary: tuple) ->
     each value at its computed target index."""
     buf = group.nodes[0]
     s = buf.compute
-    copy_buf = Buffer(buf.name, buf.shape, buf.stride, buf.dtype, buf.device, "pointwise", buf.node, s.base)
+    # the copy reads the base as the scheduler saw it (a stored base is loaded, not recomputed from what
+    # it was computed from, which may not be stored)
+    base = Pointwise(s.base.shape, s.base.dtype, s.base.device, s.base)
+    copy_buf = Buffer(buf.name, buf.shape, buf.stride, buf.dtype, buf.device, "pointwise", buf.node, base)
     copy = plan_kernel(Group(tuple((x, False) for x in squeeze(buf.shape)), [copy_buf], "pointwise", [copy_buf]),
                        buffers, tuning, summary)
     write_group = Group(tuple((x, False) for x in squeeze(s.shape)), [buf], "pointwise", [buf])

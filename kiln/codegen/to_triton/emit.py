@@ -19,7 +19,7 @@ from kiln.codegen.ir.indexing import RINDEX, XINDEX, FloorDiv, ModIdx, simplify
 from kiln.codegen.ir.loops import Expr, Unsupported
 from kiln.codegen.schedule.colpart import XPID
 from kiln.codegen.schedule.plan import KernelPlan, Level
-from kiln.codegen.to_triton.ops import HELPERS, TL_DTYPE, reduce_code, template
+from kiln.codegen.to_triton.ops import TL_DTYPE, helpers_in, reduce_code, template
 from kiln.options import Tuning
 
 
@@ -223,7 +223,7 @@ class ExprWriter:
             raise Unsupported(f"triton: no template for {op} on {a[0].dtype}")
         if "libdevice." in t:
             self.libdevice = True
-        self.helpers.update(h for h in HELPERS if h in t)
+        self.helpers.update(helpers_in(t))
         if t.startswith(("tl.", "libdevice.", "_kiln")):
             args = [self._tensor(x, v) for x, v in zip(args, a)]
         elif all(v.op == "const" for v in a):
@@ -234,7 +234,7 @@ class ExprWriter:
     def reduce(self, kind, x, dtype, axis=1) -> str:
         """``reduce_code`` for a reduction over ``dtype`` values, its helpers registered."""
         code = reduce_code(kind, x, self.interpret, axis, dtype.is_floating_point)
-        self.helpers.update(h for h in HELPERS if h in code)
+        self.helpers.update(helpers_in(code))
         return code
 
     # -- indices --------------------------------------------------------------------------

@@ -6,6 +6,8 @@ while emitting, and the graph stays ATen.
 """
 from __future__ import annotations
 
+import re
+
 import torch
 
 from kiln.codegen.ir.loops import neutral_value
@@ -27,15 +29,15 @@ FLOAT_UNARY = {
     "isnan": "({0} != {0})", "isinf": "(tl.abs({0}) == float('inf'))",
     "sign": "tl.where({0} > 0, 1.0, tl.where({0} < 0, -1.0, 0.0)).to({d})",
     "logical_not": "({0} == 0)",
-    "log1p": ("libdevice.log1p({0})", "tl.log(1.0 + {0})"),
-    "expm1": ("libdevice.expm1({0})", "(tl.exp({0}) - 1.0)"),
-    "tanh": ("libdevice.tanh({0})", "(2.0 / (1.0 + tl.exp(-2.0 * {0})) - 1.0)"),
+    "log1p": ("libdevice.log1p({0})", "tl.where({0} == 0, {0}, tl.log(1.0 + {0}))"),
+    "expm1": ("libdevice.expm1({0})", "tl.where({0} == 0, {0}, (tl.exp({0}) - 1.0))"),
+    "tanh": ("libdevice.tanh({0})", "tl.where({0} == 0, {0}, (2.0 / (1.0 + tl.exp(-2.0 * {0})) - 1.0))"),
     "tan": ("libdevice.tan({0})", "(tl.sin({0}) / tl.cos({0}))"),
-    "sinh": ("libdevice.sinh({0})", "((tl.exp({0}) - tl.exp(-{0})) * 0.5)"),
+    "sinh": ("libdevice.sinh({0})", "tl.where({0} == 0, {0}, ((tl.exp({0}) - tl.exp(-{0})) * 0.5))"),
     "cosh": ("libdevice.cosh({0})", "((tl.exp({0}) + tl.exp(-{0})) * 0.5)"),
-    "asinh": ("libdevice.asinh({0})", "_kiln_asinh({0})"),
+    "asinh": ("libdevice.asinh({0})", "tl.where({0} == 0, {0}, _kiln_asinh({0}))"),
     "acosh": ("libdevice.acosh({0})", "tl.log({0} + tl.sqrt({0} * {0} - 1.0))"),
-    "atanh": ("libdevice.atanh({0})", "(0.5 * tl.log((1.0 + {0}) / (1.0 - {0})))"),
+    "atanh": ("libdevice.atanh({0})", "tl.where({0} == 0, {0}, (0.5 * tl.log((1.0 + {0}) / (1.0 - {0}))))"),
     "trunc": ("libdevice.trunc({0})", "tl.where({0} < 0, tl.ceil({0}), tl.floor({0}))"),
     "round": ("libdevice.nearbyint({0})", "_kiln_rint({0})"),
     "signbit": ("libdevice.signbit({0}) != 0", "({0} < 0)"),
@@ -58,10 +60,16 @@ BINARY = {
     "lshift": "({0} << {1})", "rshift": "({0} >> {1})",
 }
 FLOAT_BINARY = {
-    "maximum": "tl.maximum({0}, {1}, tl.PropagateNan.ALL)",
-    "minimum": "tl.minimum({0}, {1}, tl.PropagateNan.ALL)",
-    "remainder": "({0} - {1} * tl.floor({0} / {1}))",
-    "fmod": ("libdevice.fmod({0}, {1})", "({0} - {1} * _kiln_trunc({0} / {1}))"),
+    # eager's maximum/minimum: NaN if either is, else the first operand unless the second is greater
+    # (less), which also decides the sign of an equal zero
+    "maximum": "tl.where(({0} >= {1}) | ({0} != {0}), {0}, {1})",
+    "minimum": "tl.where(({0} <= {1}) | ({0} != {0}), {0}, {1})",
+    # remainder, fmod and floor division as eager computes them: from fmod (exact; a zero result has
+    # the dividend's sign), adjusted toward the divisor's sign / rounded down
+    "remainder": ("_kiln_remainder_f(libdevice.fmod({0}, {1}), {1})", "_kiln_remainder_f(_kiln_fmod({0}, {1}), {1})"),
+    "fmod": ("libdevice.fmod({0}, {1})", "_kiln_fmod({0}, {1})"),
+    "floordiv": ("_kiln_floordiv_f({0}, {1}, libdevice.fmod({0}, {1}))",
+                 "_kiln_floordiv_f({0}, {1}, _kiln_fmod({0}, {1}))"),
     "pow": ("libdevice.pow({0}, {1})", "_kiln_pow({0}, {1})"),
     "atan2": ("libdevice.atan2({0}, {1})", None),
     "hypot": ("libdevice.hypot({0}, {1})", "tl.sqrt({0} * {0} + {1} * {1})"),
@@ -88,10 +96,29 @@ def _kiln_remainder(a, b):
 def _kiln_trunc(x):
     return tl.where(x < 0, tl.ceil(x), tl.floor(x))
 ''',
+    "_kiln_fmod": '''@triton.jit
+def _kiln_fmod(a, b):
+    r = tl.where((tl.abs(b) == float('inf')) & (tl.abs(a) != float('inf')), a, a - b * _kiln_trunc(a / b))
+    return tl.where(r == 0, a * 0.0, r)
+''',
+    "_kiln_remainder_f": '''@triton.jit
+def _kiln_remainder_f(r, b):
+    return tl.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
+''',
+    "_kiln_floordiv_f": '''@triton.jit
+def _kiln_floordiv_f(a, b, m):
+    d = (a - m) / b
+    d = tl.where((m != 0) & ((b < 0) != (m < 0)), d - 1.0, d)
+    f = tl.floor(d)
+    f = tl.where(d - f > 0.5, f + 1.0, f)
+    q = tl.where(d != 0, f, (a / b) * 0.0)
+    return tl.where(b == 0, a / b, q)
+''',
     "_kiln_rint": '''@triton.jit
 def _kiln_rint(x):
     r = tl.floor(x + 0.5)
-    return tl.where((r - x == 0.5) & ((r - 2.0 * tl.floor(r * 0.5)) != 0.0), r - 1.0, r)
+    r = tl.where((r - x == 0.5) & ((r - 2.0 * tl.floor(r * 0.5)) != 0.0), r - 1.0, r)
+    return tl.where(r == 0, x * 0.0, r)
 ''',
     "_kiln_asinh": '''@triton.jit
 def _kiln_asinh(x):
@@ -162,7 +189,19 @@ def _kiln_randn(seed, offset):
     return r * tl.cos(th)
 ''',
 }
-HELPER_DEPS = {"_kiln_rand": ["_kiln_philox", "_kiln_uniform"], "_kiln_randn": ["_kiln_philox", "_kiln_uniform"]}
+HELPER_DEPS = {"_kiln_rand": ["_kiln_philox", "_kiln_uniform"], "_kiln_randn": ["_kiln_philox", "_kiln_uniform"],
+               "_kiln_fmod": ["_kiln_trunc"]}
+
+
+def helpers_in(code: str) -> set:
+    """The ``HELPERS`` that Triton source ``code`` calls, with the helpers they call."""
+    out, todo = set(), [h for h in re.findall(r"\b_kiln_\w+", code) if h in HELPERS]
+    while todo:
+        h = todo.pop()
+        if h not in out:
+            out.add(h)
+            todo += HELPER_DEPS.get(h, [])
+    return out
 
 
 def combine(kind: str, acc: str, v: str, floating: bool = False) -> str:

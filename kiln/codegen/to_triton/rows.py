@@ -14,7 +14,7 @@ from kiln.codegen.ir.loops import ops
 from kiln.codegen.schedule.domain import Role
 from kiln.codegen.schedule.plan import KernelPlan, Level, Programs
 from kiln.codegen.to_triton.emit import ExprWriter, Scope, TritonTarget
-from kiln.codegen.to_triton.ops import HELPERS, TL_DTYPE, combine, neutral, reduce_code, template
+from kiln.codegen.to_triton.ops import TL_DTYPE, combine, helpers_in, neutral, reduce_code, template
 
 
 class TritonKernel(ExprWriter):
@@ -167,7 +167,7 @@ class TritonKernel(ExprWriter):
         v = self._reduce_value(m, e, self.top)
         self.top.lines.append(f"{acc} = tl.where({mask}, {combine(kind, acc, v, dt.is_floating_point)}, {acc})")
         # helpers of the final reduce (``post`` or the last program's combine)
-        self.helpers.update(h for h in HELPERS if h in reduce_code(kind, acc, self.interpret, 0, dt.is_floating_point))
+        self.helpers.update(helpers_in(reduce_code(kind, acc, self.interpret, 0, dt.is_floating_point)))
 
     def _outer(self):
         """Accumulate outer reductions across rows, then write the scalar results."""
