@@ -25,7 +25,7 @@ LAYERS = [
     ("loop IR", ["kiln.codegen.ir"]),
     ("lowering", ["kiln.codegen.lower"]),
     ("scheduling", ["kiln.codegen.schedule"]),
-    ("emitters", ["kiln.codegen.to_triton"]),
+    ("emitters", ["kiln.codegen.to_triton", "kiln.codegen.to_cpp"]),
     ("code generation", ["kiln.codegen"]),
     ("runtime", ["kiln.runtime"]),
     ("pipeline", ["kiln.pipeline", "kiln.repro", "kiln.mef", "kiln.capture.dynamo", "kiln"]),
@@ -114,7 +114,12 @@ def test_small_modules_and_no_switches():
     modules, _ = _graph()
     lines = {m: len(open(p).read().splitlines()) for m, p in modules.items()}
     assert not [m for m, n in lines.items() if n > 600], {m: n for m, n in lines.items() if n > 600}
-    assert sum(lines.values()) < 20000, sum(lines.values())
+    # the compiler (every layer below the tools) is what a reader must take in an afternoon; the tools
+    # (bench, check-ops, the fuzzer, the CLI) are counted apart
+    tools = {m for m in lines if LAYERS[_layer(m)][0] == "tools"}
+    compiler = sum(n for m, n in lines.items() if m not in tools)
+    assert compiler < 18000, compiler
+    assert sum(lines[m] for m in tools) < 9000, sum(lines[m] for m in tools)
     switches = [f"{m}: {ln.strip()}" for m, p in modules.items() for ln in open(p)
                 if re.match(r"^[A-Z][A-Z0-9_]* = (True|False)\b", ln)]
     assert not switches, f"module-level switches (make them Options fields): {switches}"

@@ -36,18 +36,19 @@ FUSION_EXTRA = [
 
 def _batch_norm_eval(x, weight, bias, running_mean, running_var, momentum, eps):
     """``_native_batch_norm_legit_no_training`` as pointwise ops, so that eval BatchNorm fuses with
-    the activation and residual add around it. Math in float32 for half inputs, as ATen's kernels;
-    the two statistics outputs (unused by ``F.batch_norm``) are empty, as on the CPU."""
+    the activation and residual add around it. Math in float32 for half inputs, as ATen's kernels.
+    The two statistics outputs (unused by ``F.batch_norm``) are eager's: on the CPU empty tensors of
+    ``x``'s dtype, elsewhere the running mean and 1/sqrt(var + eps) used, in the math's dtype."""
     acc = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
     shape = [1, -1] + [1] * (x.dim() - 2)
-    scale = torch.rsqrt(running_var.to(acc) + eps)
-    if weight is not None:
-        scale = scale * weight.to(acc)
+    invstd = torch.rsqrt(running_var.to(acc) + eps)
+    scale = invstd * weight.to(acc) if weight is not None else invstd
     out = (x.to(acc) - running_mean.to(acc).reshape(shape)) * scale.reshape(shape)
     if bias is not None:
         out = out + bias.to(acc).reshape(shape)
-    empty = x.new_zeros((0,), dtype=acc)
-    return out.to(x.dtype), empty, empty.clone()
+    if x.device.type == "cpu":
+        return out.to(x.dtype), x.new_zeros((0,)), x.new_zeros((0,))
+    return out.to(x.dtype), running_mean.to(acc, copy=True), invstd
 
 
 def _pair(v, default=None):
@@ -115,8 +116,23 @@ def _table(target: str):
     if target == "triton":
         table[aten._native_batch_norm_legit_no_training.default] = _batch_norm_eval
         table[aten.max_pool2d_with_indices.default] = _max_pool2d_with_indices
-        table = {op: _real_only(fn) for op, fn in table.items()}
+        table = {op: _real_only(fn, DECLINE.get(op)) for op, fn in table.items()}
     return table
+
+
+def _bool_scaled(x, dim, index, source, *, alpha=1):
+    return x.dtype == torch.bool and alpha != 1
+
+
+def _not_float(x, *args, **kwargs):
+    return not x.is_floating_point()
+
+
+# Inputs on which torch's decomposition of an op is wrong, so the op stays one ATen call: index_add
+# multiplies a bool source by ``alpha`` (an int64 source, which index_put rejects for a bool destination);
+# softmax of an integer tensor (eager's runs only when it is empty) pads it with an integer -inf.
+DECLINE = {aten.index_add.default: _bool_scaled, aten._softmax.default: _not_float,
+           aten._log_softmax.default: _not_float}
 
 
 def _complex(value) -> bool:
@@ -127,13 +143,13 @@ def _complex(value) -> bool:
     return False
 
 
-def _real_only(decomposition):
+def _real_only(decomposition, declines=None):
     """``decomposition``, declining (``NotImplemented``) on complex tensors: no kernel computes them,
     so the op stays one ATen call, and some of torch's decompositions fail on them (``nan_to_num``'s
-    calls ``isneginf``, which rejects complex)."""
+    calls ``isneginf``, which rejects complex); and where ``declines(*args, **kwargs)`` (``DECLINE``)."""
     @functools.wraps(decomposition)
     def decompose(*args, **kwargs):
-        if _complex(args) or _complex(tuple(kwargs.values())):
+        if _complex(args) or _complex(tuple(kwargs.values())) or (declines and declines(*args, **kwargs)):
             return NotImplemented
         return decomposition(*args, **kwargs)
     return decompose
