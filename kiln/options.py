@@ -147,6 +147,17 @@ class Tuning:
     online_softmax: bool = _opt(True, "looped rows: a softmax's max and sum of exponentials in one pass")
     evict_policies: bool = _opt(True, "L2 eviction policies on loads of kernels with several row loops")
     evict_single_pass: bool = _opt(False, "also stream (evict_first) buffers a kernel reads in one pass only")
+    # C++ kernels (codegen="cpp")
+    cpp_parallel_min: int = _opt(32768, "C++ kernels run their rows on OpenMP threads from this many elements on",
+                                 check="nonneg")
+    cpp_block: int = _opt(4096, "elements of a C++ pointwise kernel's vectorized block (a thread's unit of work)",
+                          check="pos")
+    cpp_min_inner: int = _opt(16, "a C++ pointwise kernel loops over its innermost dim apart (contiguous, no "
+                                  "division per element) when it has at least this many elements", check="pos")
+    cpp_col_block: int = _opt(64, "adjacent columns a C++ reduction over a non-innermost dim reduces at once",
+                              check="pos")
+    cpp_outer_chunks: int = _opt(64, "chunks of rows whose partials a C++ reduction over all rows combines",
+                                 check="pos")
     # reductions split in two kernels
     split_min_r: int = _opt(4096, "split a reduction only when its rows are at least this long ...",
                             check="pos")
@@ -225,8 +236,13 @@ class Options:
     partitioner: str = _opt("mincut", "'mincut' (remat) or 'default' (save what the backward needs)",
                             ("mincut", "default"))
     # code generation
-    codegen: str = _opt("auto", "kernel target: 'auto' (triton on cuda, aten on cpu), 'aten', 'triton'",
-                        ("auto", "aten", "triton"))
+    codegen: str = _opt("auto", "kernel target: 'auto' (triton on cuda; cpp on cpu when a C++ compiler works, "
+                                "else aten), 'aten' (ATen ops), 'triton' (cpu: its interpreter), 'cpp' (C++/OpenMP "
+                                "kernels for CPU graphs)", ("auto", "aten", "triton", "cpp"))
+    cpp_compiler: str = _opt("auto", "C++ compiler of codegen='cpp': 'auto' ($CXX, else g++, else clang++) or a "
+                                     "command or path")
+    cpp_flags: str = _opt("-O3 -march=native -fopenmp -ffp-contract=off -fno-math-errno -fno-trapping-math",
+                          "flags of codegen='cpp' builds (no fast-math: NaN and signed zeros as eager)")
     emit_for: str = _opt("auto", "Triton kernels for CPU tensors: 'auto' (run in Triton's interpreter) or 'cuda' "
                                  "(written as for a GPU, to read them on a machine without one; they cannot run)",
                          ("auto", "cuda"))

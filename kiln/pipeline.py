@@ -31,7 +31,7 @@ from kiln.passes.channels_last import to_channels_last
 from kiln.passes.conv_bias import split_conv_bias
 from kiln.passes.registry import cache_key as registered_passes_key
 from kiln.repro import write_repro
-from kiln.runtime import cudagraph, precompile
+from kiln.runtime import cpp_build, cudagraph, precompile
 from kiln.runtime.kernels import load_kernel
 from kiln.runtime.load import load
 
@@ -95,7 +95,7 @@ def aot_compilers(opts: Options, target: str, trace: Trace, region=None, registe
             return trace.stage("partition", partition.partition_joint, joint, joint_inputs,
                                num_fwd_outputs=num_fwd_outputs, opts=opts, **kw)
 
-    table = decomposition_table(target)
+    table = decomposition_table("triton" if target == "cpp" else target)   # the fusing targets' table
     if region is not None:
         freeze.keep_whole(table)   # eval BatchNorm stays one node, so that conv-BN folding sees it
     return compat.aot_autograd_kwargs(
@@ -137,9 +137,13 @@ def _lower(gm: fx.GraphModule, inputs: list, opts: Options, trace: Trace, kind: 
     if kind == "inference" and target == "triton" and opts.layout_optimization:
         trace.stage("channels_last", to_channels_last, gm, opts)
     trace.stage(f"post_grad_{kind}", passes.post_grad, gm, opts, registered)
+    if target in ("triton", "cpp"):
+        if target == "triton":   # cuDNN adds a bias in a pass of its own; oneDNN adds it in the convolution
+            trace.stage(f"conv_bias_{kind}", split_conv_bias, gm)
+        fuse_opts = opts if opts.codegen == target else opts.replace(codegen=target)   # 'auto' resolved
+        trace.stage(f"fuse_{kind}", fuse_graph, gm, inputs, fuse_opts, load_kernel, _plan_printer(trace, kind),
+                    build=_builder(trace, kind))
     if target == "triton":
-        trace.stage(f"conv_bias_{kind}", split_conv_bias, gm)
-        trace.stage(f"fuse_{kind}", fuse_graph, gm, inputs, opts, load_kernel, _plan_printer(trace, kind))
         trace.stage(f"precompile_{kind}", precompile.warm, gm, opts)
     fallback = gm.meta.pop(UNFUSED, None)   # the ATen graph, for kernels without a fallback of their own
     trusted = layout.get("saved", frozenset()) if layout is not None and kind == "backward" else frozenset()
@@ -166,13 +170,30 @@ def _plan_printer(trace: Trace, kind: str):
     return show
 
 
+def _builder(trace: Trace, kind: str):
+    """How a graph's C++ translation unit is built: ``cpp_build.build``, its source dumped first."""
+    if trace.dir is None:
+        return cpp_build.build
+
+    def build(unit, opts):
+        trace.dump(f"kernels_{kind}.cpp", unit.source)
+        return cpp_build.build(unit, opts)
+    return build
+
+
 def resolve_target(opts: Options, example_inputs) -> str:
-    """'aten' or 'triton': 'auto' picks Triton when inputs live on CUDA and Triton is usable."""
+    """'aten', 'triton' or 'cpp'. 'auto' picks Triton when inputs live on CUDA and Triton is usable, else
+    (CPU inputs) C++ kernels when a working C++ compiler is found (``cpp_build.unusable``); otherwise
+    ATen kernels, with the reason logged."""
     if opts.codegen != "auto":
         return opts.codegen
     on_cuda = any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in example_inputs)
     if not on_cuda:
-        return "aten"
+        why = cpp_build.unusable(opts)
+        if why:
+            log(1, f"codegen: C++ target unavailable ({why}); running ATen kernels")
+            return "aten"
+        return "cpp"
     why = triton_available()
     if why:
         log(1, f"codegen: Triton target unavailable ({why}); running ATen kernels")

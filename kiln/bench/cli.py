@@ -58,6 +58,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=None, help="exact number of measured steps")
     p.add_argument("--min-time", type=float, default=None, help="measure steps for at least this many s")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads on the CPU")
+    p.add_argument("--no-stream", action="store_true",
+                   help="skip the STREAM-style bandwidth measurement printed with memory-bound rows")
     p.add_argument("--strict", action="store_true", help="exit 1 when any row errored or failed its check")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
     p.add_argument("--from-json", nargs="+", default=None, metavar="JSON",
@@ -102,6 +104,8 @@ def _run(args, cfg, cases, console, meta):
                 tag = "" if budget is None else f"@{budget:g}"
                 progress.update(task, description=f"{case.name} {dtype} {backend}{tag}")
             for row in runner.run_case(case, dtype, args.backends, args.budget, cfg, on_start=started):
+                if row.get("gbps") and meta.get("bandwidth"):   # achieved / this machine's STREAM bandwidth
+                    row["bw_frac"] = row["gbps"] / meta["bandwidth"]["peak"]
                 rows.append(row)
                 if args.json:  # partial results survive a timeout or a crash of the process
                     report.write_json(args.json, {**meta, "partial": True}, rows)
@@ -180,6 +184,10 @@ def main(argv: list[str] | None = None) -> int:
             B.save_template(cache_root)
         for b, e in meta["prime_errors"].items():
             console.print(f"warning: backend {b} failed a trivial compile: {e}", markup=False, highlight=False)
+        if any(c.memory_bound for c in cases) and not args.no_stream:
+            from kiln.bench import stream
+            meta["bandwidth"] = stream.bandwidth(device, array_bytes=8 * stream.MiB if size == "tiny" else 0)
+            console.print(stream.describe(meta["bandwidth"]), markup=False, highlight=False)
         rows = _run(args, cfg, cases, console, meta)
     meta["elapsed_s"] = time.time() - meta["t0"]
     return _finish(args, meta, rows, console)

@@ -12,7 +12,7 @@ import os
 import time
 
 LIVE = [("case", 16), ("dtype", 8), ("backend", 9), ("budget", 6), ("step ms", 16), ("cold s", 7),
-        ("warm s", 7), ("mem MiB", 9), ("GB/s", 7), ("check", 10)]
+        ("warm s", 7), ("mem MiB", 9), ("GB/s (of STREAM)", 17), ("check", 10)]
 
 
 def _num(x, digits=3):
@@ -38,6 +38,14 @@ def mem_cell(row) -> str:
     return "-" if b is None else _num(b / 2**20)
 
 
+def bw_cell(row) -> str:
+    """'12.3 (81%)': achieved GB/s and its fraction of the machine's STREAM bandwidth (when measured)."""
+    gbps = row.get("gbps")
+    if not gbps:
+        return "-"
+    return _num(gbps, 4) + (f" ({row['bw_frac']:.0%})" if row.get("bw_frac") else "")
+
+
 def budget_cell(budget) -> str:
     return "-" if budget is None else f"{budget:g}"
 
@@ -54,7 +62,7 @@ def live_line(row) -> str:
             f" ERROR in {row.get('stage')}: {row.get('error')}"
     cells = [row["case"], row["dtype"], row["backend"], budget_cell(row.get("budget")), step_cell(row),
              _num(row.get("compile_s")), _num(row.get("warm_compile_s")), mem_cell(row),
-             _num(row.get("gbps"), 4), row.get("check", "")[:40]]
+             bw_cell(row), row.get("check", "")[:40]]
     return " ".join(f"{str(v):<{w}}" for v, (_, w) in zip(cells, LIVE))
 
 
@@ -127,6 +135,10 @@ def markdown(meta: dict, rows: list) -> str:
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     if meta.get("note"):
         lines.insert(-2, f"Note: {meta['note']}\n")
+    if meta.get("bandwidth"):
+        from kiln.bench.stream import describe
+        lines.insert(-2, describe(meta["bandwidth"]) + "; GB/s cells show (in parentheses) the fraction of the "
+                     "larger.\n")
     per_ratio = {rt: [] for rt in ratios}
     for (case, dtype, budget), cells in pivot(rows):
         line = [case, dtype, budget_cell(budget)] + [step_cell(cells[b]) if b in cells else "-" for b in backends]
@@ -143,7 +155,7 @@ def markdown(meta: dict, rows: list) -> str:
             line.append("/".join(_num(cells[b]["saved_bytes"] / 2**20) if cells.get(b, {}).get("saved_bytes")
                                  is not None else "-" for b in backends))
         if has_bw:
-            line.append("/".join(_num(cells[b].get("gbps"), 4) if b in cells else "-" for b in backends))
+            line.append("/".join(bw_cell(cells[b]) if b in cells else "-" for b in backends))
         line.append("/".join(_check(cells.get(b)) for b in (compiled or backends)))
         lines.append("| " + " | ".join(line) + " |")
     lines.append("")

@@ -48,12 +48,30 @@ def extract(inputs, outputs, multi: bool, position=None) -> "Fallback":
     return Fallback(graph)
 
 
+def graph_inputs(inputs, outputs) -> list:
+    """The placeholders that computing ``outputs`` from ``inputs`` with the graph's nodes reads beside
+    ``inputs`` (a declined kernel's ATen nodes may recompute what other kernels hold in registers)."""
+    have, seen, out = set(inputs), set(), []
+    stack = [o for o in outputs if o is not None]
+    while stack:
+        n = stack.pop()
+        if n in have or n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            out.append(n)
+        elif n.op == "call_function":
+            stack.extend(n.all_input_nodes)
+    return out
+
+
 class Fallback:
     """The extracted graph, made a ``GraphModule`` (Python code generated and compiled, about a
     millisecond) only when it first runs: most kernels never fail, and a GPT-2 has ~300 of them."""
 
     def __init__(self, graph: fx.Graph):
         self.graph, self._gm = graph, None
+        self.__name__ = "aten_fallback"   # a graph node's target when its kernel was declined
 
     @property
     def module(self) -> fx.GraphModule:

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import heapq
 import operator
+from dataclasses import replace
 
 import sympy
 import torch
 import torch.fx
 
-from kiln.codegen.fallback import NoFallback, extract
+from kiln.codegen.fallback import NoFallback, extract, graph_inputs
 from kiln.codegen.ir.loops import Unsupported, release_indirect
 from kiln.codegen.lower import Lowering, is_tensor
 from kiln.codegen.schedule.chain import chain_plans
@@ -25,6 +26,7 @@ from kiln.codegen.schedule.domain import body, loads, scatter_exprs
 from kiln.codegen.schedule.fuse import schedule
 from kiln.codegen.schedule.plan import ScatterPlan
 from kiln.codegen.schedule.planner import numel_summary, plan_group
+from kiln.codegen.to_cpp.module import write_unit
 from kiln.codegen.to_triton.emit import TritonTarget
 from kiln.codegen.to_triton.module import write_module
 from kiln.debug import counters, log
@@ -52,25 +54,25 @@ def wants_triton(gm, opts) -> bool:
         return False
     if opts.codegen == "triton":
         return True
-    for n in gm.graph.nodes:
-        v = n.meta.get("val")
-        if is_tensor(v) and v.device.type == "cuda":
-            return True
-    return False
+    on_cuda = any(is_tensor(n.meta.get("val")) and n.meta["val"].device.type == "cuda" for n in gm.graph.nodes)
+    return not on_cuda if opts.codegen == "cpp" else on_cuda
 
 
 def fuse_graph(gm: torch.fx.GraphModule, example_inputs, opts, load_kernel, on_plans=None,
-               strict: bool = False) -> int:
+               strict: bool = False, build=None) -> int:
     """Replace fusible ATen nodes of ``gm`` by Triton kernels, in place; returns the kernel count.
 
     With ``opts.codegen == 'auto'`` only graphs on CUDA are fused; 'triton' also fuses CPU graphs
-    (their kernels run in Triton's interpreter, unless ``opts.emit_for == 'cuda'``); 'aten' leaves the
-    graph alone. ``on_plans(plans)`` receives the kernel plans (to show them). Any failure leaves the
+    (their kernels run in Triton's interpreter, unless ``opts.emit_for == 'cuda'``); 'cpp' fuses CPU graphs
+    into one C++ translation unit, which ``build(unit, opts)`` compiles and loads (``runtime.cpp_build``);
+    'aten' leaves the graph alone. ``on_plans(plans)`` receives the kernel plans (to show them). Any failure leaves the
     graph unchanged (``strict=True`` raises instead)."""
     if not wants_triton(gm, opts):
         return 0
     try:
-        generated = _generate(gm, opts)
+        generated = _generate(gm, opts, build)
+        position = {n: i for i, n in enumerate(gm.graph.nodes)}
+        calls = [_kernel_call(generated[0], position, load_kernel, *k) for k in generated[1]]
     except Exception as e:
         if strict:
             raise
@@ -81,7 +83,7 @@ def fuse_graph(gm: torch.fx.GraphModule, example_inputs, opts, load_kernel, on_p
         release_indirect()
     if on_plans is not None:
         on_plans([plan for plan, *_ in generated[1]])
-    n = _rewrite(gm, *generated, load_kernel)
+    n = _rewrite(gm, *generated, position, calls)
     counters["codegen"]["kernels"] += n
     return n
 
@@ -94,7 +96,7 @@ def target_for(plan, opts) -> TritonTarget:
     return TritonTarget(interpret, autotune and not interpret, opts.tuning)
 
 
-def _generate(gm, opts):
+def _generate(gm, opts, build=None):
     """(lowering, [(plan, source, size-symbol nodes, fake outputs)]): the graph's kernels, written."""
     gm.graph.eliminate_dead_code()
     lw = Lowering(gm, opts).run()
@@ -105,13 +107,28 @@ def _generate(gm, opts):
     graph = gm.graph
     fakes = _FakeMaker(graph)
     kernels = []
-    for plan in plans:
-        src = write_module(plan, target_for(plan, opts))
+    if opts.codegen == "cpp":   # one translation unit: every kernel of the graph, built once
+        unit, sources = write_unit(plans, opts.tuning)
+        if unit.functions:
+            if build is None:
+                raise CodegenError("codegen: codegen='cpp' needs a build function (runtime.cpp_build.build)")
+            build(unit, opts)
+    else:
+        sources = [write_module(plan, target_for(plan, opts)) for plan in plans]
+    for plan, src in zip(plans, sources):
+        if not src.text:   # declined: its ATen nodes run, reading the graph inputs they need too
+            src = _declined(src, lw)
         sym_nodes = [_symbol_node(graph, s) for s in src.scalars]
         vals = [fakes(lw.buffers[name]) for name in src.outputs]
         kernels.append((plan, src, sym_nodes, vals))
     _check_replaceable(gm, lw, plans)
     return lw, kernels
+
+
+def _declined(src, lw):
+    nodes = {b.node: name for name, b in lw.buffers.items() if b.compute is None and b.node is not None}
+    extra = graph_inputs([lw.buffers[n].node for n in src.inputs], [lw.buffers[n].node for n in src.outputs])
+    return replace(src, inputs=src.inputs + tuple(nodes[n] for n in extra if n in nodes))
 
 
 def _check_replaceable(gm, lw, plans):
@@ -223,12 +240,10 @@ def _members(plan) -> list:
     return [m.buffer for m in plan.members] + (_members(plan.tail) if plan.tail is not None else [])
 
 
-def _rewrite(gm, lw, kernels, load_kernel):
+def _rewrite(gm, lw, kernels, position, calls):
     graph = gm.graph
     output = next(n for n in graph.nodes if n.op == "output")
-    position = {n: i for i, n in enumerate(graph.nodes)}
     produced, new_nodes, priority = {}, [], {}
-    calls = [_kernel_call(lw, position, load_kernel, *k) for k in kernels]
     if not all(own for _, own in calls):   # a kernel without its own fallback: keep the whole ATen graph
         gm.meta[UNFUSED] = _copy(gm)
     for (call, _), (plan, src, sym_nodes, vals) in zip(calls, kernels):
@@ -272,7 +287,8 @@ def _rewrite(gm, lw, kernels, load_kernel):
 
 def _kernel_call(lw, position, load_kernel, plan, src, sym_nodes, vals):
     """The node target for one kernel: ``load_kernel(src, fallback)``, the fallback being the group's
-    original ATen nodes, which run if the kernel fails on its first call (``runtime.kernels.KernelCall``)."""
+    original ATen nodes, which run if the kernel fails on its first call (``runtime.kernels.KernelCall``). A
+    kernel the emitter declined (a source without text) is its fallback."""
     ins = [lw.buffers[name].node for name in src.inputs] + list(sym_nodes)
     outs = [lw.buffers[name].node for name in src.outputs]
     why = None
@@ -280,6 +296,10 @@ def _kernel_call(lw, position, load_kernel, plan, src, sym_nodes, vals):
         fb = extract(ins, outs, len(vals) > 1, position)
     except Exception as e:   # NoFallback, or any surprise: the kernel just runs without one
         fb, why = None, e
+    if not src.text:
+        if fb is None:
+            raise CodegenError(f"codegen: a declined kernel has no ATen fallback ({why})")
+        return fb, True
     target = load_kernel(src, fb)
     log(4, f"codegen: kernel {target.name} ({len(_members(plan))} buffers, {src.kind})\n{target.source}")
     if why is not None:

@@ -1,4 +1,5 @@
-"""Take a convolution's bias out of the library call: ``split_conv_bias(gm)`` (fusing target).
+"""Take a convolution's bias out of the library call: ``split_conv_bias(gm)`` (Triton target only:
+oneDNN adds a CPU convolution's bias inside the convolution itself).
 
 cuDNN's convolutions add a bias in a kernel of their own (ATen runs ``output.add_(bias)`` after the
 convolution), one more read and write of the whole output. ``conv(x, w, b)`` becomes

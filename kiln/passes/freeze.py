@@ -140,9 +140,10 @@ def freeze_placeholders(gm: fx.GraphModule, region: FrozenRegion, fake_mode=None
 def _mkldnn_rewrite(gm: fx.GraphModule, target: str, inputs) -> int:
     """Seed 002's CPU inference pattern: convolutions become prepacked mkldnn calls. Prepacking only:
     the relu fusion stays a post-grad pattern, so user post-grad passes still see
-    ``_convolution_pointwise(..., "none")`` followed by relu, as in seed 002."""
+    ``_convolution_pointwise(..., "none")`` followed by relu, as in seed 002. The CPU targets (aten, cpp)
+    only: the C++ emitter leaves convolutions to ATen/oneDNN as the ATen wrapper does."""
     on_cpu = all(not isinstance(t, torch.Tensor) or t.device.type == "cpu" for t in inputs)
-    if target != "aten" or not on_cpu or not torch.backends.mkldnn.is_available():
+    if target not in ("aten", "cpp") or not on_cpu or not torch.backends.mkldnn.is_available():
         return 0
     n = pack_conv_weights(gm) or 0
     gm.recompile()
@@ -162,7 +163,7 @@ def freezing_passes(gm: fx.GraphModule, opts, target: str, trace, fake_mode=None
         if not (cb or bf):
             break
     stats["concat_linear"] = trace.stage("concat_linear", concat_linear.concat_linears, gm, fake_mode)
-    if target == "triton":
+    if target in ("triton", "cpp"):   # the fusing targets: a BatchNorm left unfolded fuses as mul-add
         stats["bn_affine"] = trace.stage("bn_to_affine", conv_bn.bn_to_affine, gm, fake_mode)
     stats["constant_folded"] += fold_constants(gm, fake_mode)
     stats["mkldnn"] = trace.stage("mkldnn", _mkldnn_rewrite, gm, target, inputs)

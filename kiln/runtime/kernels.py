@@ -110,10 +110,11 @@ def _holds(path: str, source: str) -> bool:
 
 def import_file(modname: str, path: str, interpret: bool):
     """A new module object executed from ``path`` (not registered in ``sys.modules``), with
-    ``@triton.jit`` building interpreter (True) or compiled (False) kernels."""
+    ``@triton.jit`` building interpreter (True) or compiled (False) kernels (None: a module without
+    Triton kernels, the C++ emitter's launchers)."""
     spec = importlib.util.spec_from_file_location(modname, path)
     mod = importlib.util.module_from_spec(spec)
-    with interpret_mode(interpret):
+    with interpret_mode(interpret) if interpret is not None else contextlib.nullcontext():
         spec.loader.exec_module(mod)
     return mod
 
@@ -186,8 +187,8 @@ class KernelCall:
         """``kwargs``: ``into`` (a buffer the kernel may write its output into), which the fallback,
         computing new tensors, does without."""
         k = self.kernel
-        if k.ran:
-            return k(*args, **kwargs)
+        if k.ran:   # the loaded module's call, without Kernel.__call__ (a C++ kernel's launch is a few us)
+            return k._call(*args, **kwargs)
         if k.failed is not None and self.fallback is not None:
             return self.fallback(*args)
         try:

@@ -30,6 +30,11 @@ def test_bench_one_case_to_json(tmp_path):
     assert eager["saved_bytes"] == 4096 * 4
     # minimal traffic: fwd reads x writes y, bwd reads dy and x writes dx: 5 tensors of 16 KiB
     assert eager["min_bytes"] == 5 * 4096 * 4 and eager["gbps"] > 0
+    # the machine's STREAM-style bandwidth is measured and each memory-bound row is a fraction of it
+    bw = data["meta"]["bandwidth"]
+    assert 0 < bw["copy"] <= bw["peak"] and 0 < bw["triad"] <= bw["peak"]
+    assert abs(eager["bw_frac"] - eager["gbps"] / bw["peak"]) < 1e-9
+    assert "memory bandwidth (STREAM-style" in md.read_text()
     if "kiln" in rows:
         k = rows["kiln"]
         assert k["status"] == "ok", k.get("error")

@@ -106,7 +106,7 @@ def plan_kernel(group: Group, buffers: dict, tuning: Tuning, summary: tuple) -> 
                 else Programs.BLOCKS)
     passes, row_stores = ((), ())
     if red and not persistent:
-        passes, row_stores = _passes(members, levels, tuning)
+        passes, row_stores = row_passes(members, levels, tuning)
     emitted = [m.value for m in members if m.reduce] + [m.result for m in members if m.stored]
     reads, symbols, random = _facts(emitted, ranges, [m.index for m in members if m.index is not None])
     static, largest = summary
@@ -141,7 +141,7 @@ def _online_pairs(reductions, tuning: Tuning) -> dict:
     return pairs
 
 
-def _passes(members, levels: Levels, tuning: Tuning) -> tuple:
+def row_passes(members, levels: Levels, tuning: Tuning) -> tuple:
     """(RowPass per loop, names of the row-level stores after the loops) of a looped kernel: a reduction
     runs in the pass after those whose results it uses; a store of an element in the pass after the
     reductions it reads."""
@@ -282,4 +282,4 @@ def plan_group(group: Group, buffers: dict, tuning: Tuning, summary: tuple):
     return plan_kernel(group, buffers, tuning, summary)
 
 
-__all__ = ["plan_group", "plan_kernel", "plan_scatter", "numel_summary", "element_reads"]
+__all__ = ["plan_group", "plan_kernel", "plan_scatter", "numel_summary", "element_reads", "row_passes"]

@@ -17,9 +17,10 @@ import torch
 
 from kiln.codegen.ir.indexing import RINDEX, XINDEX, FloorDiv, ModIdx, simplify
 from kiln.codegen.ir.loops import Expr, Unsupported
+from kiln.codegen.ir.scope import Scope
 from kiln.codegen.schedule.colpart import XPID
 from kiln.codegen.schedule.plan import KernelPlan, Level
-from kiln.codegen.to_triton.ops import TL_DTYPE, helpers_in, reduce_code, template
+from kiln.codegen.to_triton.ops import TL_DTYPE, convert, helpers_in, reduce_code, template
 from kiln.options import Tuning
 
 
@@ -30,22 +31,6 @@ class TritonTarget:
     interpret: bool
     autotune: bool
     tuning: Tuning
-
-
-class Scope:
-    """Lines of code at one loop depth, and the values computed there (``find`` looks outwards). A
-    line is a string, or ``("loop", Scope)`` for a loop over ``rindex``."""
-
-    def __init__(self, parent=None):
-        self.parent, self.lines, self.cache = parent, [], {}
-
-    def find(self, key):
-        s = self
-        while s is not None:
-            if key in s.cache:
-                return s.cache[key]
-            s = s.parent
-        return None
 
 
 def past_l1(interpret: bool) -> str:
@@ -105,6 +90,12 @@ class ExprWriter:
 
     def _literal(self, e):
         v, dt = e.args[0], e.dtype
+        if self.interpret and dt == torch.bfloat16:   # the interpreter builds no bf16 constant: an exact fp32 one
+            f = float(torch.tensor(float(v), dtype=dt))
+            lit = repr(f) if math.isfinite(f) else f"float('{f}')"
+            one = f"tl.full([1], {lit}, tl.float32)" if math.copysign(1.0, f) > 0 or f != 0 else \
+                "(tl.full([1], 0.0, tl.float32) * -1.0)"
+            return f"{one}.to(tl.bfloat16)"
         if self.interpret and isinstance(v, float) and v == 0 and math.copysign(1.0, v) < 0:
             return f"(tl.full([1], 0.0, {TL_DTYPE[dt]}) * -1.0)"   # the interpreter drops a literal's sign
         if isinstance(v, float):
@@ -117,7 +108,7 @@ class ExprWriter:
 
     def _tensor(self, code, e):
         """Make a literal usable where a tensor is required."""
-        if e.op == "const" and not code.startswith("tl."):
+        if e.op == "const" and not code.lstrip("(").startswith("tl."):
             return f"tl.full([1], {code}, {TL_DTYPE[e.dtype]})"
         return code
 
@@ -181,6 +172,11 @@ class ExprWriter:
                 # was imported in interpreter mode)
                 shape = self._shape(lv)
                 idx = f"({idx}) + tl.full({shape}, 0, tl.int32)"
+            elif self.interpret and self.level(e) is Level.CONST:
+                # a one-element block, not a scalar: Triton 3.6's interpreter gives a comparison of scalars
+                # its operands' dtype, so a scalar condition broadcast into a block holds floats (and
+                # ``cond | block_cond`` raises)
+                idx = f"({idx}) + tl.full([1], 0, tl.int32)"
             sfx = self.load_suffix
             if lv is Level.ELEMENT and self.red and not self.persistent and not sfx:
                 sfx = self._eviction(a[0])
@@ -204,9 +200,9 @@ class ExprWriter:
             x = self._tensor(self.emit(a[0], scope, mask), a[0])
             if e.dtype == torch.bool:
                 return f"({x} != 0)"
-            if self.interpret and e.dtype == torch.bfloat16 and a[0].dtype != torch.float32:
-                x = f"{x}.to(tl.float32)"   # Triton 3.6's interpreter converts only fp32 to bf16 right
-            return f"{x}.to({TL_DTYPE[e.dtype]})"
+            code = convert(x, a[0].dtype, e.dtype, self.interpret)
+            self.helpers.update(helpers_in(code))
+            return code
         if op == "where":
             c, x, y = (self.emit(v, scope, mask) for v in a)
             return f"tl.where({c}, {x}, {y})"

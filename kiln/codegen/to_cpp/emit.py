@@ -1,0 +1,203 @@
+"""C++ emitter: the expressions of a kernel plan as C++ statements.
+
+``ExprWriter`` writes one Expr at a time into a ``Scope`` (the lines of one loop depth): a value goes to
+the depth its ``Level`` says (per element inside a row's loop, per row outside it, after all rows in the
+epilogue), and identical expressions are computed once per scope (the IR is hash-consed). Loads under a
+``masked`` condition read only where it holds. ``rows.py`` walks the plan around these expressions.
+"""
+from __future__ import annotations
+
+import sympy
+import torch
+
+from kiln.codegen.ir.indexing import RINDEX, XINDEX, FloorDiv, ModIdx, Ranges, simplify
+from kiln.codegen.ir.loops import Expr, Unsupported
+from kiln.codegen.ir.scope import Scope
+from kiln.codegen.schedule.colpart import XPID
+from kiln.codegen.schedule.plan import KernelPlan, Level
+from kiln.codegen.to_cpp.ops import MEMORY, VALUE, literal, template
+from kiln.options import Tuning
+
+XO = sympy.Symbol("xo", integer=True, nonnegative=True)   # a pointwise kernel's outer position
+XI = sympy.Symbol("xi", integer=True, nonnegative=True)   # ... and its inner (vectorized) position
+
+
+def render(lines, indent: str, out: list) -> list:
+    for line in lines:
+        if isinstance(line, tuple):
+            header, scope, trailer = line
+            out += [indent + h for h in header]
+            render(scope.lines, indent + "  ", out)
+            out += [indent + t for t in trailer]
+        else:
+            out.append(indent + line)
+    return out
+
+
+def load_code(ptr: str, idx: str, dtype) -> str:
+    """A load of element ``idx`` of ``ptr`` as a value (2-byte floats widened)."""
+    if dtype == torch.bfloat16:
+        return f"kiln_bf16_load({ptr}[{idx}])"
+    if dtype == torch.float16:
+        return f"((float){ptr}[{idx}])"
+    return f"{ptr}[{idx}]"
+
+
+def store_code(value: str, dtype) -> str:
+    """A value as the memory of ``dtype`` (2-byte floats rounded to nearest even)."""
+    if dtype == torch.bfloat16:
+        return f"kiln_bf16_store({value})"
+    if dtype == torch.float16:
+        return f"((_Float16)({value}))"
+    return f"(({MEMORY[dtype]})({value}))"
+
+
+class ExprWriter:
+    """The expression half of ``rows.CppKernel``: its state, and how one Expr and one index are written.
+    ``split``: a pointwise kernel's (outer, inner) sizes when its ``xindex`` runs as ``xo * inner + xi``."""
+
+    def __init__(self, plan: KernelPlan, tuning: Tuning):
+        self.plan, self.tuning = plan, tuning
+        self.red = plan.reduction
+        self.level = plan.levels
+        self.idx_t = "int64_t" if plan.wide_index else "int32_t"
+        self.inputs, self.sizes = {}, {}
+        self.out_args = {b.name: f"out_ptr{i}" for i, b in enumerate(plan.stored)}
+        self.red_vars = {}
+        self.count = 0
+        self.subst, self.ranges = {}, plan.ranges
+
+    def tmp(self, prefix="tmp"):
+        self.count += 1
+        return f"{prefix}{self.count}"
+
+    def use_split(self, outer, inner):
+        """Write ``xindex`` as ``xo * inner + xi`` (or ``xi`` alone when there is one outer position)."""
+        if outer == 1:
+            self.subst = {XINDEX: XI}
+            self.ranges = Ranges({XI: inner})
+        else:
+            self.subst = {XINDEX: XO * inner + XI}
+            self.ranges = Ranges({XO: outer, XI: inner})
+
+    # -- expressions ----------------------------------------------------------------------------
+    def emit(self, e: Expr, scope: Scope, mask=None, row: Scope = None, post: Scope = None) -> str:
+        """A variable or literal holding ``e``; its statement goes into ``scope`` (element values),
+        ``row`` (values that do not vary along rindex) or ``post`` (values known after all rows)."""
+        lv = self.level(e)
+        if mask is not None:
+            lv = max(lv, mask[1])
+        if lv is Level.AFTER or (post is not None and scope is post):
+            target = post
+        elif lv is Level.ELEMENT or row is None:
+            target = scope
+        else:
+            target = row
+        if target is None:
+            raise Unsupported("cpp: a value known only after all rows is used inside them")
+        key = (e, mask and mask[0])
+        hit = target.find(key)
+        if hit is not None:
+            return hit
+        if e.op == "red":
+            return self.red_vars[e.args[0]]
+        if e.op == "const":
+            return literal(e.args[0], e.dtype)
+        code = self._code(e, target, mask, row if target is not post else None, post)
+        var = self.tmp()
+        target.lines.append(f"const {VALUE[e.dtype]} {var} = {code};")
+        target.cache[key] = var
+        return var
+
+    def _code(self, e, scope, mask, row, post):
+        op, a = e.op, e.args
+        sub = lambda v, m=mask: self.emit(v, scope, m, row, post)  # noqa: E731
+        if op == "load":
+            ptr = self.arg_for(a[0])
+            idx = self.index(a[1], a[2], sub)
+            code = load_code(ptr, idx, self.plan.buffers[a[0]].dtype)
+            return f"({mask[0]} ? {code} : ({VALUE[e.dtype]})0)" if mask is not None else code
+        if op == "index":
+            idx = self.index(a[0], a[2], sub)
+            return f"(({idx}) != 0)" if e.dtype == torch.bool else f"(({VALUE[e.dtype]})({idx}))"
+        if op == "rand":
+            raise Unsupported("cpp: random numbers (the kernel runs as ATen)")
+        if op == "cast":
+            x = sub(a[0])
+            if e.dtype == torch.bool:
+                return f"({x} != 0)"
+            if e.dtype == torch.bfloat16:
+                return f"kiln_round_bf16((float)({x}))"
+            if e.dtype == torch.float16:
+                return f"kiln_round_f16((float)({x}))"
+            return f"(({VALUE[e.dtype]})({x}))"
+        if op == "where":
+            c, x, y = (sub(v) for v in a)
+            return f"({c} ? {x} : {y})"
+        if op == "masked":
+            cond = sub(a[0])
+            inner = (cond if mask is None else f"({mask[0]} && {cond})", max(self.level(a[0]), mask[1] if mask
+                                                                           else Level.CONST))
+            val = self.emit(a[1], scope, inner, row, post)
+            other = sub(a[2])
+            return f"({cond} ? {val} : {other})"
+        if op in ("red", "const"):
+            raise AssertionError(op)
+        args = [sub(v) for v in a]
+        dt = a[0].dtype
+        t = template(op, dt, len(a))
+        return t.format(*args, f="f" if VALUE[dt] == "float" else "", t=VALUE[dt])
+
+    # -- indices ----------------------------------------------------------------------------------
+    def arg_for(self, name):
+        if name not in self.inputs:
+            self.inputs[name] = f"in_ptr{len(self.inputs)}"
+        return self.inputs[name]
+
+    def index(self, expr, binds, sub) -> str:
+        """C++ for index ``expr`` (``binds``: its indirect symbols' Exprs)."""
+        values = {s: f"(({self.idx_t}){sub(v)})" for s, v in binds}
+        e = simplify(expr, self.plan.ranges)
+        if self.subst:
+            e = simplify(e.xreplace(self.subst), self.ranges)
+        return self.pexpr(e, values)
+
+    def size_arg(self, sym):
+        if sym not in self.sizes:
+            self.sizes[sym] = f"ks_{sym.name}"
+        return self.sizes[sym]
+
+    def pexpr(self, e, sub=None) -> str:
+        """An index (or size) expression as C++ over the kernel's loop variables."""
+        sub = sub or {}
+        p = lambda x: self.pexpr(x, sub)  # noqa: E731
+        e = sympy.sympify(e)
+        if e.is_Integer:
+            return f"(({self.idx_t}){int(e)}LL)" if abs(int(e)) >= 2 ** 31 else str(int(e))
+        if e.is_Symbol:
+            if e is XINDEX or e == XINDEX:
+                return "x"
+            if e == RINDEX:
+                return "r"
+            if e == XPID:
+                return "xpid"
+            if e in (XO, XI):
+                return e.name
+            if e in sub:
+                return sub[e]
+            return self.size_arg(e)
+        if isinstance(e, FloorDiv):
+            return f"({p(e.args[0])} / {p(e.args[1])})"
+        if isinstance(e, ModIdx):
+            a, d, m = e.args
+            return f"({p(a)} % {p(m)})" if d == 1 else f"(({p(a)} / {p(d)}) % {p(m)})"
+        if e.is_Add:
+            return "(" + " + ".join(p(t) for t in e.args) + ")"
+        if e.is_Mul:
+            return "(" + " * ".join(p(t) for t in e.args) + ")"
+        if e.is_Pow and e.exp.is_Integer and e.exp > 0:
+            return "(" + " * ".join([p(e.base)] * int(e.exp)) + ")"
+        raise Unsupported(f"cpp: cannot print index {e}")
+
+
+__all__ = ["Scope", "ExprWriter", "render", "load_code", "store_code", "XO", "XI"]

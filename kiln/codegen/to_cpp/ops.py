@@ -1,0 +1,179 @@
+"""How each loop-IR op is written in C++ (a scalar expression the compiler vectorizes in ``omp simd`` loops).
+
+Values of 2-byte floats live in ``float`` (a load widens, a cast rounds to nearest even and widens back,
+a store narrows), as eager computes them. Float ops keep eager's NaN and signed-zero rules: no fast-math,
+``maximum``/``minimum`` propagate NaN and keep the first operand on ties. ``PREAMBLE`` holds the helpers
+every translation unit starts with; with ``KILN_LIBMVEC`` defined (the build found glibc's vector math
+library) the math functions are declared ``omp declare simd``, so loops calling them vectorize.
+An op without a template raises ``Unsupported``: the kernel is declined and runs as ATen.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kiln.codegen.ir.loops import Unsupported, neutral_value
+
+# the C++ type of a value of each dtype (2-byte floats compute in float) and of its memory
+VALUE = {torch.float32: "float", torch.float64: "double", torch.float16: "float", torch.bfloat16: "float",
+         torch.int64: "int64_t", torch.int32: "int32_t", torch.int16: "int16_t", torch.int8: "int8_t",
+         torch.uint8: "uint8_t", torch.bool: "bool"}
+MEMORY = {**VALUE, torch.float16: "_Float16", torch.bfloat16: "uint16_t"}
+
+# math functions glibc's libmvec vectorizes (float and double variants), declared ``omp declare simd``
+VECTOR_MATH = ("exp", "log", "sin", "cos", "tan", "asin", "acos", "atan", "sinh", "cosh", "tanh", "asinh",
+               "acosh", "atanh", "erf", "erfc", "exp2", "expm1", "log10", "log1p", "log2")
+
+# the other C math functions the templates call; ``<math.h>`` is not included (libstdc++'s takes about 0.4 s
+# of every build), so these and ``VECTOR_MATH`` are declared in the preamble
+SCALAR_MATH = ("fabs", "sqrt", "floor", "ceil", "trunc", "nearbyint", "lgamma")
+BINARY_MATH = ("fmod", "pow", "atan2", "hypot", "copysign")
+
+
+def _declare(simd: bool) -> str:
+    pragma = "#pragma omp declare simd notinbranch\n" if simd else ""
+    return "".join(f"{pragma}float {f}f(float);\n{pragma}double {f}(double);\n" for f in VECTOR_MATH)
+
+
+PREAMBLE = r"""// kiln generated C++ (no torch headers: raw pointers, sizes, the C ABI; no <math.h>: see SCALAR_MATH)
+#include <stdint.h>
+#include <string.h>
+#define INFINITY (__builtin_inff())
+#define NAN (__builtin_nanf(""))
+#define signbit(x) __builtin_signbit(x)
+extern "C" {
+""" + "".join(f"float {f}f(float);\ndouble {f}(double);\n" for f in SCALAR_MATH) + \
+    "".join(f"float {f}f(float, float);\ndouble {f}(double, double);\n" for f in BINARY_MATH) + r"""
+#ifdef KILN_LIBMVEC
+""" + _declare(True) + "#else\n" + _declare(False) + r"""#endif
+}
+static inline float fmod(float a, float b) { return fmodf(a, b); }   // <cmath>'s float overloads
+static inline float floor(float a) { return floorf(a); }
+#define KILN_INLINE static inline __attribute__((always_inline))
+KILN_INLINE float kiln_bf16_load(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
+KILN_INLINE uint16_t kiln_bf16_store(float f) {   // round to nearest even; NaN stays a (quiet) NaN
+  uint32_t u; memcpy(&u, &f, 4);
+  uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return (f != f) ? (uint16_t)((u >> 16) | 0x40u) : (uint16_t)r;
+}
+KILN_INLINE float kiln_round_bf16(float f) { return kiln_bf16_load(kiln_bf16_store(f)); }
+KILN_INLINE float kiln_round_f16(float f) { return (float)(_Float16)f; }
+template <typename T> KILN_INLINE T kiln_maximum(T a, T b) { return (a >= b || a != a) ? a : b; }
+template <typename T> KILN_INLINE T kiln_minimum(T a, T b) { return (a <= b || a != a) ? a : b; }
+template <typename T> KILN_INLINE T kiln_max_nan(T a, T b) { return (b > a || b != b) ? b : a; }
+template <typename T> KILN_INLINE T kiln_min_nan(T a, T b) { return (b < a || b != b) ? b : a; }
+template <typename T> KILN_INLINE T kiln_floordiv_i(T a, T b) {
+  if (b == 0) return 0;
+  if (b == -1) return (T)(0 - a);
+  T q = a / b; return ((a % b) != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
+}
+template <typename T> KILN_INLINE T kiln_truncdiv_i(T a, T b) { return b == 0 ? 0 : (b == -1 ? (T)(0 - a) : a / b); }
+template <typename T> KILN_INLINE T kiln_remainder_i(T a, T b) {
+  if (b == 0 || b == -1) return 0;
+  T r = a % b; return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
+}
+template <typename T> KILN_INLINE T kiln_fmod_i(T a, T b) { return (b == 0 || b == -1) ? 0 : a % b; }
+template <typename T> KILN_INLINE T kiln_remainder_f(T a, T b) {
+  T r = fmod(a, b); return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
+}
+template <typename T> KILN_INLINE T kiln_floordiv_f(T a, T b) {   // eager's: from fmod, rounded as eager rounds
+  if (b == 0) return a / b;
+  T m = fmod(a, b);
+  T d = (a - m) / b;
+  if (m != 0 && ((b < 0) != (m < 0))) d -= 1;
+  T f = floor(d);
+  if (d - f > (T)0.5) f += 1;
+  return d != 0 ? f : (a / b) * (T)0;
+}
+template <typename T> KILN_INLINE T kiln_sign(T x) { return x > 0 ? (T)1 : (x < 0 ? (T)-1 : (T)0); }
+"""
+
+# templates over {0}, {1} (operands) and {f} ('f' for float operands, '' for double)
+FLOAT_UNARY = {
+    "neg": "(-{0})", "abs": "fabs{f}({0})", "sqrt": "sqrt{f}({0})", "rsqrt": "(({t})1 / sqrt{f}({0}))",
+    "sigmoid": "(({t})1 / (({t})1 + exp{f}(-{0})))", "reciprocal": "(({t})1 / {0})",
+    "floor": "floor{f}({0})", "ceil": "ceil{f}({0})", "trunc": "trunc{f}({0})", "round": "nearbyint{f}({0})",
+    "isnan": "({0} != {0})", "isinf": "(fabs{f}({0}) == ({t})INFINITY)", "signbit": "(signbit({0}) != 0)",
+    "logical_not": "({0} == 0)", "sign": "kiln_sign({0})", "lgamma": "lgamma{f}({0})",
+    **{f: f + "{f}({0})" for f in VECTOR_MATH},
+}
+INT_UNARY = {
+    "neg": "(({t})(0 - {0}))", "abs": "(({t})({0} < 0 ? 0 - {0} : {0}))", "bitwise_not": "(({t})~{0})",
+    "logical_not": "({0} == 0)", "sign": "kiln_sign({0})", "isnan": "false", "isinf": "false",
+    "signbit": "({0} < 0)", "floor": "{0}", "ceil": "{0}", "trunc": "{0}", "round": "{0}",
+}
+BOOL_UNARY = {"logical_not": "(!{0})", "bitwise_not": "(!{0})"}
+BINARY = {
+    "add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})",
+    "eq": "({0} == {1})", "ne": "({0} != {1})", "lt": "({0} < {1})", "le": "({0} <= {1})",
+    "gt": "({0} > {1})", "ge": "({0} >= {1})", "logical_and": "(({0} != 0) & ({1} != 0))",
+    "logical_or": "(({0} != 0) | ({1} != 0))", "logical_xor": "(({0} != 0) != ({1} != 0))",
+    "bitwise_and": "({0} & {1})", "bitwise_or": "({0} | {1})", "bitwise_xor": "({0} ^ {1})",
+}
+FLOAT_BINARY = {
+    "truediv": "({0} / {1})", "maximum": "kiln_maximum({0}, {1})", "minimum": "kiln_minimum({0}, {1})",
+    "remainder": "kiln_remainder_f({0}, {1})", "fmod": "fmod{f}({0}, {1})", "floordiv": "kiln_floordiv_f({0}, {1})",
+    "pow": "pow{f}({0}, {1})", "atan2": "atan2{f}({0}, {1})", "hypot": "hypot{f}({0}, {1})",
+    "copysign": "copysign{f}({0}, {1})",
+}
+INT_BINARY = {
+    "maximum": "({0} > {1} ? {0} : {1})", "minimum": "({0} < {1} ? {0} : {1})",
+    "floordiv": "kiln_floordiv_i({0}, {1})", "truncdiv": "kiln_truncdiv_i({0}, {1})",
+    "remainder": "kiln_remainder_i({0}, {1})", "fmod": "kiln_fmod_i({0}, {1})",
+    "lshift": "(({t})({0} << {1}))", "rshift": "({0} >> {1})",
+}
+
+
+def template(op: str, dtype: torch.dtype, arity: int) -> str:
+    """The C++ template of ``op`` on operands of ``dtype`` (``Unsupported`` when there is none)."""
+    if arity == 1:
+        table = FLOAT_UNARY if dtype.is_floating_point else (BOOL_UNARY if dtype == torch.bool else INT_UNARY)
+    else:
+        table = {**BINARY, **(FLOAT_BINARY if dtype.is_floating_point else INT_BINARY)}
+    t = table.get(op)
+    if t is None:
+        raise Unsupported(f"cpp: no template for {op} on {dtype}")
+    return t
+
+
+def literal(value, dtype: torch.dtype) -> str:
+    """A C++ literal of ``value`` as a ``dtype`` value (floats exactly, as hex)."""
+    if dtype == torch.bool:
+        return "true" if value else "false"
+    t = VALUE[dtype]
+    if dtype.is_floating_point:
+        v = float(value)
+        if v != v:
+            return f"(({t})NAN)"
+        if math.isinf(v):
+            return f"(({t})INFINITY)" if v > 0 else f"(-({t})INFINITY)"
+        return f"(({t}){v.hex()})"
+    if isinstance(value, float):   # an integer type's infinite bound (a neutral element)
+        info = torch.iinfo(dtype)
+        value = info.max if value > 0 else info.min
+    v = int(value)
+    if v == -2 ** 63:
+        return "((int64_t)(-9223372036854775807LL - 1))"
+    return f"(({t}){v}LL)"
+
+
+def neutral(kind: str, dtype: torch.dtype) -> str:
+    """The identity element of a reduction, as C++."""
+    return literal(neutral_value(kind, dtype), dtype)
+
+
+def combine(kind: str, acc: str, v: str, floating: bool) -> str:
+    """C++ folding value ``v`` into accumulator ``acc`` (a max or min of floats propagates NaN)."""
+    if kind == "sum":
+        return f"{acc} + {v}"
+    if kind == "prod":
+        return f"{acc} * {v}"
+    if kind in ("max", "min"):
+        if floating:
+            return f"kiln_{kind}_nan({acc}, {v})"
+        return f"({v} {'>' if kind == 'max' else '<'} {acc} ? {v} : {acc})"
+    raise Unsupported(f"cpp: no reduction {kind}")
+
+
+__all__ = ["VALUE", "MEMORY", "VECTOR_MATH", "PREAMBLE", "template", "literal", "neutral", "combine"]

@@ -1,0 +1,321 @@
+"""How a C++ kernel walks its rows, following the plan (``CppKernel``).
+
+A pointwise kernel runs ``xindex`` as ``xo * inner + xi``: OpenMP threads share (xo, block of xi) pairs
+and each block is an ``omp simd`` loop over a contiguous ``xi`` (``inner``: the domain's innermost dim,
+so a broadcast or strided load indexes with ``xi`` directly, no division per element). A reduction
+kernel gives each thread whole rows; each row runs one loop over ``rindex`` per dependency stage of its
+reductions (a layer norm's mean before its variance before its output), each an ``omp simd`` loop with
+per-lane partials (``reduction`` clauses) where its reductions allow. A softmax's max and sum of
+exponentials take two loops, not the plan's online pass: on a CPU the row is still in cache for the
+second loop, and the online form costs an extra exponential per element. Reductions over all rows
+(outer) accumulate per chunk of rows, the partials combined in chunk order after the rows (the result
+does not depend on the number of threads); folded column partials accumulate per program's chunk of
+rows, column by column, in an array of the row's length.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import sympy
+
+from kiln.codegen.ir.indexing import RINDEX, prod
+from kiln.codegen.ir.loops import Unsupported, ops
+from kiln.codegen.schedule.domain import Role
+from kiln.codegen.schedule.plan import KernelPlan, Level, reds
+from kiln.codegen.schedule.planner import row_passes
+from kiln.codegen.to_cpp.emit import ExprWriter, Scope, render, store_code
+from kiln.codegen.to_cpp.ops import MEMORY, VALUE, combine, literal, neutral
+from kiln.options import Tuning
+
+SIMD_REDUCE = {"sum": "+", "prod": "*", "max": "max", "min": "min"}
+
+
+class CppKernel(ExprWriter):
+    """One ``extern "C"`` function written from a plan: ``write()`` walks the plan, ``define(name, names)``
+    renders the function (``names``: the size symbols every kernel of the module takes)."""
+
+    def __init__(self, plan: KernelPlan, tuning: Tuning):
+        super().__init__(plan, tuning)
+        self.body = []   # the function's lines after the size bindings (strings and blocks)
+
+    @property
+    def xnumel(self):
+        return self.plan.xnumel
+
+    @property
+    def rnumel(self):
+        return self.plan.rnumel
+
+    def write(self) -> "CppKernel":
+        plan = self.plan
+        if plan.scatter is not None:
+            raise Unsupported("cpp: scatter kernels run as ATen")
+        if plan.random:
+            raise Unsupported("cpp: random numbers (the kernel runs as ATen)")
+        if plan.reduction:
+            self._reduction()
+        else:
+            if plan.outer or plan.chunks or any(m.role is not Role.ROW for m in plan.members):
+                raise Unsupported("cpp: a pointwise kernel with outer members")
+            self._pointwise()
+        return self
+
+    def _parallel(self, extra: str = "") -> str:
+        """The loop's OpenMP pragma. A static size below ``cpp_parallel_min`` gets none: entering a
+        parallel region, even one whose ``if`` is false, costs about 2 us."""
+        static = sympy.sympify(self.plan.xnumel * self.plan.rnumel)
+        if static.is_Integer:
+            if int(static) < self.tuning.cpp_parallel_min:
+                return f"// one thread: {int(static)} elements"
+            return f"#pragma omp parallel for{extra} schedule(static)"
+        work = f"(int64_t)({self.pexpr(self.plan.xnumel)}) * (int64_t)({self.pexpr(self.plan.rnumel)})"
+        return f"#pragma omp parallel for{extra} schedule(static) if({work} >= {self.tuning.cpp_parallel_min})"
+
+    # -- pointwise ------------------------------------------------------------------------------------
+    def _pointwise(self):
+        plan = self.plan
+        xs = [s for s, _ in plan.dims]
+        inner = xs[-1] if xs else sympy.Integer(1)
+        split = len(xs) > 1 and not (inner.is_Integer and int(inner) < self.tuning.cpp_min_inner)
+        outer, inner = (prod(xs[:-1]), inner) if split else (sympy.Integer(1), plan.xnumel)
+        self.use_split(outer, inner)
+        scope = Scope()
+        for m in plan.members:
+            if m.stored:
+                self._store(m, m.result, scope, None, None)
+        b, t = self.tuning.cpp_block, self.idx_t
+        head = [f"const {t} xo_n = {self.pexpr(outer)}, xi_n = {self.pexpr(inner)};",
+                f"const {t} nb = (xi_n + {b - 1}) / {b};",
+                self._parallel(" collapse(2)"),
+                f"for ({t} xo = 0; xo < xo_n; xo++)",
+                f"for ({t} xb = 0; xb < nb; xb++) {{",
+                f"  const {t} xe = xb * {b} + {b} < xi_n ? xb * {b} + {b} : xi_n;",
+                "  #pragma omp simd",
+                f"  for ({t} xi = xb * {b}; xi < xe; xi++) {{"]
+        self.body.append((head, scope, ["  }", "}"]))
+
+    # -- reductions -----------------------------------------------------------------------------------
+    def _reduction(self):
+        plan = self.plan
+        t = self.idx_t
+        online_off = dataclasses.replace(self.tuning, online_softmax=False)
+        passes, row_stores = row_passes(plan.members, plan.levels, online_off)
+        stage = {name: i for i, p in enumerate(passes) for name in p.reduce}
+        cols = [m for m in plan.members if m.role is Role.COLPART]
+        outers = [m for m in plan.members if m.role in (Role.OUTER, Role.SCALAR)]
+        col_pass = {m.name: 1 + max([stage[r] for r in reds(m.value)], default=-1) for m in cols}
+        n_pass = max([len(passes)] + [s + 1 for s in col_pass.values()])
+        if plan.dims and not plan.dims[-1][1] and not cols and not outers:
+            self._columns(passes, row_stores)
+            return
+        row = Scope()
+        post = Scope() if outers else None
+        self.row, self.post = row, post
+        for i in range(n_pass):
+            p = passes[i] if i < len(passes) else None
+            self._pass(p, [m for m in cols if col_pass[m.name] == i])
+        for name in row_stores:
+            m = plan.member(name)
+            self._store(m, m.result, row, row, None)
+        if plan.chunks:
+            if outers:
+                raise Unsupported("cpp: folded column partials beside outer reductions")
+            self._colpart_rows(cols, row)
+        elif outers:
+            self._outer_rows(outers, row, post)
+        else:
+            self.body.append(([self._parallel(), f"for ({t} x = 0; x < xnumel; x++) {{"], row, ["}"]))
+
+    def _pass(self, p, cols):
+        """One loop over a row's elements: its reductions (per-lane partials where they allow), its
+        element stores and the folded column partials it accumulates."""
+        plan, row, t = self.plan, self.row, self.idx_t
+        loop = Scope(row)
+        clauses, finals, simd = [], [], True
+        for name in (p.reduce if p is not None else ()):
+            m = plan.member(name)
+            kind, acc_t = m.reduce, m.acc
+            ct = VALUE[acc_t]
+            acc = self.tmp("acc")
+            v = self._reduce_value(m, loop)
+            row.lines.append(f"{ct} {acc} = {neutral(kind.replace('arg', ''), acc_t)};")
+            if kind in ("argmax", "argmin"):
+                simd = False
+                row.lines.append(f"int64_t {acc}_i = 0;")
+                wins = f"{v} {'>' if kind == 'argmax' else '<'} {acc}"
+                if acc_t.is_floating_point:   # a NaN beats every number; the first NaN stays
+                    wins = f"({wins}) || ({v} != {v} && {acc} == {acc})"
+                loop.lines.append(f"if ({wins}) {{ {acc} = {v}; {acc}_i = r; }}")
+                finals.append((m, f"{acc}_i"))
+                continue
+            if kind not in SIMD_REDUCE or VALUE[acc_t] == "bool":
+                raise Unsupported(f"cpp: reduction {kind} over {acc_t}")
+            clauses.append(f"reduction({SIMD_REDUCE[kind]}:{acc})")
+            if kind in ("max", "min"):
+                cmp = ">" if kind == "max" else "<"
+                loop.lines.append(f"{acc} = {v} {cmp} {acc} ? {v} : {acc};")
+                if acc_t.is_floating_point:   # NaN propagates: kept apart so the lanes' max stays plain
+                    row.lines.append(f"int {acc}_nan = 0;")
+                    clauses.append(f"reduction(|:{acc}_nan)")
+                    loop.lines.append(f"{acc}_nan |= ({v} != {v});")
+                    finals.append((m, f"({acc}_nan ? {literal(float('nan'), acc_t)} : {acc})"))
+                    continue
+            else:
+                loop.lines.append(f"{acc} = {combine(kind, acc, v, False)};")
+            finals.append((m, acc))
+        for name in (p.stores if p is not None else ()):
+            m = plan.member(name)
+            self._store(m, m.result, loop, row, None)
+        for m in cols:
+            v = self._reduce_value(m, loop)
+            loop.lines.append(f"{m.name}_col[r] = {combine(m.reduce, f'{m.name}_col[r]', v, m.acc.is_floating_point)};")
+        head = (["#pragma omp simd " + " ".join(clauses)] if simd else []) + [f"for ({t} r = 0; r < rnumel; r++) {{"]
+        row.lines.append((head, loop, ["}"]))
+        for m, code in finals:
+            var = self.tmp("red")
+            row.lines.append(f"const {VALUE[m.acc] if not m.reduce.startswith('arg') else 'int64_t'} {var} = {code};")
+            self.red_vars[m.name] = var
+
+    def _columns(self, passes, row_stores):
+        """A reduction over a non-innermost dim (a bias gradient): each thread takes blocks of
+        ``tuning.cpp_col_block`` adjacent columns (``x``) and walks their rows (``r``) once per pass,
+        the inner ``omp simd`` loop running along contiguous columns with one accumulator per column."""
+        plan, t, xb = self.plan, self.idx_t, self.tuning.cpp_col_block
+        self.row = None   # every value is computed in the inner loop over columns
+        body = Scope()
+        for p in passes:
+            outer = Scope(body)
+            inner = Scope(outer)
+            for name in p.reduce:
+                m = plan.member(name)
+                kind, acc_t, fl = m.reduce, m.acc, m.acc.is_floating_point
+                acc, at = self.tmp("acc"), "[x - x0]"
+                body.lines.append(f"{VALUE[acc_t]} {acc}[{xb}];")
+                body.lines.append(f"for ({t} i = 0; i < {xb}; i++) {acc}[i] = {neutral(kind.replace('arg', ''), acc_t)};")
+                v = self._reduce_value(m, inner)
+                if kind in ("argmax", "argmin"):
+                    body.lines.append(f"int64_t {acc}_i[{xb}];")
+                    body.lines.append(f"for ({t} i = 0; i < {xb}; i++) {acc}_i[i] = 0;")
+                    wins = f"{v} {'>' if kind == 'argmax' else '<'} {acc}{at}"
+                    if fl:
+                        wins = f"({wins}) || ({v} != {v} && {acc}{at} == {acc}{at})"
+                    w = self.tmp("win")
+                    inner.lines += [f"const bool {w} = {wins};", f"{acc}_i{at} = {w} ? (int64_t)r : {acc}_i{at};",
+                                    f"{acc}{at} = {w} ? {v} : {acc}{at};"]
+                    self.red_vars[name] = f"{acc}_i{at}"
+                    continue
+                inner.lines.append(f"{acc}{at} = {combine(kind, acc + at, v, fl)};")
+                self.red_vars[name] = acc + at
+            for name in p.stores:
+                m = plan.member(name)
+                self._store(m, m.result, inner, None, None)
+            outer.lines.append((["#pragma omp simd", f"for ({t} x = x0; x < xe; x++) {{"], inner, ["}"]))
+            body.lines.append(([f"for ({t} r = 0; r < rnumel; r++) {{"], outer, ["}"]))
+        last = Scope(body)
+        for name in row_stores:
+            m = plan.member(name)
+            self._store(m, m.result, last, None, None)
+        body.lines.append((["#pragma omp simd", f"for ({t} x = x0; x < xe; x++) {{"], last, ["}"]))
+        head = [self._parallel(), f"for ({t} xb = 0; xb < (xnumel + {xb - 1}) / {xb}; xb++) {{",
+                f"  const {t} x0 = xb * {xb}, xe = x0 + {xb} < xnumel ? x0 + {xb} : xnumel;"]
+        self.body.append((head, body, ["}"]))
+
+    def _reduce_value(self, m, scope):
+        v = self.emit(m.value, scope, None, self.row, None)
+        return v if m.value.dtype == m.acc else f"(({VALUE[m.acc]}){v})"
+
+    def _colpart_rows(self, cols, row):
+        """Folded column partials: one program (thread task) per chunk of rows, each accumulating its
+        rows column by column, then storing its partial per column at (program, column)."""
+        plan, t = self.plan, self.idx_t
+        if not plan.rnumel.is_Integer:
+            raise Unsupported("cpp: folded column partials over a dynamic row length")
+        programs, chunk = plan.chunks
+        start, end = [], []
+        for m in cols:
+            ct = VALUE[m.acc]
+            start.append(f"{ct} {m.name}_col[{int(plan.rnumel)}];")
+            start.append(f"for ({t} r = 0; r < rnumel; r++) {m.name}_col[r] = {neutral(m.reduce, m.acc)};")
+            dt = m.buffer.dtype
+            end.append(f"for ({t} r = 0; r < rnumel; r++) {self.out_args[m.name]}[{self.pexpr(m.index)}] = "
+                       f"{store_code(f'{m.name}_col[r]', dt)};")
+        rows = ([f"for ({t} xo = 0; xo < {chunk}; xo++) {{", f"  const {t} x = xpid * {chunk} + xo;"], row, ["}"])
+        body = Scope()
+        body.lines = start + [rows] + end
+        self.body.append(([self._parallel(), f"for ({t} xpid = 0; xpid < {programs}; xpid++) {{"], body, ["}"]))
+
+    def _outer_rows(self, outers, row, post):
+        """Reductions over all rows: per chunk of rows a partial, combined in chunk order after the rows,
+        then the scalar results (``post``)."""
+        t, n = self.idx_t, self.tuning.cpp_outer_chunks
+        start, end, combine_lines, final = [], [], [], []
+        for m in outers:
+            if not m.reduce:
+                continue
+            if m.reduce not in SIMD_REDUCE:
+                raise Unsupported(f"cpp: outer reduction {m.reduce}")
+            ct, fl = VALUE[m.acc], m.acc.is_floating_point
+            acc = self.tmp("oacc")
+            v = self.emit(m.value, row, None, row, None)
+            v = v if m.value.dtype == m.acc else f"(({ct}){v})"
+            row.lines.append(f"{acc} = {combine(m.reduce, acc, v, fl)};")
+            start.append(f"{ct} {acc} = {neutral(m.reduce, m.acc)};")
+            end.append(f"{acc}_part[c] = {acc};")
+            var = self.tmp("red")
+            combine_lines += [f"{ct} {acc}_part[{n}];"]
+            self.red_vars[m.name] = var
+            final += [f"{ct} {var} = {neutral(m.reduce, m.acc)};",
+                      f"for ({t} c = 0; c < nch; c++) {var} = {combine(m.reduce, var, f'{acc}_part[c]', fl)};"]
+        for m in outers:
+            if m.stored:
+                self._store(m, m.result, post, None, post)
+        rows = ([f"const {t} x0 = ({t})((int64_t)c * xnumel / nch), x1 = ({t})((int64_t)(c + 1) * xnumel / nch);",
+                 f"for ({t} x = x0; x < x1; x++) {{"], row, ["}"])
+        body = Scope()
+        body.lines = start + [rows] + end
+        self.body += [f"const {t} nch = xnumel < {n} ? xnumel : {n};"] + combine_lines
+        self.body.append(([self._parallel(), f"for ({t} c = 0; c < nch; c++) {{"], body, ["}"]))
+        self.body += final + [post]
+
+    # -- stores -----------------------------------------------------------------------------------------
+    def _store(self, m, value, scope, row, post):
+        """Store member ``m``'s ``value`` at its index; a per-row value stored at every element of its row
+        gets a loop of its own."""
+        value = ops.cast(value, m.buffer.dtype)
+        v = self.emit(value, scope, None, row, post)
+        idx = m.index if m.index is not None else sympy.Integer(0)
+        code = f"{self.out_args[m.name]}[{self.index(idx, (), None)}] = {store_code(v, m.buffer.dtype)};"
+        if self.plan.reduction and RINDEX in idx.free_symbols and scope is row:
+            scope.lines.append((["#pragma omp simd", f"for ({self.idx_t} r = 0; r < rnumel; r++) {{"],
+                                _scope_of([code]), ["}"]))
+        else:
+            scope.lines.append(code)
+
+    # -- the function ---------------------------------------------------------------------------------
+    def params(self, names) -> list:
+        ins = [f"const {MEMORY[self.plan.buffers[b].dtype]}* __restrict__ {p}" for b, p in self.inputs.items()]
+        outs = [f"{MEMORY[b.dtype]}* __restrict__ {self.out_args[b.name]}" for b in self.plan.stored]
+        return ins + outs + [f"int64_t {names[s]}" for s in sorted(names, key=str)]
+
+    def define(self, name: str, names) -> str:
+        """The function's text (``names``: size symbol -> parameter name, every kernel of the module's)."""
+        t = self.idx_t
+        lines = [f'extern "C" void {name}({", ".join(self.params(names))}) {{',
+                 f"  const {t} xnumel = {self.pexpr(self.plan.xnumel)};",
+                 f"  const {t} rnumel = {self.pexpr(self.plan.rnumel)};",
+                 "  (void)xnumel; (void)rnumel;"]
+        for line in self.body:
+            if isinstance(line, Scope):
+                render(line.lines, "  ", lines)
+            else:
+                render([line], "  ", lines)
+        return "\n".join(lines + ["}"])
+
+
+def _scope_of(lines) -> Scope:
+    s = Scope()
+    s.lines = list(lines)
+    return s
+
+
+__all__ = ["CppKernel"]

@@ -1,0 +1,238 @@
+"""Build, cache and load the C++ emitter's translation units; the functions its launchers call.
+
+``build(unit, opts)`` compiles a ``CppUnit`` with the system compiler (``Options.cpp_compiler``: 'auto'
+is $CXX, else g++, else clang++) and ``Options.cpp_flags`` into a shared library in kiln's kernel cache
+directory, named by a hash of the source, the compiler's version, the flags and this host's CPU flags
+(``-march=native`` builds for the build host: a cache directory shared with another machine never
+hands it a library for another ISA). A library is written under a temporary name and renamed into
+place, so processes building the same one race harmlessly. With glibc's vector math library present,
+math calls in ``omp simd`` loops use its vector variants (``KILN_LIBMVEC``).
+
+A missing compiler or a failed build raises ``CppBuildError`` after one warning naming the cause; the
+caller (``fuse_graph``) then leaves the graph to ATen. ``function(name, ...)`` is how a kernel's
+launcher finds its function among the loaded libraries.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import hashlib
+import os
+import shlex
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+import warnings
+
+import torch
+
+from kiln.codegen.to_cpp.ops import VECTOR_MATH
+from kiln.debug import counters, log
+from kiln.options import Options, active
+from kiln.runtime.kernels import cache_dir
+
+_LOCK = threading.Lock()
+_LIBRARIES: dict = {}   # key -> CDLL
+_OWNER: dict = {}       # function name -> CDLL holding it
+_WARNED: set = set()
+
+
+class CppBuildError(RuntimeError):
+    """kiln could not build a graph's C++ kernels (no compiler, or the compiler failed); the graph runs
+    ATen kernels. Set ``cpp_compiler`` (or $CXX) to a working C++ compiler, or use ``codegen='aten'``."""
+
+
+def find_compiler(opts: Options) -> str:
+    """The compiler ``opts.cpp_compiler`` names (a path or a command), or '' when there is none."""
+    spec = opts.cpp_compiler
+    candidates = [os.environ.get("CXX", ""), "g++", "clang++"] if spec == "auto" else [spec]
+    for c in candidates:
+        if c and shutil.which(c):
+            return shutil.which(c)
+    return ""
+
+
+@functools.lru_cache(maxsize=None)
+def compiler_version(cxx: str) -> str:
+    out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60)
+    return (out.stdout.splitlines() or [""])[0]
+
+
+@functools.lru_cache(maxsize=None)
+def host_isa() -> str:
+    """This host's CPU flags (a hash of them), which ``-march=native`` builds for."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((ln for ln in f if ln.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = ""
+    import platform
+    return hashlib.sha256(f"{platform.machine()}|{flags}".encode()).hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=None)
+def has_libmvec() -> bool:
+    """Whether glibc's vector math library provides every function the emitter declares vectorizable."""
+    name = ctypes.util.find_library("mvec")
+    if not name:
+        return False
+    try:
+        lib = ctypes.CDLL(name)
+    except OSError:
+        return False
+    wanted = [f"_ZGVbN4v_{f}f" for f in VECTOR_MATH] + [f"_ZGVbN2v_{f}" for f in VECTOR_MATH]
+    return all(hasattr(lib, w) for w in wanted)
+
+
+def command(cxx: str, opts: Options) -> list:
+    """The compile command's flags (without files)."""
+    flags = shlex.split(opts.cpp_flags) + ["-shared", "-fPIC"]
+    return flags + (["-DKILN_LIBMVEC"] if has_libmvec() else [])
+
+
+PROBE = """#include <cmath>
+#include <cstdint>
+extern "C" void kiln_probe(float* x, int64_t n) {
+#pragma omp parallel for
+  for (int64_t i = 0; i < n; i++) x[i] = std::exp(x[i]);
+}
+"""
+
+
+def unusable(opts: Options) -> str:
+    """Why ``codegen='auto'`` cannot pick C++ kernels here ('' when it can): no compiler, or one that
+    cannot build and load a small OpenMP library with ``opts.cpp_flags``. The answer is kept per
+    process and, once a probe succeeded, on disk (by compiler version, flags and CPU)."""
+    cxx = find_compiler(opts)
+    if not cxx:
+        return f"no C++ compiler found (cpp_compiler={opts.cpp_compiler!r}, CXX={os.environ.get('CXX')!r})"
+    return _probe(cxx, opts.cpp_flags)
+
+
+@functools.lru_cache(maxsize=None)
+def _probe(cxx: str, flags: str) -> str:
+    try:
+        version = compiler_version(cxx)
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"{cxx} --version failed: {e}"
+    opts_flags = shlex.split(flags) + ["-shared", "-fPIC"]
+    key = hashlib.sha256("\0".join([version, *opts_flags, host_isa()]).encode()).hexdigest()[:20]
+    directory = os.path.join(cache_dir(), "cpp")
+    os.makedirs(directory, exist_ok=True)
+    marker = os.path.join(directory, f"probe_{key}.ok")
+    if os.path.exists(marker):
+        return ""
+    with tempfile.TemporaryDirectory(dir=directory) as tmp:
+        src, out = os.path.join(tmp, "probe.cpp"), os.path.join(tmp, "probe.so")
+        with open(src, "w") as f:
+            f.write(PROBE)
+        try:
+            res = subprocess.run([cxx, *opts_flags, src, "-o", out], capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.SubprocessError) as e:
+            return f"{cxx} did not run: {e}"
+        if res.returncode != 0:
+            first = next((ln for ln in res.stderr.splitlines() if "error" in ln), res.stderr.strip()[:300])
+            return f"{os.path.basename(cxx)} {flags} cannot build a test library: {first.strip()}"
+        try:
+            ctypes.CDLL(out)
+        except OSError as e:
+            return f"cannot load a test library built by {cxx}: {e}"
+    open(marker, "w").close()
+    return ""
+
+
+def _fail(cause: str) -> CppBuildError:
+    counters["codegen"]["cpp_build_failed"] += 1
+    if cause not in _WARNED:
+        _WARNED.add(cause)
+        warnings.warn(f"kiln: cannot build C++ kernels ({cause}); running ATen kernels instead", RuntimeWarning,
+                      stacklevel=3)
+    log(1, f"codegen: C++ build failed ({cause}); the graph runs ATen kernels")
+    return CppBuildError(cause)
+
+
+def build(unit, opts: Options = None) -> str:
+    """Compile (or find in the cache) and load ``unit`` (a ``CppUnit``); returns the library's path."""
+    opts = opts or active()
+    cxx = find_compiler(opts)
+    if not cxx:
+        raise _fail(f"no C++ compiler found (cpp_compiler={opts.cpp_compiler!r}, CXX={os.environ.get('CXX')!r})")
+    flags = command(cxx, opts)
+    libs = ["-lmvec"] if has_libmvec() else []
+    key = hashlib.sha256("\0".join([unit.source, compiler_version(cxx), *flags, *libs, host_isa()]).encode())
+    key = key.hexdigest()[:20]
+    with _LOCK:
+        lib = _LIBRARIES.get(key)
+    if lib is None:
+        directory = os.path.join(cache_dir(), "cpp")
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, f"kiln_{key}.so")
+        if not os.path.exists(path):
+            _compile(cxx, flags, libs, unit.source, directory, path)
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError as e:
+            raise _fail(f"cannot load {path}: {e}") from None
+        with _LOCK:
+            _LIBRARIES[key] = lib
+    with _LOCK:
+        for name in unit.functions:
+            _OWNER.setdefault(name, lib)
+    return lib._name
+
+
+def _compile(cxx, flags, libs, source, directory, path):
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(dir=directory) as tmp:
+        src = os.path.join(tmp, "unit.cpp")
+        with open(src, "w") as f:
+            f.write(source)
+        out = os.path.join(tmp, "unit.so")
+        try:
+            res = subprocess.run([cxx, *flags, src, "-o", out, *libs], capture_output=True, text=True, timeout=600)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise _fail(f"{cxx} did not run: {e}") from None
+        if res.returncode != 0:
+            kept = path[:-3] + ".failed.cpp"
+            shutil.copy(src, kept)
+            first = next((ln for ln in res.stderr.splitlines() if "error" in ln), res.stderr.strip()[:300])
+            raise _fail(f"{os.path.basename(cxx)} exited with {res.returncode}: {first.strip()} (source: {kept})")
+        shutil.copy(src, path[:-3] + ".cpp")
+        os.replace(out, path)   # atomic: another process building the same library loses nothing
+    counters["codegen"]["cpp_builds"] += 1
+    log(2, f"codegen: built {path} in {time.perf_counter() - start:.2f}s")
+
+
+def function(name: str, n_pointers: int, n_sizes: int):
+    """The C function ``name`` of a library ``build`` loaded, taking ``n_pointers`` pointers then
+    ``n_sizes`` int64 sizes."""
+    with _LOCK:
+        lib = _OWNER.get(name)
+    if lib is None:
+        raise CppBuildError(f"C++ kernel {name} is not in any library built by this process")
+    fn = getattr(lib, name)
+    fn.argtypes = [ctypes.c_void_p] * n_pointers + [ctypes.c_int64] * n_sizes
+    fn.restype = None
+    return fn
+
+
+def library(name: str) -> str:
+    """The path of the loaded library holding function ``name``."""
+    with _LOCK:
+        return _OWNER[name]._name
+
+
+def restride(t: torch.Tensor, shape, stride) -> torch.Tensor:
+    """``t`` with the strides a kernel was written for (a copy only when they differ)."""
+    if all(a == b for s, a, b in zip(shape, t.stride(), stride) if s != 1):
+        return t
+    out = torch.empty_strided(shape, stride, dtype=t.dtype, device=t.device)
+    out.copy_(t)
+    return out
+
+
+__all__ = ["CppBuildError", "build", "unusable", "function", "library", "restride", "find_compiler", "has_libmvec",
+           "host_isa"]

@@ -1,0 +1,291 @@
+"""The C++ emitter (codegen='cpp'): values and gradients against eager, kernel counts like the Triton
+emitter's, vectorized inner loops, declined kernels and failed builds falling back to ATen."""
+import re
+import shutil
+import subprocess
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import kiln
+from kiln.codegen.fuse_graph import fuse_graph
+from kiln.debug import counters
+from kiln.options import current
+from kiln.runtime import cpp_build
+from kiln.runtime.kernels import load_kernel
+from tests.codegen.test_reduction import LOOPED, grads, layer_norm, rms_norm
+from tests.codegen.util import assert_close, decompositions, kernels
+
+pytestmark = pytest.mark.skipif(not cpp_build.find_compiler(current()), reason="no C++ compiler (g++, clang++, $CXX)")
+
+
+def fused(fn, *args, **opts):
+    """(graph module with C++ kernels, number of C++ kernels) for ``fn`` traced on ``args``."""
+    gm = make_fx(fn, decomposition_table=decompositions(), tracing_mode="fake")(*args)
+    fuse_graph(gm, list(args), current(codegen="cpp", **opts), load_kernel, strict=True, build=cpp_build.build)
+    ks = kernels(gm)
+    assert all("cpp_build" in k.source for k in ks)
+    return gm, len(ks)
+
+
+def check(fn, *args, n_kernels=None, atol=1e-5, rtol=1e-5, exact=False, **opts):
+    gm, n = fused(fn, *args, **opts)
+    before = counters["codegen"]["runtime_fallback"]
+    out = gm(*args)
+    assert counters["codegen"]["runtime_fallback"] == before, "a kernel fell back to ATen (see the log)"
+    ref = fn(*args)
+    if exact:   # equal values, NaN where eager has NaN, the sign of every zero
+        for o, r in zip(out if isinstance(out, (tuple, list)) else [out], ref if isinstance(ref, (tuple, list)) else [ref]):
+            torch.testing.assert_close(o, r, atol=0, rtol=0, equal_nan=True)
+            if o.is_floating_point():   # (a NaN's sign bit is unspecified)
+                assert torch.equal(torch.signbit(o)[~r.isnan()], torch.signbit(r)[~r.isnan()])
+    else:
+        assert_close(out, ref, atol, rtol)
+    if n_kernels is not None:
+        assert n == n_kernels, f"expected {n_kernels} kernels, got {n}:\n{gm.code}"
+    return gm
+
+
+def gelu_bias(x, b):
+    return F.gelu(x + b)
+
+
+def mish(x):
+    return x * torch.tanh(F.softplus(x))
+
+
+@pytest.mark.parametrize("fn", [gelu_bias, lambda x, b: F.gelu(x + b, approximate="tanh"),
+                                lambda x, b: mish(x) * b, lambda x, b: F.hardswish(x) - torch.sigmoid(b),
+                                lambda x, b: F.silu(x) * torch.exp(b).clamp(max=2.0)],
+                         ids=["gelu", "gelu_tanh", "mish", "hardswish", "silu"])
+def test_pointwise_chains_are_one_kernel(fn):
+    check(fn, torch.randn(33, 70), torch.randn(70), n_kernels=1, atol=1e-5, rtol=1e-5)
+    check(grads(fn, 2), torch.randn(33, 70), torch.randn(70), torch.randn(33, 70), atol=1e-4, rtol=1e-4)
+
+
+def test_broadcasting_and_non_contiguous_inputs():
+    x = torch.randn(40, 24).t()            # transposed
+    y = torch.randn(48, 40)[::2]           # a strided slice
+    z = torch.randn(24, 1)                 # broadcast along columns
+    check(lambda x, y, z: x * y + z, x, y, z, n_kernels=1)
+    check(lambda x, z: (x + z).sum(1), x, z, n_kernels=1, atol=1e-4, rtol=1e-5)
+
+
+def test_layer_norm_forward_is_one_kernel():
+    for n in (8, 100, LOOPED):
+        check(layer_norm, torch.randn(4, n), torch.randn(n), torch.randn(n), n_kernels=1, atol=1e-4, rtol=1e-4)
+
+
+def test_layer_norm_backward_at_most_two_kernels():
+    def bwd(g, x, mean, rstd, w, b):
+        return torch.ops.aten.native_layer_norm_backward.default(g, x, [x.shape[-1]], mean, rstd, w, b,
+                                                                 [True, True, True])
+    x, w, b, g = torch.randn(64, 32), torch.randn(32), torch.randn(32), torch.randn(64, 32)
+    _, mean, rstd = torch.ops.aten.native_layer_norm.default(x, [32], w, b, 1e-5)
+    gm = check(bwd, g, x, mean, rstd, w, b, atol=1e-4, rtol=1e-4)
+    assert len(kernels(gm)) <= 2
+    x, g = torch.randn(6, 24), torch.randn(6, 24)
+    check(grads(layer_norm, 3), x, torch.randn(24), torch.randn(24), g, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("n", [10, LOOPED], ids=["short", "long"])
+def test_softmax_one_kernel_each_way(n):
+    x = torch.randn(3, n)
+    x[0, :3] = float("-inf")
+    check(lambda x: torch.softmax(x, -1), x, n_kernels=1, atol=1e-5, rtol=1e-4)
+    check(lambda x: torch.log_softmax(x, -1), x, n_kernels=1, atol=1e-5, rtol=1e-4)
+    y = torch.softmax(x, -1)
+    check(lambda g, y: torch.ops.aten._softmax_backward_data.default(g, y, -1, torch.float32),
+          torch.randn(3, n), y, n_kernels=1, atol=1e-5, rtol=1e-4)
+
+
+def test_cross_entropy():
+    x, t = torch.randn(6, 10), torch.tensor([1, 2, 3, 0, 9, -100])
+    check(lambda x, t: F.cross_entropy(x, t), x, t, n_kernels=1)
+    check(lambda x, t, w: F.cross_entropy(x, t, weight=w), x, t, torch.rand(10), n_kernels=1)
+    check(grads(lambda x, t: F.cross_entropy(x, t), 1), x, t, torch.tensor(1.0))
+
+
+def test_rms_norm_one_kernel_and_bf16():
+    x, w = torch.randn(5, 64), torch.randn(64)
+    check(rms_norm, x, w, n_kernels=1, atol=1e-5, rtol=1e-5)
+    check(grads(rms_norm, 2), x, w, torch.randn(5, 64), atol=1e-4, rtol=1e-4)
+    xb, wb = x.bfloat16(), w.bfloat16()
+    check(rms_norm, xb, wb, n_kernels=1, atol=2e-2, rtol=2e-2)
+
+
+def test_var_mean_std():
+    x = torch.randn(7, 300) * 3 + 5
+    check(lambda x: torch.var_mean(x, 1), x, atol=1e-4, rtol=1e-4)
+    check(lambda x: (x.std(0), x.var(1, correction=0)), x, atol=1e-4, rtol=1e-4)
+
+
+def test_bf16_stores_round_as_eager():
+    x, y = torch.randn(64, 129).bfloat16(), torch.randn(129).bfloat16()
+    check(lambda x, y: x * 1.37, x, y, exact=True)   # one op: eager rounds once too
+    check(lambda x, y: x + y, x, y, exact=True)
+    check(lambda x: (x.float() * 3.1).to(torch.bfloat16), x, exact=True)
+    check(lambda x: x.sum(1), x, atol=1e-2, rtol=1e-2)
+    h = torch.randn(10, 20).half()
+    check(lambda h: h * 0.3, h, exact=True)
+
+
+def test_empty_and_size_one_dims():
+    check(lambda x: torch.relu(x) + 1, torch.randn(0, 5))
+    check(lambda x: x.sum(1), torch.randn(0, 5))
+    check(lambda x: x.sum(0) + 1, torch.randn(0, 5))
+    check(lambda x: torch.softmax(x, -1), torch.randn(3, 1, 1))
+    check(lambda x: x.amax(1) * 2, torch.randn(1, 1))
+
+
+def test_nan_and_signed_zero_in_max_min():
+    x = torch.tensor([[1.0, float("nan"), 3.0], [-0.0, 0.0, -1.0], [float("-inf"), -2.0, float("nan")]])
+    check(lambda x: (x.amax(1), x.amin(1), x.argmax(1), x.argmin(1)), x)
+    check(lambda x: (x.amax(0), x.amin(0), x.argmax(0), x.argmin(0)), x)   # over columns
+    y = torch.randn(50, 70)
+    y[3, 5] = y[7, 9] = float("nan")
+    check(lambda y: (y.amax(0), y.argmin(0), y.sum(0), y.argmax(1)), y)
+    check(lambda x, y: (torch.maximum(x, y), torch.minimum(x, y)), x, torch.zeros(3, 3), exact=True)
+    check(lambda x: torch.clamp(x, min=0.0) * -1.0, x, exact=True)
+
+
+def test_integer_and_bool_kernels():
+    a, b = torch.randint(-9, 9, (5, 6)), torch.randint(1, 5, (5, 6))
+    check(lambda a, b: (a // b, a % b, (a > 0) & (b > 2), a.sum(1), (a > 3).any(1)), a, b)
+
+
+def test_outer_reductions_and_folded_column_partials():
+    x = torch.randn(300, 40)
+    check(lambda x: (x * 2).sum(), x, atol=1e-3, rtol=1e-5)
+    check(lambda x: (x.sum(0), torch.softmax(x, -1)), x, atol=1e-4, rtol=1e-5)
+    check(lambda x: (x - x.mean(1, keepdim=True)).abs().mean(), x, atol=1e-4, rtol=1e-5)
+
+
+def test_random_ops_are_declined_and_run_as_aten():
+    x = torch.randn(4, 8)
+    gm, n = fused(lambda x: (torch.rand_like(x) < 2).float() * torch.softmax(x, -1), x)
+    assert any(n.target.__class__.__name__ == "Fallback" for n in gm.graph.nodes), gm.code   # declined
+    torch.testing.assert_close(gm(x), torch.softmax(x, -1))
+
+
+def test_inner_loops_vectorize():
+    flags = open("/proc/cpuinfo").read() if shutil.os.path.exists("/proc/cpuinfo") else ""
+    reg = "zmm" if " avx512f" in flags else "ymm" if " avx2" in flags else None
+    if reg is None or not shutil.which("objdump"):
+        pytest.skip("no AVX2/AVX-512 host or no objdump")
+    gm, _ = fused(gelu_bias, torch.randn(64, 256), torch.randn(256))
+    lib = cpp_build.library(re.search(r"cpp_build\.function\('(\w+)'", kernels(gm)[0].source).group(1))
+    asm = subprocess.run(["objdump", "-d", lib], capture_output=True, text=True).stdout
+    assert "ymm" in asm or "zmm" in asm, "no vector registers in the kernel"
+    assert "_ZGV" in asm or not cpp_build.has_libmvec(), "erf is not called through its vector variant"
+
+
+def test_failed_build_falls_back_with_a_warning():
+    x, b = torch.randn(8, 16), torch.randn(16)
+    gm = make_fx(gelu_bias, decomposition_table=decompositions(), tracing_mode="fake")(x, b)
+    with pytest.warns(RuntimeWarning, match="cannot build C.. kernels"):
+        n = fuse_graph(gm, [x, b], current(codegen="cpp", cpp_compiler="/nonexistent/c++"), load_kernel,
+                       build=cpp_build.build)
+    assert n == 0
+    torch.testing.assert_close(gm(x, b), gelu_bias(x, b))
+    gm = make_fx(gelu_bias, decomposition_table=decompositions(), tracing_mode="fake")(x, b)
+    with pytest.warns(RuntimeWarning, match="exited with"):
+        n = fuse_graph(gm, [x, b], current(codegen="cpp", cpp_flags="-O1 --no-such-flag-kiln"), load_kernel,
+                       build=cpp_build.build)
+    assert n == 0
+
+
+def test_compile_train_step_with_cpp_kernels():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.LayerNorm(64),
+                                torch.nn.Linear(64, 10))
+    x, t = torch.randn(16, 32), torch.randint(0, 10, (16,))
+
+    def step(m, x, t):
+        loss = F.cross_entropy(torch.softmax(m(x), -1) * 3, t)
+        loss.backward()
+        return loss
+    ref = step(model, x, t)
+    ref_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)   # the build must not fail
+        out = kiln.compile(lambda x, t: step(model, x, t), codegen="cpp")(x, t)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    for p, g in zip(model.parameters(), ref_grads):
+        torch.testing.assert_close(p.grad, g, atol=1e-5, rtol=1e-4)
+
+
+def test_auto_picks_cpp_on_the_cpu_when_a_compiler_works():
+    from kiln.pipeline import resolve_target
+    x = torch.randn(4)
+    assert resolve_target(current(codegen="auto"), [x]) == "cpp"
+    assert resolve_target(current(codegen="aten"), [x]) == "aten"
+    assert resolve_target(current(codegen="auto", cpp_compiler="/nonexistent/c++"), [x]) == "aten"
+    assert "no C++ compiler" in cpp_build.unusable(current(cpp_compiler="/nonexistent/c++"))
+    assert "cannot build" in cpp_build.unusable(current(cpp_flags="-O1 --no-such-flag-kiln"))
+    assert resolve_target(current(codegen="auto", cpp_flags="-O1 --no-such-flag-kiln"), [x]) == "aten"
+    counters.clear()
+    with kiln.config.patch(codegen="auto"):   # what a user gets on the CPU: C++ kernels
+        out, code = kiln.run_and_get_code(kiln.compile(lambda x: torch.sigmoid(x) * x + 1), x)
+    torch.testing.assert_close(out, torch.sigmoid(x) * x + 1)
+    assert "= kiln_pw_" in code[-1] and counters["codegen"]["kernels"] == 1, code[-1]
+    assert counters["codegen"]["fallback"] == 0 and counters["codegen"]["cpp_build_failed"] == 0
+
+
+def test_freezing_prepacks_convolutions_and_turns_batch_norm_affine_for_cpp():
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("needs mkldnn")
+    conv = torch.nn.Conv2d(3, 8, 3)
+    bn = torch.nn.BatchNorm2d(8)
+    bn.running_mean.uniform_(-1, 1)
+    bn.running_var.uniform_(0.5, 2)
+    mod = torch.nn.Sequential(conv, torch.nn.ReLU(), bn, torch.nn.ReLU()).eval()   # bn after relu: not folded
+    x = torch.rand(2, 3, 10, 10)
+    counters.clear()
+    with torch.no_grad(), kiln.config.patch(freezing=True, codegen="cpp"):
+        ref = mod(x)
+        out, code = kiln.run_and_get_code(kiln.compile(lambda x: mod(x)), x)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert "mkldnn__convolution_pointwise" in code[-1], code[-1]
+    assert "batch_norm" not in code[-1] and counters["codegen"]["kernels"] >= 1, code[-1]
+
+
+def _unit_function(gm, i=0) -> str:
+    """The C++ text of the function kernel ``i`` of ``gm`` calls (from the library's saved source)."""
+    name = re.search(r"cpp_build\.function\('(\w+)'", kernels(gm)[i].source).group(1)
+    text = open(cpp_build.library(name)[:-3] + ".cpp").read()
+    return text[text.index(f"void {name}("):].split("\n}\n")[0]
+
+
+def test_parallel_regions_only_where_the_work_is_large():
+    """Entering an OpenMP region costs about 2 us even under a false ``if``: static sizes below
+    ``tuning.cpp_parallel_min`` get none, larger ones no ``if``."""
+    gm, _ = fused(gelu_bias, torch.randn(8, 16), torch.randn(16))
+    assert "omp parallel" not in _unit_function(gm) and "one thread" in _unit_function(gm)
+    gm, _ = fused(gelu_bias, torch.randn(256, 256), torch.randn(256))
+    text = _unit_function(gm)
+    assert "#pragma omp parallel for" in text and " if(" not in text, text
+    gm, _ = fused(lambda x: torch.softmax(x, -1), torch.randn(4, 16))
+    assert "omp parallel" not in _unit_function(gm)
+
+
+def test_launcher_checks_layouts_cheaply():
+    x, y = torch.randn(16, 8), torch.randn(8, 16).t()   # y: a transposed graph input
+    gm = check(lambda x, y: x * y, x, y, n_kernels=1)
+    src = kernels(gm)[0].source
+    assert "if not in0.is_contiguous():" in src and "if in1.stride() != (1, 16, ):" in src, src
+    out = gm(x.t().contiguous().t(), y.contiguous())   # other layouts at run time: restrided copies
+    torch.testing.assert_close(out, x * y)
+
+
+def test_dump_writes_the_translation_unit(tmp_path):
+    x = torch.randn(64, requires_grad=True)
+    with kiln.config.patch(codegen="cpp", dump_dir=str(tmp_path)):
+        kiln.compile(lambda x: (torch.sigmoid(x) * x).sum())(x).backward()
+    units = sorted(p.name for p in tmp_path.rglob("*.cpp"))
+    assert [u.split("_", 1)[1] for u in units] == ["kernels_forward.cpp", "kernels_backward.cpp"], units
+    assert 'extern "C" void kiln_cpp_' in next(tmp_path.rglob("*kernels_forward.cpp")).read_text()
