@@ -1,4 +1,5 @@
-"""The ``kiln`` command: ``kiln demo``, ``kiln bench ...``, ``kiln options``."""
+"""The ``kiln`` command: ``kiln demo``, ``kiln bench ...``, ``kiln check-ops ...`` (the OpInfo sweep),
+``kiln options``."""
 from __future__ import annotations
 
 import sys
@@ -13,11 +14,15 @@ def main(argv=None) -> int:
     if cmd == "bench":
         from kiln.bench.cli import main as bench
         return bench(argv)
+    if cmd == "check-ops":
+        from kiln.bench.opinfo import main as check_ops
+        return check_ops(argv)
     if cmd == "options":
         from kiln.options import describe
         print(describe())
         return 0
-    print("usage: kiln demo | kiln bench [--suite micro|models|all] [...] | kiln options")
+    print("usage: kiln demo | kiln bench [--suite micro|models|all] [...] | kiln check-ops [--ops REGEX] [...]"
+          " | kiln options")
     return 0 if cmd in ("help", "-h", "--help") else 2
 
 

@@ -9,9 +9,12 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch._prims  # noqa: F401  (registers the prims namespace)
 from torch._decomp import core_aten_decompositions, get_decompositions
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 aten = torch.ops.aten
+prims = torch.ops.prims
 
 # Small composite ops that AOTAutograd would otherwise keep and that run faster decomposed even on ATen.
 ATEN_EXTRA = [
@@ -49,6 +52,20 @@ def _batch_norm_eval(x, weight, bias, running_mean, running_var, momentum, eps):
     if x.device.type == "cpu":
         return out.to(x.dtype), x.new_zeros((0,)), x.new_zeros((0,))
     return out.to(x.dtype), running_mean.to(acc, copy=True), invstd
+
+
+def _broadcast_in_dim(a, shape, broadcast_dimensions):
+    """``prims.broadcast_in_dim`` as ATen's ``unsqueeze`` (each new dim) and ``expand`` (where a size
+    grows). torch's references emit it for keepdim reductions (``mean``, ``var_mean``, ``std``: layer, group
+    and RMS norms). It returns a view, and AOTAutograd cannot functionalize a prim that does, so a graph
+    holding it could not be traced again: compiled autograd retraces the backward graph."""
+    out = a
+    for d in range(len(shape)):
+        if d not in broadcast_dimensions:
+            out = aten.unsqueeze.default(out, d)
+    if not all(statically_known_true(s == t) for s, t in zip(out.shape, shape)):
+        out = aten.expand.default(out, list(shape))
+    return out
 
 
 def _pair(v, default=None):
@@ -117,6 +134,7 @@ def _table(target: str):
         table[aten._native_batch_norm_legit_no_training.default] = _batch_norm_eval
         table[aten.max_pool2d_with_indices.default] = _max_pool2d_with_indices
         table = {op: _real_only(fn, DECLINE.get(op)) for op, fn in table.items()}
+    table[prims.broadcast_in_dim.default] = _broadcast_in_dim   # the references of keepdim reductions call it
     return table
 
 

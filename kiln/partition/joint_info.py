@@ -155,7 +155,7 @@ class JointInfo(GraphIndex):
                 must_rec[i] = "MUST_RECOMPUTE" in str(rec)
             if red_l[i]:
                 big_red[i] = ops.is_big_reduction(n, lambda x: self.size.get(x) or size_bytes(x))
-            mat[i] = self._materialized(i)
+            mat[i] = self._materialized(i) and not ops.constant_object(n)
         self.must_recompute = np.array(must_rec, dtype=bool)
         self.big_reduction = np.array(big_red, dtype=bool)
         self.materialized = np.array(mat, dtype=bool)

@@ -156,5 +156,12 @@ def node_facts(node: fx.Node, parent_facts=None) -> tuple:
         return (False, p[1], p[2], p[3], p[4], False, False)
     c = op_class(node)
     rnd = c.seeded and is_random(node)
-    cheap = c.cheap and not rnd
+    cheap = (c.cheap or constant_object(node)) and not rnd
     return (c.view, rnd, c.heavy, cheap, cheap and not c.heavy, c.cat, c.reduction)
+
+
+def constant_object(node: fx.Node) -> bool:
+    """A value made from no inputs that is not a tensor, e.g. the ``InvokeQuant`` options of
+    ``invoke_quant_packed``, which forward and backward both take: it cannot be saved, and making it
+    again in the backward costs nothing (banning it, as not cheap or as materialized, left no finite cut)."""
+    return not node.all_input_nodes and not isinstance(node.meta.get("val"), (torch.Tensor, tuple, list))

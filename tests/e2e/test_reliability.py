@@ -293,3 +293,64 @@ def test_interpreter_math_keeps_signed_zeros():
     x = torch.tensor([-0.0, 0.0, -0.3, 0.3, -2.5, 1.5])
     for fn in (torch.round, torch.tanh, torch.sinh, torch.asinh, torch.atanh, torch.expm1, torch.log1p, torch.trunc):
         same(fn(x), compiled(fn, "triton")(x))
+
+
+def _no_runtime_fallback(fn, *args, dynamic=False):
+    """``fn`` compiled for Triton gives eager's values and no kernel falls back to ATen at its first call."""
+    torch._dynamo.reset()
+    before = kiln.counters["codegen"]["runtime_fallback"]
+    got = torch.compile(fn, backend="kiln", dynamic=dynamic, options={"codegen": "triton"})(*args)
+    for a, b in zip(fn(*args), got):
+        same(a, b)
+    assert kiln.counters["codegen"]["runtime_fallback"] == before
+
+
+@pytest.mark.parametrize("codegen", TARGETS)
+def test_decompositions_torch_gets_wrong_stay_aten(codegen):
+    """torch's index_add decomposition multiplies a bool source by alpha (an int64 source that index_put
+    rejects); its softmax pads an empty integer row with an integer -inf (an overflow at run time)."""
+    a, i, s = torch.tensor([[True, False, False]]), torch.tensor([0, 2]), torch.tensor([[True, True]])
+    fn = lambda a, i, s: torch.index_add(a, 1, i, s, alpha=2)  # noqa: E731
+    same(fn(a, i, s), compiled(fn, codegen)(a, i, s))
+    x = torch.zeros(0, 3, dtype=torch.int64)
+    for fn in (lambda x: torch.log_softmax(x, 0), lambda x: torch.softmax(x, 0)):
+        same(fn(x), compiled(fn, codegen)(x))
+
+
+@pytest.mark.parametrize("shape", [(0, 7), (7, 0)])
+def test_any_and_all_over_empty_dims(shape):
+    """any is an int8 max of 0 or 1: over nothing it leaves the int8 neutral -128, which is not False (all,
+    decomposed as not any of not, was False too)."""
+    x = torch.randn(shape)
+    for fn in (torch.any, torch.all, lambda x: x.any(0), lambda x: x.all(1), lambda x: (x > 0).any(1)):
+        same(fn(x), compiled(fn, "triton")(x))
+
+
+def test_pow_special_values_in_the_interpreter():
+    """C's pow, as eager: 1 ** nan and (-1) ** inf are 1, a negative zero or -inf to an odd power keeps its
+    sign, -inf to a fraction is no NaN (the interpreter's exp(b * log|a|) had them wrong)."""
+    vals = [float("nan"), float("inf"), float("-inf"), 0.0, -0.0, 1.0, -1.0, 2.0, -2.0, 0.5, -0.5, 3.0, -2.5]
+    a = torch.tensor(vals).repeat_interleave(len(vals))
+    b = torch.tensor(vals).repeat(len(vals))
+    same(torch.pow(a, b), compiled(torch.pow, "triton")(a, b))
+
+
+def test_a_scatter_into_an_empty_output_writes_nothing():
+    """index_add into a (0, 8) tensor: eager ignores the index (out of range of an empty dim); the scatter
+    kernel used to write through it (a segfault)."""
+    a, i, s = torch.zeros(0, 8, dtype=torch.float16), torch.tensor([0]), torch.ones(1, 8, dtype=torch.float16)
+    fn = lambda a, i, s: torch.index_add(a, 0, i, s, alpha=2)  # noqa: E731
+    same(fn(a, i, s), compiled(fn, "triton")(a, i, s))
+
+
+def test_interpreted_kernels_without_runtime_fallbacks():
+    """Kernels Triton's interpreter used to reject at their first call: a bf16 atomic add (numpy has no
+    bf16: the scatter stays ATen), a comparison of a scalar load broadcast into a block condition (the
+    interpreter gives it the operand's dtype: the load is a one-element block now), a chained tail under
+    dynamic shapes (its call passed no size arguments: only static heads chain)."""
+    a, i = torch.zeros(5, dtype=torch.bfloat16), torch.tensor([0, 2, 2])
+    _no_runtime_fallback(lambda a, s: (torch.index_put(a, (i,), s, accumulate=True),), a,
+                         torch.tensor([1.0, 2.0, 3.0], dtype=torch.bfloat16))
+    _no_runtime_fallback(lambda x: (x.clamp(min=-0.0),), torch.tensor([[-0.0]]))
+    _no_runtime_fallback(lambda x, y: (torch.stack([x.amax(-1), x.amax(-1)]), y * 2), torch.randn(5), torch.randn(6),
+                         dynamic=True)

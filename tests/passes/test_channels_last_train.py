@@ -33,12 +33,8 @@ def _no_onednn_channels_last_backward():
     """torch 2.13.0+cpu: oneDNN's backward of a strided 1x1 channels-last convolution corrupts the heap,
     in eager too (``Conv2d(4, 8, 1, 2)`` on a channels-last input, ``.sum().backward()`` a few hundred
     times: glibc aborts). Eager and kiln's ATen convolutions use the native CPU kernels here instead."""
-    saved = torch.backends.mkldnn.enabled
-    torch.backends.mkldnn.enabled = False
-    try:
-        yield
-    finally:
-        torch.backends.mkldnn.enabled = saved
+    with torch.backends.mkldnn.flags(enabled=False):   # flags() works after torch's test utilities
+        yield                                            # (OpInfo's imports) froze the global flags
 
 
 class ConvBNReLU(nn.Module):

@@ -127,10 +127,13 @@ def _prod(ctx, a, dim=None, keepdim=False, dtype=None):
 
 @register(aten.any.default, aten.any.dim, aten.any.dims, aten.all.default, aten.all.dim, aten.all.dims)
 def _any(ctx, a, dim=None, keepdim=False):
+    """The max (any) or min (all) of the elements as int8 0 or 1, then ``> 0``: an empty reduction leaves
+    the int8 neutral, -128 or 127 (``!= 0`` made any of nothing True)."""
     kind = "max" if ctx.node.target.overloadpacket == aten.any else "min"
     body = lambda idx: ops.cast(ops.unary("logical_not", ops.unary("logical_not", ops.cast(a(idx), torch.bool))),
                                 torch.int8)  # noqa: E731
-    return reduce(ctx, kind, a, dim, keepdim, torch.bool, torch.int8, body)
+    red = reduce(ctx, kind, a, dim, keepdim, torch.int8, torch.int8, body)
+    return ctx.pointwise(lambda idx: E.bin("gt", red(idx), 0))
 
 
 def variance(ctx, a, dims, correction, keepdim, dtype):

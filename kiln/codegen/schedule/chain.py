@@ -10,11 +10,14 @@ counting and the ordering of memory (``to_triton/module.py``).
 
 The tail reads only what the head stores (not the head's inputs, which a later node could have
 changed in place), has static sizes, no random numbers and at most ``tuning.tail_max`` elements; the
-head is an ordinary kernel with a static, non-empty row count (not one with its own last program).
+head is an ordinary kernel with static sizes (no size symbol: the tail's call passes none) and a
+non-empty row count (not one with its own last program).
 """
 from __future__ import annotations
 
 from dataclasses import replace
+
+import sympy
 
 from kiln.codegen.ir.indexing import prod
 from kiln.codegen.schedule.domain import body, loads
@@ -31,8 +34,16 @@ def fits(head: KernelPlan, tail: KernelPlan, tuning: Tuning) -> bool:
         return False
     if not (head.xnumel.is_Integer and int(head.xnumel) > 0):   # a head that may not launch at all
         return False
+    if not (_static(head) and _static(tail)):   # the tail's call passes no size arguments
+        return False
     stored = {b.name for b in head.stored}
     return bool(tail.reads) and tail.reads <= stored and not head.random and tail.device == head.device
+
+
+def _static(plan: KernelPlan) -> bool:
+    """Whether ``plan`` has no size symbol: not in its indices, numels, nor its stored buffers' layouts."""
+    sizes = [plan.xnumel, plan.rnumel] + [x for b in plan.stored for x in (*b.shape, *b.stride)]
+    return not plan.symbols and all(sympy.sympify(x).is_Integer for x in sizes)
 
 
 def tails(groups, tuning: Tuning) -> dict:

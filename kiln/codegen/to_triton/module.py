@@ -395,8 +395,12 @@ def _scatter_module(plan: ScatterPlan, target: TritonTarget) -> KernelSource:
     def body(names):
         out = [alloc_line("out0", buf, names, device)]
         out += launch_line(copy, f"{name}_copy", kernel_args(copy, ins, outs, names), names)
-        out += [f"{seed} = launch.seed()" for seed in scatter.seeds.values()]
-        out += launch_line(scatter, name, kernel_args(scatter, ins, outs, names), names)
+        writes = [f"{seed} = launch.seed()" for seed in scatter.seeds.values()]
+        writes += launch_line(scatter, name, kernel_args(scatter, ins, outs, names), names)
+        numel = sympy.Mul(*buf.shape)
+        if not numel.is_Integer:   # an empty output takes no write (its indices may point anywhere)
+            writes = ["if out0.numel():"] + ["    " + ln for ln in writes]
+        out += writes if numel != 0 else []
         out.append("return out0")
         return out
     defs = [lambda names: kernel_def(copy, f"{name}_copy", names), lambda names: kernel_def(scatter, name, names)]

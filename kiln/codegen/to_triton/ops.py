@@ -126,16 +126,18 @@ def _kiln_asinh(x):
     r = tl.log(a + tl.sqrt(a * a + 1.0))
     return tl.where(x < 0, -r, r)
 ''',
+    # C's pow (libdevice's, eager's): the sign of a negative base (-0.0 and -inf too) to an odd integer, NaN
+    # for a finite negative base to a finite non-integer, 1 for 1 to anything and -1 to an infinity
     "_kiln_pow": '''@triton.jit
 def _kiln_pow(a, b):
     r = tl.exp(b * tl.log(tl.abs(a)))
     bi = tl.floor(b)
-    whole = bi == b
-    odd = tl.where(whole, (bi - 2.0 * tl.floor(bi * 0.5)) == 1.0, False)
-    neg = a < 0
-    r = tl.where(neg, tl.where(odd, -r, r), r)
-    r = tl.where(neg, tl.where(whole, r, float('nan')), r)
-    return tl.where(b == 0, 1.0, r)
+    odd = tl.where(bi == b, (bi - 2.0 * tl.floor(bi * 0.5)) == 1.0, False)
+    neg = (a < 0) | ((a == 0) & ((1.0 / a) < 0))
+    r = tl.where(neg & odd, r * -1.0, r)   # (not -r: 0 - r, which drops the sign of a zero)
+    r = tl.where((a < 0) & (a > float('-inf')) & (bi != b) & (tl.abs(b) < float('inf')), float('nan'), r)
+    r = tl.where((tl.abs(a) == 1.0) & (tl.abs(b) == float('inf')), 1.0, r)
+    return tl.where((b == 0) | (a == 1.0), 1.0, r)
 ''',
     "_kiln_prod": '''@triton.jit
 def _kiln_prod(a, b):
@@ -168,6 +170,15 @@ def _kiln_philox(seed, offset):
         k0 = k0 + 0x9E3779B9
         k1 = k1 + 0xBB67AE85
     return c0, c1
+''',
+    # fp32 -> bf16 rounded to nearest even, as eager and Triton on GPUs do (``convert``)
+    "_kiln_bf16": '''@triton.jit
+def _kiln_bf16(x):
+    x = x.to(tl.float32)
+    b = x.to(tl.uint32, bitcast=True)
+    r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+    r = tl.where(x != x, 0x7FC0, r)
+    return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
 ''',
     "_kiln_uniform": '''@triton.jit
 def _kiln_uniform(x):
@@ -225,6 +236,16 @@ def reduce_code(kind: str, x: str, interpret: bool, axis: int = 1, floating: boo
         comb = {"sum": "_sum_combine", "max": "_elementwise_max", "min": "_elementwise_min"}[kind]
         return f"tl.reduce({x}, {axis}, tl.standard.{comb}){keep}"
     return f"tl.{kind}({x}, {axis}){keep}"
+
+
+def convert(code: str, src: torch.dtype, dst: torch.dtype, interpret: bool) -> str:
+    """Triton source converting ``code`` (``src`` values) to ``dst``. Triton rounds a float downcast to
+    nearest even (``semantic.cast``'s default, ``cvt.rn`` on GPUs), but Triton 3.6's interpreter truncates
+    fp32 to bf16 and garbles other sources: there, a conversion to bf16 goes through fp32 and rounds by
+    hand (``_kiln_bf16``), so that interpreted kernels give eager's values."""
+    if interpret and dst == torch.bfloat16 and src != torch.bfloat16:   # (the helper takes any dtype via fp32)
+        return f"_kiln_bf16({code})"
+    return f"{code}.to({TL_DTYPE[dst]})"
 
 
 # the integer type of a float's bits (the sign of a zero is only there)

@@ -14,7 +14,7 @@ from kiln.codegen.ir.loops import ops
 from kiln.codegen.schedule.domain import Role
 from kiln.codegen.schedule.plan import KernelPlan, Level, Programs
 from kiln.codegen.to_triton.emit import ExprWriter, Scope, TritonTarget
-from kiln.codegen.to_triton.ops import TL_DTYPE, combine, helpers_in, neutral, reduce_code, template
+from kiln.codegen.to_triton.ops import TL_DTYPE, combine, convert, helpers_in, neutral, reduce_code, template
 
 
 class TritonKernel(ExprWriter):
@@ -204,7 +204,8 @@ class TritonKernel(ExprWriter):
             self.post.lines.append(f"{var} = {self.reduce(m.reduce, acc, m.acc, axis=0)}")
             if m.stored:
                 idx = self.pexpr(m.index)
-                v = var if m.buffer.dtype == m.acc else f"{var}.to({TL_DTYPE[m.buffer.dtype]})"
+                v = var if m.buffer.dtype == m.acc else convert(var, m.acc, m.buffer.dtype, self.interpret)
+                self.helpers.update(helpers_in(v))
                 self.post.lines.append(f"tl.store({self.out_args[m.name]} + ({idx}), {v}, rmask)")
 
     # -- stores -------------------------------------------------------------------------------------
@@ -231,7 +232,12 @@ class TritonKernel(ExprWriter):
         w = self.plan.scatter
         v = self.emit(w.value, self.top)
         t = self.index(w.target.args[0], w.target.args[2], self.top, None)
-        if self.level(w.value) is Level.CONST:
+        if self.level(w.value) is Level.CONST and self.interpret and w.mode == "add":
+            # a fresh block, made by a select: Triton 3.6's interpreter misreads a broadcast (stride-0)
+            # value in tl.atomic_add and adds garbage (counting with ones: scatter_reduce's mean backward)
+            x = self._tensor(v, w.value)
+            v = f"tl.where(tl.full([XBLOCK], True, tl.int1), {x}, {x})"
+        elif self.level(w.value) is Level.CONST:
             v = f"tl.broadcast_to({self._tensor(v, w.value)}, [XBLOCK])"
         if self.level(w.target) is Level.CONST:   # one target address: a block of pointers for the xmask
             t = f"({t}) + tl.full([XBLOCK], 0, tl.int32)"

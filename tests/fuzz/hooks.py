@@ -1,0 +1,28 @@
+"""Hooks for the fuzz runner's own tests (imported by its child processes by name)."""
+import torch
+
+from kiln.bench.fuzz.program import Input, Op, Program
+
+CRASH, WRONG, HANG = 1, 2, 3   # program indices the hook replaces
+
+
+def crash_and_mul(program: Program, index: int) -> Program:
+    """Program CRASH segfaults its child (in eager, first statement); program WRONG is ``a0 * a1``,
+    which ``add_for_mul`` miscompiles; program HANG sleeps for ten minutes."""
+    if index == CRASH:
+        return Program((Input((3,)),), (Op("__import__('ctypes').string_at(0)", family="hook"),
+                                        Op("{0} + 1", ("a0",), "v0")), ("v0",), note=f"crash {index}")
+    if index == WRONG:
+        return Program((Input((3, 4)), Input((4,), seed=1)), (Op("{0} * {1}", ("a0", "a1"), "v0"),), ("v0",),
+                       note=f"wrong {index}")
+    if index == HANG:
+        return Program((Input((3,)),), (Op("__import__('time').sleep(600)", family="hook"),
+                                        Op("{0} + 1", ("a0",), "v0")), ("v0",), note=f"hang {index}")
+    return program
+
+
+def add_for_mul(graph) -> None:
+    """A broken post-grad pass: every ``aten.mul.Tensor`` becomes ``aten.add.Tensor``."""
+    for n in graph.nodes:
+        if n.op == "call_function" and n.target is torch.ops.aten.mul.Tensor:
+            n.target = torch.ops.aten.add.Tensor

@@ -1,0 +1,190 @@
+"""The fuzz runner's machinery: crash attribution and restart, mismatch detection through a deliberately
+broken pass, the comparison rules, shrinking."""
+from __future__ import annotations
+
+import json
+import math
+import signal
+import subprocess
+import sys
+
+import torch
+
+from kiln.bench.fuzz import harness, reduce, runner
+from kiln.bench.fuzz.compare import compare_tensor
+from kiln.bench.fuzz.program import Input, Op, Program
+from tests.fuzz import hooks
+
+
+def test_crash_hang_and_mismatch_are_attributed(tmp_path):
+    """Program 1 segfaults its child, program 2 is miscompiled, program 3 hangs: each is reported against
+    its program, the dead or stuck child is replaced and program 4 still runs."""
+    cfg = runner.Config(targets=("aten",), programs=5, seed=0, workers=1, out=str(tmp_path), quiet=True,
+                        hook="tests.fuzz.hooks:crash_and_mul",
+                        options={"post_grad_custom_post_pass": hooks.add_for_mul},
+                        shrink_tries=0, timeout=8)   # counted from the program's start (not the child's)
+    summary = runner.main(cfg)
+    s = summary["targets"]["aten"]
+    assert s["programs"] == 5 and s["crashes"] == 1 and s["timeouts"] == 1 and s["failed"] == 3, s
+    assert s["passed"] + s["discarded"] == 2, s
+    by_index = {g["programs"][0]: g for g in summary["groups"]}
+    assert by_index[hooks.CRASH]["key"][1] == "crash" and "SIGSEGV" in by_index[hooks.CRASH]["key"][2]
+    assert by_index[hooks.WRONG]["key"][1:3] == ["wrong", "value"] and not by_index[hooks.WRONG]["upstream"]
+    crash_repro = open(by_index[hooks.CRASH]["repro"]).read()
+    assert "string_at(0)" in crash_repro and "check_program(" in crash_repro
+    assert "add_for_mul" in open(by_index[hooks.WRONG]["repro"]).read()
+    assert by_index[hooks.HANG]["key"][1] == "timeout"
+    lines = (tmp_path / "results.jsonl").read_text().splitlines()
+    assert len(lines) == 5
+
+
+def _t(*vals, dtype=torch.float32):
+    return torch.tensor(vals, dtype=dtype)
+
+
+def test_compare_rules():
+    nan, inf = math.nan, math.inf
+    assert compare_tensor(_t(1.0, nan), _t(1.0, nan)) is None
+    assert compare_tensor(_t(1.0, nan), _t(1.0, inf))[0] == "nan"
+    assert compare_tensor(_t(1.0, 2.0), _t(1.0, 2.1))[0] == "value"
+    assert compare_tensor(_t(1.0, 2.0), _t(1.0, 2.0 + 1e-6)) is None
+    assert compare_tensor(_t(-0.0), _t(0.0))[0] == "signed_zero"
+    # the arbiter: eager's zero is -0.0 but the exact result is +0.0: the sign is not eager's to define
+    assert compare_tensor(_t(-0.0), _t(0.0), _t(0.0, dtype=torch.float64)) is None
+    # low precision: kiln may be as far from the fp64 arbiter as eager is (times WORSE)
+    e, k = _t(1.0, dtype=torch.bfloat16), _t(1.0078125, dtype=torch.bfloat16)
+    assert compare_tensor(e, k, _t(1.004, dtype=torch.float64)) is None
+    assert compare_tensor(e, _t(1.25, dtype=torch.bfloat16), _t(1.004, dtype=torch.float64))[0] == "value"
+    assert compare_tensor(_t(1, 2, dtype=torch.int64), _t(1, 3, dtype=torch.int64))[0] == "value"
+    assert compare_tensor(_t(1, 2, dtype=torch.int64), _t(1, 2, dtype=torch.int32))[0] == "meta"
+    z = torch.tensor([1 + 2j], dtype=torch.complex64)
+    assert compare_tensor(z, z.conj().resolve_conj())[0] == "value"
+    # a float32 value computed through float16 (seed 1 program 155): one half-precision ulp apart is fine
+    e, k = _t(-1.1533203125), _t(-1.154296875)
+    assert compare_tensor(e, k)[0] == "value" and compare_tensor(e, k, low=torch.float16) is None
+
+
+def test_watch_records_the_precision_of_each_value():
+    x = torch.tensor([[-1.25, 3.0]], requires_grad=True)
+    run = harness.execute(lambda a: (torch.linalg.vector_norm(a.half(), dim=1), a * 2), [x], True, track=True)
+    assert run.low == {"outs": [torch.float16, None], "grads": [torch.float16], "inputs": [None]}
+
+
+def test_make_input_layouts_and_arbiter():
+    for layout in ("transposed", "sliced", "offset", "expanded", "overlapping", "channels_last"):
+        x = harness.make_input((2, 3, 4, 5), "bfloat16", seed=3, layout=layout)
+        up = harness.make_input((2, 3, 4, 5), "bfloat16", seed=3, layout=layout, up=True)
+        assert up.dtype == torch.float64 and up.stride() == x.stride(), layout
+        assert torch.equal(up.to(torch.bfloat16), x), layout
+    assert not harness.make_input((3, 4), "float32", layout="transposed").is_contiguous()
+    assert harness.make_input((3, 4), "float32", layout="expanded").stride()[0] == 0
+
+
+def test_shrinker_keeps_the_failing_statement():
+    """With an oracle that fails while a program has a 'torch.exp' statement, the shrinker ends at that
+    statement alone over one plain input."""
+    ops = (Op("torch.sin({0})", ("a0",), "v0"), Op("torch.exp({0})", ("v0",), "v1"),
+           Op("{0} + {1}", ("v1", "a1"), "v2"), Op("torch.cos({0})", ("a1",), "v3"))
+    prog = Program((Input((4, 3), layout="transposed", grad=True), Input((3,), special=True)), ops, ("v2", "v3"),
+                   train=True, dynamic=True)
+    gen = reduce.shrinker(prog, ("wrong", "value"), max_tries=100)
+    cand, tries = next(gen), 0
+    try:
+        while True:
+            tries += 1
+            cand = gen.send(("wrong", "value") if any("exp" in o.text for o in cand.ops) else ("pass",))
+    except StopIteration as stop:
+        best = stop.value
+    assert [o.text for o in best.ops] == ["torch.exp({0})"], best.source()
+    assert len(best.inputs) == 1 and best.inputs[0].layout == "contiguous" and not best.train and not best.dynamic
+    assert tries < 60
+
+
+def test_eager_aliasing_through_an_overlapping_input_is_discarded():
+    """select_scatter clones an overlapping input with its strides and writes the clone: eager's values
+    then depend on the aliasing, so the program is discarded, not held against kiln."""
+    from kiln.bench.fuzz.child import namespace
+    prog = Program((Input((7, 3, 1), "int32", seed=2308, layout="overlapping"), Input((3, 1), "int32", seed=59)),
+                   (Op("torch.select_scatter({0}, {1}, 0, 6)", ("a0", "a1"), "v0"),), ("v0",))
+    ns = namespace(prog)
+    res = harness.check_program(ns["make_inputs"], ns["program"], "aten", baseline=False)
+    assert res.status == "discard" and "overlap" in res.error, res
+    plain = Program(prog.inputs[:1], (Op("{0} * 2", ("a0",), "v0"),), ("v0",))
+    ns = namespace(plain)
+    assert harness.check_program(ns["make_inputs"], ns["program"], "aten", baseline=False).status == "pass"
+
+
+def test_a_difference_eager_scalar_loops_share_is_excused():
+    """hardtanh's backward at NaN differs between eager's vectorized and scalar loops on this CPU; a kiln
+    result equal to the scalar loops' is excused, another one is not."""
+    from kiln.bench.fuzz.child import namespace
+    prog = Program((Input((4, 7), seed=887, special=True, grad=True),),
+                   (Op("F.hardtanh({0}, -1.5, 2.0)", ("a0",), "v0"),), ("v0",), train=True)
+    ns = namespace(prog)
+    mk, fn = ns["make_inputs"], ns["program"]
+    scalar = harness.execute(fn, [harness._strided(x) for x in mk()], True, strided=True)
+    assert harness._scalar_loops(mk, fn, True, scalar, None, True)
+    scalar.grads[0][0, 0] += 1.0
+    assert not harness._scalar_loops(mk, fn, True, scalar, None, True)
+
+
+def test_scalar_loops_of_backward_ops_inside_the_graph():
+    """elu's backward at NaN is NaN in eager's vectorized loop and the gradient in its scalar loop; inside
+    the graph (on ``a0 * 2``, a contiguous 64-element tensor) strided inputs do not reach it, the
+    ``SCALAR_LOOP_OPS`` dispatch does. A kiln gradient equal to the scalar loop's is excused, no other."""
+    from kiln.bench.fuzz.child import namespace
+    prog = Program((Input((64,), seed=5, special=True, grad=True),), (Op("{0} * 2", ("a0",), "v0"),
+                   Op("F.elu({0})", ("v0",), "v1")), ("v1",), train=True)
+    ns = namespace(prog)
+    mk, fn = ns["make_inputs"], ns["program"]
+    nan = mk()[0].isnan()
+    assert nan.any()
+    eager = harness.execute(fn, mk(), True)
+    scalar = harness.execute(fn, mk(), True)
+    scalar.grads[0][nan] = 2 * harness.cotangent(eager.outs[0], 1000)[nan]   # the positive branch's gradient
+    assert harness.compare(eager, scalar, None)[0].what == "nan"
+    assert harness._scalar_loops(mk, fn, True, scalar, None, True)
+    scalar.grads[0][nan] = 3.0
+    assert not harness._scalar_loops(mk, fn, True, scalar, None, True)
+
+
+def test_writes_through_overlapping_memory_are_discarded():
+    """An op that writes a tensor two of whose elements share memory (a select_scatter output with an
+    overlapping input's strides, masked_fill_ of an expanded view): eager's values depend on the order of
+    its writes, the program is discarded. A view that overlaps (unfold, expand) writes nothing."""
+    from kiln.bench.fuzz.watch import overlaps
+    x = torch.arange(10.0)
+    assert overlaps(x.as_strided((3, 3), (1, 1))) and overlaps(x[:1].expand(3))
+    assert not overlaps(x.unfold(0, 3, 3)) and not overlaps(x[::2])
+    track = lambda fn, *args: harness.execute(fn, list(args), False, track=True).overlap  # noqa: E731
+    assert track(lambda a: (a.unfold(0, 3, 1) * 1, (a * 2).unfold(0, 3, 1), a[:1].expand(4)), x) == []
+    assert track(lambda a: (torch.select_scatter(a, torch.zeros(3), 0, 1),), x.as_strided((3, 3), (1, 1))) \
+        == ["select_scatter.default"]
+    assert track(lambda a, m: (a.expand(2, 5).masked_fill_(m, 0),), x[:5].clone(), torch.rand(2, 5) > 0.5) \
+        == ["masked_fill_.Scalar"]
+    prog = Program((Input((8, 1, 16), "int32", seed=98), Input((1, 8, 1, 16), "bool", seed=3, values="mask")),
+                   (Op("{0}.expand((2, 8, 1, 16))", ("a0",), "v0"), Op("{0}.masked_fill_({1}, 0)", ("v0", "a1"), "v1")),
+                   ("v1",))   # seed 1 program 74, shrunk: eager 0 where kiln and aot_eager wrote -4
+    from kiln.bench.fuzz.child import namespace
+    ns = namespace(prog)
+    res = harness.check_program(ns["make_inputs"], ns["program"], "aten", baseline=False)
+    assert res.status == "discard" and "overlaps itself" in res.error, res
+
+
+def test_a_deadline_and_a_signal_still_write_the_summary(tmp_path):
+    """Past ``deadline`` no program starts; SIGTERM (``timeout`` ending a run) stops the run: both write
+    the summary, saying how many programs did not run."""
+    cfg = runner.Config(targets=("aten",), programs=50, seed=0, out=str(tmp_path / "deadline"), quiet=True,
+                        inline=True, deadline=0.0)
+    s = runner.main(cfg)
+    assert s["state"]["stopped"] == "deadline" and s["state"]["unstarted"] == 50 and s["targets"] == {}
+    assert "stopped (deadline): 50 programs not started" in (tmp_path / "deadline" / "summary.md").read_text()
+    out = tmp_path / "signal"
+    proc = subprocess.Popen([sys.executable, "-m", "kiln.bench.fuzz", "--target", "aten", "--programs", "50",
+                             "--inline", "--no-shrink", "--out", str(out)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().startswith("[fuzz] aten 0:")
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=120)
+    s = json.loads((out / "summary.json").read_text())
+    assert s["state"]["stopped"].startswith("signal") and 1 <= s["targets"]["aten"]["programs"] < 50
+    assert s["state"]["unstarted"] + s["state"]["unfinished"] == 50 - s["targets"]["aten"]["programs"]
