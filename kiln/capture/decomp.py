@@ -138,19 +138,27 @@ def _table(target: str):
     return table
 
 
-def _bool_scaled(x, dim, index, source, *, alpha=1):
-    return x.dtype == torch.bool and alpha != 1
+def _bool_scaled_or_empty(x, dim, index, source, *, alpha=1):
+    return (x.dtype == torch.bool and alpha != 1) or x.numel() == 0
 
 
 def _not_float(x, *args, **kwargs):
     return not x.is_floating_point()
 
 
+def _not_contiguous_strides(x, *args, **kwargs):
+    return tuple(x.stride()) != tuple(torch._prims_common.make_contiguous_strides_for(x.shape))
+
+
 # Inputs on which torch's decomposition of an op is wrong, so the op stays one ATen call: index_add
-# multiplies a bool source by ``alpha`` (an int64 source, which index_put rejects for a bool destination);
-# softmax of an integer tensor (eager's runs only when it is empty) pads it with an integer -inf.
-DECLINE = {aten.index_add.default: _bool_scaled, aten._softmax.default: _not_float,
-           aten._log_softmax.default: _not_float}
+# multiplies a bool source by ``alpha`` (an int64 source, which index_put rejects for a bool destination),
+# and into an empty tensor its index_put checks indices eager never reads (fuzz seed 10 #1016);
+# softmax of an integer tensor (eager's runs only when it is empty) pads it with an integer -inf;
+# index_fill of a tensor without contiguous strides restores them, in torch 2.11 by ``empty_like(x).copy_``,
+# an in-place write that AOTAutograd's functional-graph check rejects (2.13 uses ``prims.copy_strided``).
+DECLINE = {aten.index_add.default: _bool_scaled_or_empty, aten._softmax.default: _not_float,
+           aten._log_softmax.default: _not_float,
+           aten.index_fill.int_Scalar: _not_contiguous_strides, aten.index_fill.int_Tensor: _not_contiguous_strides}
 
 
 def _complex(value) -> bool:

@@ -312,9 +312,28 @@ def test_decompositions_torch_gets_wrong_stay_aten(codegen):
     a, i, s = torch.tensor([[True, False, False]]), torch.tensor([0, 2]), torch.tensor([[True, True]])
     fn = lambda a, i, s: torch.index_add(a, 1, i, s, alpha=2)  # noqa: E731
     same(fn(a, i, s), compiled(fn, codegen)(a, i, s))
+    # into an empty tensor eager reads no index; the decomposition's index_put checks them (seed 10 #1016)
+    a, s = torch.zeros(5, 8, 1, 0, dtype=torch.int32), torch.ones(5, 8, 1, 4, dtype=torch.int32)
+    fn = lambda a, i, s: a.clone().index_add_(-1, i, s)  # noqa: E731
+    same(fn(a, torch.zeros(4, dtype=torch.int64), s), compiled(fn, codegen)(a, torch.zeros(4, dtype=torch.int64), s))
     x = torch.zeros(0, 3, dtype=torch.int64)
     for fn in (lambda x: torch.log_softmax(x, 0), lambda x: torch.softmax(x, 0)):
         same(fn(x), compiled(fn, codegen)(x))
+
+
+def test_index_fill_of_a_strided_tensor_stays_aten():
+    """torch 2.11's index_fill decomposition restores a strided input's strides by ``empty_like(x).copy_``,
+    which AOTAutograd's functional-graph check rejects (fuzz seed 10 #1135): the fusing targets keep such an
+    index_fill whole, and fuse it only where the strides are already contiguous."""
+    from kiln.capture.decomp import decomposition_table
+    decomp = decomposition_table("triton")[torch.ops.aten.index_fill.int_Scalar]
+    base = torch.arange(12).reshape(1, 3, 4)
+    strided, i = base[:, :, ::4], torch.tensor([1])
+    assert decomp(strided, 1, i, 3) is NotImplemented
+    assert decomp(base, 1, i, 3) is not NotImplemented
+    fn = lambda a, i: a.index_fill(1, i, 3)  # noqa: E731
+    for codegen in ("triton", "cpp"):
+        same(fn(strided, i), compiled(fn, codegen)(strided, i))
 
 
 @pytest.mark.parametrize("shape", [(0, 7), (7, 0)])
