@@ -26,3 +26,10 @@ def add_for_mul(graph) -> None:
     for n in graph.nodes:
         if n.op == "call_function" and n.target is torch.ops.aten.mul.Tensor:
             n.target = torch.ops.aten.add.Tensor
+
+
+def broken_generator(program: Program, index: int) -> Program:
+    """The fuzzer itself failing to make program 0 (as a child missing a module would)."""
+    if index == 0:
+        raise ImportError("No module named 'hypothesis._native'")
+    return program

@@ -188,3 +188,13 @@ def test_a_deadline_and_a_signal_still_write_the_summary(tmp_path):
     s = json.loads((out / "summary.json").read_text())
     assert s["state"]["stopped"].startswith("signal") and 1 <= s["targets"]["aten"]["programs"] < 50
     assert s["state"]["unstarted"] + s["state"]["unfinished"] == 50 - s["targets"]["aten"]["programs"]
+
+
+def test_a_program_the_fuzzer_cannot_make_is_a_harness_error(tmp_path):
+    """A child that fails before its program starts (an import, the generator) reports the fuzzer's
+    failure, not a crash of kiln's; the next program still runs."""
+    cfg = runner.Config(targets=("aten",), programs=2, seed=0, workers=1, out=str(tmp_path), quiet=True,
+                        hook="tests.fuzz.hooks:broken_generator", shrink_tries=0, timeout=60)
+    s = runner.main(cfg)["targets"]["aten"]
+    assert s["harness_errors"] == 1 and s["crashes"] == 0 and s["failed"] == 0, s
+    assert s["passed"] + s["discarded"] + s["upstream"] == 1, s

@@ -70,7 +70,11 @@ def serve(conn, cfg: dict) -> None:
         task = conn.recv()
         if task is None:
             return
-        prog = program_of(task, cfg["seed"], cfg["max_ops"], hook)
+        try:
+            prog = program_of(task, cfg["seed"], cfg["max_ops"], hook)
+        except Exception as e:   # the fuzzer could not make the program (an import, the generator)
+            conn.send(("result", _harness_error(e)))
+            continue
         conn.send(("program", prog.to_dict()))   # before it runs: a crash leaves it behind; its clock starts
         conn.send(("result", answer(prog, task, cfg["options"])))
 
@@ -90,8 +94,13 @@ def answer(prog: Program, task: dict, options: dict) -> dict:
     try:
         return run_program(prog, task["target"], f"<fuzz {task['target']} {task['index']}>", options)
     except Exception as e:   # a bug of the fuzzer, not of kiln: reported apart
-        return {"status": "harness_error", "error": f"{type(e).__name__}: {e}"[:300], "signature": ["harness"],
-                "problems": [], "seconds": {}, "fallbacks": 0}
+        return _harness_error(e)
+
+
+def _harness_error(e) -> dict:
+    error = e if isinstance(e, str) else f"{type(e).__name__}: {e}"
+    return {"status": "harness_error", "error": error[:300], "signature": ["harness"], "problems": [],
+            "seconds": {}, "fallbacks": 0}
 
 
 class Worker:
@@ -377,6 +386,8 @@ def _loop(run: Run, workers: list, ctx) -> None:
                 detail = _death(w.proc.exitcode) if dead else f"no answer after {run.cfg.timeout:.0f} s"
                 res = {"status": status, "detail": detail, "error": f"child {detail}", "signature": [status],
                        "problems": [], "seconds": {"total": time.monotonic() - w.since}, "fallbacks": 0}
+                if not w.started:   # it never began the program (start-up, imports): the fuzzer's failure
+                    res = _harness_error(f"child {detail} before its program started")
                 task, session, program = w.task, w.session, w.program
                 workers[i] = Worker(ctx, run.cfg)
                 run.deliver(task, session, program, res)
