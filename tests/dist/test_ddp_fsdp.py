@@ -17,6 +17,7 @@ import re
 import socket
 import time
 import traceback
+from unittest import mock
 
 import pytest
 import torch
@@ -166,20 +167,6 @@ def job_fsdp(rank: int, codegen: str = "auto") -> dict:
     return dict(seen, losses=losses, state=plain(full))
 
 
-@contextlib.contextmanager
-def env(**values):
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def job_shared_cache(rank: int, directory: str) -> dict:
     """A block compiled with the Triton target (interpreted on the CPU) by both ranks at once, writing
     kernel modules into the same ``directory``: its output and gradients beside eager's, and the source of
@@ -199,7 +186,7 @@ def job_shared_cache(rank: int, directory: str) -> dict:
         return [out.detach(), *grads]
 
     reset()   # cold: every kernel module is written to the directory again
-    with env(KILN_KERNEL_DIR=directory):
+    with mock.patch.dict(os.environ, KILN_KERNEL_DIR=directory):
         dist.barrier()   # both ranks compile at the same moment
         got, sources = kiln.run_and_get_code(step, compiled)
     kernels = {m.group(1): text for text in sources
