@@ -10,7 +10,8 @@ from __future__ import annotations
 import sympy
 import torch
 
-from kiln.codegen.ir.indexing import RINDEX, XINDEX, FloorDiv, ModIdx, Ranges, simplify
+from kiln.codegen.ir.index_source import index_source
+from kiln.codegen.ir.indexing import RINDEX, XINDEX, Ranges, simplify
 from kiln.codegen.ir.loops import Expr, Unsupported
 from kiln.codegen.ir.scope import Scope
 from kiln.codegen.schedule.colpart import XPID
@@ -170,34 +171,16 @@ class ExprWriter:
     def pexpr(self, e, sub=None) -> str:
         """An index (or size) expression as C++ over the kernel's loop variables."""
         sub = sub or {}
-        p = lambda x: self.pexpr(x, sub)  # noqa: E731
-        e = sympy.sympify(e)
-        if e.is_Integer:
-            return f"(({self.idx_t}){int(e)}LL)" if abs(int(e)) >= 2 ** 31 else str(int(e))
-        if e.is_Symbol:
-            if e is XINDEX or e == XINDEX:
-                return "x"
-            if e == RINDEX:
-                return "r"
-            if e == XPID:
-                return "xpid"
-            if e in (XO, XI):
-                return e.name
-            if e in sub:
-                return sub[e]
-            return self.size_arg(e)
-        if isinstance(e, FloorDiv):
-            return f"({p(e.args[0])} / {p(e.args[1])})"
-        if isinstance(e, ModIdx):
-            a, d, m = e.args
-            return f"({p(a)} % {p(m)})" if d == 1 else f"(({p(a)} / {p(d)}) % {p(m)})"
-        if e.is_Add:
-            return "(" + " + ".join(p(t) for t in e.args) + ")"
-        if e.is_Mul:
-            return "(" + " * ".join(p(t) for t in e.args) + ")"
-        if e.is_Pow and e.exp.is_Integer and e.exp > 0:
-            return "(" + " * ".join([p(e.base)] * int(e.exp)) + ")"
-        raise Unsupported(f"cpp: cannot print index {e}")
+        names = {XINDEX: "x", RINDEX: "r", XPID: "xpid", XO: XO.name, XI: XI.name}
+
+        def leaf(s):
+            if s in names:
+                return names[s]
+            return sub[s] if s in sub else self.size_arg(s)
+
+        def integer(n):
+            return f"(({self.idx_t}){n}LL)" if abs(n) >= 2 ** 31 else str(n)
+        return index_source(sympy.sympify(e), leaf, integer, div="/", what="cpp index")
 
 
 __all__ = ["Scope", "ExprWriter", "render", "load_code", "store_code", "XO", "XI"]

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kiln.codegen.ir.indexing import RINDEX, XINDEX, FloorDiv, ModIdx, simplify
+from kiln.codegen.ir.index_source import index_source
+from kiln.codegen.ir.indexing import RINDEX, XINDEX, simplify
 from kiln.codegen.ir.loops import Expr, Unsupported
 from kiln.codegen.ir.scope import Scope
 from kiln.codegen.schedule.colpart import XPID
@@ -251,26 +252,9 @@ class ExprWriter:
     def pexpr(self, e, sub=None):
         """Print an index expression as Triton source."""
         sub = sub or {}
-        p = lambda x: self.pexpr(x, sub)  # noqa: E731
-        if e.is_Integer:
-            return str(int(e))
-        if e.is_Symbol:
-            if e in (XINDEX, RINDEX, XPID):
-                return e.name
-            if e in sub:
-                return sub[e]
-            return self.size_arg(e)
-        # a right operand of // or % that is a product needs parentheses: ``a // 32*s`` is (a // 32)*s
-        q = lambda x: f"({p(x)})" if x.is_Mul or x.is_Pow else p(x)  # noqa: E731
-        if isinstance(e, FloorDiv):
-            return f"({p(e.args[0])} // {q(e.args[1])})"
-        if isinstance(e, ModIdx):
-            a, d, m = e.args
-            return f"({p(a)} % {q(m)})" if d == 1 else f"(({p(a)} // {q(d)}) % {q(m)})"
-        if e.is_Add:
-            return "(" + " + ".join(p(t) for t in e.args) + ")"
-        if e.is_Mul:
-            return "*".join(p(t) for t in e.args)
-        if e.is_Pow and e.exp.is_Integer and e.exp > 0:
-            return "(" + "*".join([p(e.base)] * int(e.exp)) + ")"
-        raise Unsupported(f"cannot print index {e}")
+
+        def leaf(s):
+            if s in (XINDEX, RINDEX, XPID):
+                return s.name
+            return sub[s] if s in sub else self.size_arg(s)
+        return index_source(e, leaf)

@@ -1,0 +1,30 @@
+"""Index expressions as source text, for the emitters (Python-like Triton and C++ alike)."""
+from __future__ import annotations
+
+from kiln.codegen.ir.indexing import FloorDiv, ModIdx
+from kiln.codegen.ir.loops import Unsupported
+
+
+def index_source(e, leaf, integer=str, div: str = "//", what: str = "index") -> str:
+    """``e`` (a sympy index expression) as source: ``leaf(symbol)`` names a symbol, ``integer(n)`` writes
+    a constant, ``div`` is floor division of the non-negative operands indices have ('//' in Python, '/'
+    in C: both languages give * / % one precedence, left to right). Unprintable: ``Unsupported``."""
+    p = lambda x: index_source(x, leaf, integer, div, what)  # noqa: E731
+    if e.is_Integer:
+        return integer(int(e))
+    if e.is_Symbol:
+        return leaf(e)
+    # a right operand of div or % that is a product needs parentheses: ``a // 32*s`` is (a // 32)*s
+    q = lambda x: f"({p(x)})" if x.is_Mul or x.is_Pow else p(x)  # noqa: E731
+    if isinstance(e, FloorDiv):
+        return f"({p(e.args[0])} {div} {q(e.args[1])})"
+    if isinstance(e, ModIdx):
+        a, d, m = e.args
+        return f"({p(a)} % {q(m)})" if d == 1 else f"(({p(a)} {div} {q(d)}) % {q(m)})"
+    if e.is_Add:
+        return "(" + " + ".join(p(t) for t in e.args) + ")"
+    if e.is_Mul:
+        return "*".join(p(t) for t in e.args)
+    if e.is_Pow and e.exp.is_Integer and e.exp > 0:
+        return "(" + "*".join([p(e.base)] * int(e.exp)) + ")"
+    raise Unsupported(f"cannot print {what} {e}")
