@@ -14,7 +14,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH)" "$(TRITON)" numpy scipy rich matplotlib pytest pytest-timeout hypothesis
+	$(PY) -m pip install -q "$(TORCH)" "$(TRITON)" numpy scipy rich matplotlib pytest pytest-timeout hypothesis expecttest
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 

@@ -31,12 +31,17 @@ class OpNotFound(LookupError):
 def op_db(which: str = "op") -> list:
     """PyTorch's operator database (``"op"``: ``op_db``, importing it takes several seconds), or its
     higher-order ops (``"hop"``: ``hop_db``: cond, map, scan, while_loop, invoke_subgraph, ...)."""
-    if which == "hop":
-        from torch.testing._internal.hop_db import hop_db
-        return hop_db
-    if which != "op":
+    if which not in ("op", "hop"):
         raise ValueError(f"--db {which!r}: choose op or hop")
-    from torch.testing._internal.common_methods_invocations import op_db as db
+    try:
+        if which == "hop":
+            from torch.testing._internal.hop_db import hop_db
+            return hop_db
+        from torch.testing._internal.common_methods_invocations import op_db as db
+    except ModuleNotFoundError as e:  # torch's test modules need test-only packages (expecttest, ...)
+        raise ModuleNotFoundError(
+            f"PyTorch's OpInfo database needs {e.name!r}, which torch does not install: "
+            f"pip install {e.name} (or pip install 'kiln[test]')", name=e.name) from e
     return db
 
 

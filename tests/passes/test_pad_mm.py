@@ -95,8 +95,11 @@ def test_gpt2_backward_shares_one_pad(small):
     assert sorted(tuple(p.meta["val"].shape) for p in pads) == [(32, 1004), (1004, 24)]
     assert all(p.meta["val"].is_contiguous() for p in pads)
     dw, dx = run_checked(gm, g, x, w)
-    torch.testing.assert_close(dw, g.t() @ x, rtol=0, atol=0)
-    torch.testing.assert_close(dx, g @ w, rtol=0, atol=0)
+    # zero padding is exact, but a BLAS may block a padded K differently (another summation order):
+    # each result is as close to the fp64 product as the unpadded fp32 product is, give or take an ulp
+    for got, ref, exact in ((dw, g.t() @ x, g.double().t() @ x.double()), (dx, g @ w, g.double() @ w.double())):
+        err, base = (got.double() - exact).abs().max(), (ref.double() - exact).abs().max()
+        assert err <= 2 * base + 1e-6, (err, base)
 
 
 def test_row_major_m_not_padded(small):
