@@ -1,5 +1,5 @@
 """The ``kiln`` command: ``kiln demo``, ``kiln bench ...``, ``kiln check-ops ...`` (the OpInfo sweep),
-``kiln options``."""
+``kiln options``, ``kiln cache info|clear``."""
 from __future__ import annotations
 
 import sys
@@ -17,13 +17,39 @@ def main(argv=None) -> int:
     if cmd == "check-ops":
         from kiln.bench.opinfo import main as check_ops
         return check_ops(argv)
+    if cmd == "cache":
+        return cache_command(argv)
     if cmd == "options":
         from kiln.options import describe
         print(describe())
         return 0
     print("usage: kiln demo | kiln bench [--suite micro|models|all] [...] | kiln check-ops [--ops REGEX] [...]"
-          " | kiln options")
+          " | kiln options | kiln cache info|clear")
     return 0 if cmd in ("help", "-h", "--help") else 2
+
+
+def cache_command(argv) -> int:
+    """``kiln cache info`` (where the compile cache is, its entries and size) or ``kiln cache clear``;
+    the directory is the options' (``cache_dir``, ``KILN_CACHE_DIR``)."""
+    from kiln.cache import store
+    from kiln.options import current
+    what = argv[0] if argv else "info"
+    if what not in ("info", "clear"):
+        print(f"kiln cache: unknown command {what!r}; use 'kiln cache info' or 'kiln cache clear'")
+        return 2
+    opts = current()
+    try:
+        root = store.directory(opts.cache_dir)
+    except (OSError, store.CacheDirError) as e:
+        print(f"kiln cache: {e}")
+        return 1
+    if what == "clear":
+        print(f"removed {store.clear(root)} entries from {root}")
+        return 0
+    i = store.info(root)
+    print(f"directory: {i['dir']}\nentries:   {i['entries']}\nsize:      {i['bytes'] / 2**20:.2f} MiB "
+          f"(limit {opts.cache_size_mb} MiB)\nenabled:   {opts.cache}")
+    return 0
 
 
 if __name__ == "__main__":

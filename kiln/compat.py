@@ -64,3 +64,40 @@ def triton_c_launcher_ok(version: str) -> bool:
     arguments): read from Triton 3.6's ``make_launcher``. Other versions go through the launcher's
     Python ``__call__``, whose signature is public."""
     return version.split(".")[:2] == ["3", "6"]
+
+
+def aot_runtime_wrappers(fw, bw, meta, n_saved, n_symints, detach, n_params=0):
+    """AOTAutograd's post-compile steps on compiled graphs ``fw`` (forward or inference) and ``bw``
+    (None: inference), in the order AOTAutograd applies them, for a graph without tensor subclasses,
+    input deduplication or synthetic bases; returns the boxed callable (``args`` list). The compile
+    spec of ``AOTDispatchAutograd.post_compile`` is an object from torch 2.13 on, positional before."""
+    import dataclasses
+    from torch._functorch._aot_autograd import runtime_wrappers as rw
+    from torch._functorch._aot_autograd.schemas import AOTConfig
+    wanted = dict(fw_compiler=None, bw_compiler=None, inference_compiler=None, partition_fn=None, decompositions={},
+                  num_params_buffers=n_params, aot_id=next(torch._functorch.aot_autograd.AOT_COUNTER),
+                  keep_inference_input_mutations=True, dynamic_shapes=False, aot_autograd_arg_pos_to_source=None,
+                  is_export=False, no_tangents=False, enable_log=False)
+    names = {f.name for f in dataclasses.fields(AOTConfig)}
+    config = AOTConfig(**{k: v for k, v in wanted.items() if k in names})
+    training = bw is not None
+    fw = rw.AOTDispatchSubclassWrapper(trace_joint=training, fw_only=None, maybe_subclass_meta=None,
+                                       num_fw_outs_saved_for_bw=n_saved if training else None
+                                       ).post_compile(fw, config, runtime_metadata=meta)
+    fw = rw.FunctionalizedRngRuntimeWrapper(return_new_outs=not training).post_compile(
+        fw, config, runtime_metadata=meta)
+    fw._boxed_call = True
+    disable_amp = torch._C._is_any_autocast_enabled()
+    if not training:
+        return rw.RuntimeWrapper(indices_of_inps_to_detach=detach, trace_joint=False, disable_amp=disable_amp
+                                 ).post_compile(fw, config, runtime_metadata=meta)
+    spec = dict(compiled_fw_func=fw, compiled_bw_func=bw, maybe_subclass_meta=None, num_symints_saved_for_bw=n_symints,
+                backward_state_indices=[], disable_amp=disable_amp, indices_of_inps_to_detach=detach,
+                lazy_backward_info=None, bw_compiler=None, aot_config=config, fw_metadata=meta,
+                try_save_cache_entry=None)
+    Spec = getattr(rw, "AOTDispatchAutogradCompileSpec", None)
+    if Spec is not None:
+        return rw.AOTDispatchAutograd.post_compile(Spec(**spec))
+    spec.pop("bw_compiler")
+    spec["num_symints_saved_for_bw_"] = spec.pop("num_symints_saved_for_bw")
+    return rw.AOTDispatchAutograd.post_compile(**spec)

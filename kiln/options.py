@@ -53,9 +53,9 @@ def _check_value(f, value, name):
         if value is not None:
             parse_bytes(value)
         return
-    if name == "dump_dir":
+    if name in ("dump_dir", "cache_dir"):
         if value is not None and not isinstance(value, (str, os.PathLike)):
-            raise OptionError(f"dump_dir={value!r} must be a directory path (a str) or None")
+            raise OptionError(f"{name}={value!r} must be a directory path (a str) or None")
         return
     if name == TUNING:
         if not isinstance(value, Tuning):
@@ -252,6 +252,12 @@ class Options:
     mode: Optional[str] = _opt(None, "torch.compile mode: None, 'default', 'reduce-overhead', 'max-autotune'",
                                (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"))
     tuning: Tuning = _opt(Tuning(), "tuning constants of code generation and passes: the tuning.* rows", env=False)
+    # the compile cache (kiln/cache): compiled graphs kept on disk for later processes
+    cache: bool = _opt(True, "reuse graphs compiled by earlier processes (and keep new ones) in cache_dir", cache=False)
+    cache_dir: Optional[str] = _opt(None, "the compile cache's directory (made 0700); None: $XDG_CACHE_HOME/kiln or "
+                                          "~/.cache/kiln", cache=False)
+    cache_size_mb: int = _opt(2048, "the compile cache's size limit in MB: the entries used longest ago go first",
+                              cache=False, check="pos")
     # debugging
     debug: int = _opt(0, "0..5: stage names, graphs, remat decisions, kernels, rules", cache=False)
     dump_dir: Optional[str] = _opt(None, "write every stage's graph, kernels and a repro here", cache=False)

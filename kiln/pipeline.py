@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 
-from kiln import compat, debug, partition, passes
+from kiln import cache, compat, debug, partition, passes
 from kiln.capture.decomp import decomposition_table
 from kiln.codegen.fuse_graph import UNFUSED, fuse_graph, triton_available
 from kiln.codegen.wrapper import emit_wrapper
@@ -46,23 +46,31 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list, opts: Options):
         if opts.dump_dir:
             write_repro(trace, gm, example_inputs, opts)
         registered = passes.snapshot()   # the backward, compiled later, runs these too
-        trace.stage("pre_grad", passes.pre_grad, gm, opts, registered)
         target = resolve_target(opts, example_inputs)
+        session = cache.open_graph(gm, example_inputs, opts, cache_key(opts, registered), target,
+                                   frozen=opts.freezing and not torch.is_grad_enabled())
+        hit = session.load() if session is not None else None
+        if hit is not None:
+            return hit
+        trace.stage("pre_grad", passes.pre_grad, gm, opts, registered)
         region = None
         if opts.freezing and not torch.is_grad_enabled():
             region = freeze.module_region(gm, example_inputs)
             if region is None:
                 log(1, "freeze: no parameters or buffers in this graph; compiling without freezing")
-        compiled = aot_autograd(**aot_compilers(opts, target, trace, region, registered))(gm, example_inputs)
+        compiled = aot_autograd(**aot_compilers(opts, target, trace, region, registered, session))(gm, example_inputs)
         if region is not None:
             freeze.finish(region, opts)
+        if session is not None:
+            session.traced()
         return compiled
 
 
-def aot_compilers(opts: Options, target: str, trace: Trace, region=None, registered=None) -> dict:
+def aot_compilers(opts: Options, target: str, trace: Trace, region=None, registered=None, session=None) -> dict:
     """AOTAutograd's keyword arguments for one compiled region: kiln's compilers, partitioner and
     decompositions. ``region``: the freezing state (``freeze.FrozenRegion``) of an inference region;
-    ``registered``: the passes registered when the compile began (default: those in force now)."""
+    ``registered``: the passes registered when the compile began (default: those in force now);
+    ``session``: the compile cache's (``cache.Session``), which records what the compilers make."""
     registered = passes.snapshot() if registered is None else registered
     if target == "triton":   # precompile workers start while AOTAutograd traces
         precompile.start(opts)
@@ -71,16 +79,25 @@ def aot_compilers(opts: Options, target: str, trace: Trace, region=None, registe
     layout: dict = {}   # names of saved values the forward produces with known strides (wrapper views)
 
     def fw_compiler(g, inputs):
-        return lower(g, inputs, opts, trace, "forward", target, graphs, n_user.get("n", 0), layout=layout,
-                     registered=registered)
+        if session is not None:
+            session.recorder.metadata()
+            session.recorder.forward_graph(g, n_user.get("n", 0))
+        return _record(session, "forward", lower(g, inputs, opts, trace, "forward", target, graphs, n_user.get("n", 0),
+                                                 layout=layout, registered=registered))
 
     def bw_compiler(g, inputs):  # runs lazily at the first backward, maybe on another thread
-        return lower(g, inputs, opts, trace, "backward", target, graphs, layout=layout, registered=registered)
+        if session is not None:
+            session.recorder.backward_graph(g)
+        return _record(session, "backward", lower(g, inputs, opts, trace, "backward", target, graphs, layout=layout,
+                                                  registered=registered))
 
     def inference_compiler(g, inputs):
         if region is None:
+            if session is not None:
+                session.recorder.metadata()
             trace.stage("joint", passes.joint, g, opts, registered)
-            return lower(g, inputs, opts, trace, "inference", target, graphs, registered=registered)
+            return _record(session, "inference", lower(g, inputs, opts, trace, "inference", target, graphs,
+                                                       registered=registered))
         keep = freeze.freeze_graph(g, inputs, region, opts, target, trace, registered)
         compiled = lower(g, [inputs[i] for i in keep], opts, trace, "inference", target, graphs, positions=keep,
                          registered=registered)
@@ -101,6 +118,13 @@ def aot_compilers(opts: Options, target: str, trace: Trace, region=None, registe
     return compat.aot_autograd_kwargs(
         fw_compiler=fw_compiler, bw_compiler=bw_compiler, inference_compiler=inference_compiler,
         partition_fn=partition_fn, decompositions=table, keep_inference_input_mutations=True)
+
+
+def _record(session, kind: str, compiled):
+    """Hand a compiled graph to the compile cache's session (if any); returns it."""
+    if session is not None:
+        session.add(kind, compiled, getattr(compiled, "units", ()))
+    return compiled
 
 
 def lower(gm: fx.GraphModule, inputs: list, opts: Options, trace: Trace, kind: str, target: str,
@@ -130,7 +154,7 @@ def _lower(gm: fx.GraphModule, inputs: list, opts: Options, trace: Trace, kind: 
            layout=None, registered=None):
     """``layout``: shared by a forward and its backward; the forward records which saved values it
     produces with known strides, and the backward's wrapper reinterprets views of those."""
-    names = None
+    names, units = None, []   # units: the C++ translation units built for this graph
     if layout is not None and kind == "forward":   # output names before passes: the backward's inputs
         out = gm.graph.output_node().args[0]
         names = [getattr(o, "name", None) for o in (out if isinstance(out, (tuple, list)) else (out,))]
@@ -142,7 +166,7 @@ def _lower(gm: fx.GraphModule, inputs: list, opts: Options, trace: Trace, kind: 
             trace.stage(f"conv_bias_{kind}", split_conv_bias, gm)
         fuse_opts = opts if opts.codegen == target else opts.replace(codegen=target)   # 'auto' resolved
         trace.stage(f"fuse_{kind}", fuse_graph, gm, inputs, fuse_opts, load_kernel, _plan_printer(trace, kind),
-                    build=_builder(trace, kind))
+                    build=_builder(trace, kind, units))
     if target == "triton":
         trace.stage(f"precompile_{kind}", precompile.warm, gm, opts)
     fallback = gm.meta.pop(UNFUSED, None)   # the ATen graph, for kernels without a fallback of their own
@@ -155,7 +179,9 @@ def _lower(gm: fx.GraphModule, inputs: list, opts: Options, trace: Trace, kind: 
         log(4, f"kernel {k.name}:\n{k.source}")
         trace.dump(f"kernel_{k.name}.py", k.source)
     trace.dump(f"wrapper_{kind}.py", wrapper.source)
-    return load(wrapper, fallback)
+    compiled = load(wrapper, fallback)
+    compiled.units = units
+    return compiled
 
 
 def _plan_printer(trace: Trace, kind: str):
@@ -170,13 +196,13 @@ def _plan_printer(trace: Trace, kind: str):
     return show
 
 
-def _builder(trace: Trace, kind: str):
-    """How a graph's C++ translation unit is built: ``cpp_build.build``, its source dumped first."""
-    if trace.dir is None:
-        return cpp_build.build
-
+def _builder(trace: Trace, kind: str, units: list):
+    """How a graph's C++ translation unit is built: ``cpp_build.build``, its source dumped first and
+    the unit added to ``units`` (the compile cache stores them)."""
     def build(unit, opts):
-        trace.dump(f"kernels_{kind}.cpp", unit.source)
+        units.append(unit)
+        if trace.dir is not None:
+            trace.dump(f"kernels_{kind}.cpp", unit.source)
         return cpp_build.build(unit, opts)
     return build
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+os.environ.setdefault("KILN_CACHE", "0")   # compiles in tests are cold; tests/cache turns the cache on
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 

@@ -28,6 +28,7 @@ LAYERS = [
     ("emitters", ["kiln.codegen.to_triton", "kiln.codegen.to_cpp"]),
     ("code generation", ["kiln.codegen"]),
     ("runtime", ["kiln.runtime"]),
+    ("compile cache", ["kiln.cache"]),
     ("pipeline", ["kiln.pipeline", "kiln.repro", "kiln.mef", "kiln.capture.dynamo", "kiln"]),
     ("tools", ["kiln.bench", "kiln.cli"]),
 ]

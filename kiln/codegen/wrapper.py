@@ -52,6 +52,7 @@ class Wrapper:
     source: str
     globals: dict = field(default_factory=dict)
     kernels: list = field(default_factory=list)  # objects with .name and .source
+    handles: dict = field(default_factory=dict)  # global name -> the OpOverload whose C++ handle it binds
     known_outputs: list = field(default_factory=list)  # per output: strides at run time = example's
 
 
@@ -110,7 +111,10 @@ class _Emitter:
             # a plain overload's __call__ only forwards to its C++ handle: bind the handle (a Python
             # frame less per call); subclasses (TorchBind ops) keep their own __call__
             fn = getattr(target, "_op", target) if type(target) is torch._ops.OpOverload else target
-            return self.bind(fn, f"{target.namespace}_{target._opname}_{target._overloadname}")
+            name = self.bind(fn, f"{target.namespace}_{target._opname}_{target._overloadname}")
+            if fn is not target:
+                self.w.handles[name] = target   # the compile cache stores the overload, not its handle
+            return name
         name = getattr(target, "name", None)   # a higher-order op's ``name`` is a method
         return self.bind(target, name if isinstance(name, str) else getattr(target, "__name__", None) or "fn")
 

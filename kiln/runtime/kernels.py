@@ -156,6 +156,16 @@ def kernel_for(text: str, kind: str, interpret: bool, n_outputs: int, reuse=()) 
     return k
 
 
+def kernel_named(name: str, source: str, interpret: bool, n_outputs: int, reuse=()) -> Kernel:
+    """The cached Kernel ``name`` whose module text (its name filled in) is ``source``: a kernel the
+    compile cache stored (``kernel_for`` made it, in this process or an earlier one)."""
+    with _LOCK:
+        k = _CACHE.get(name)
+        if k is None or k.source != source:
+            k = _CACHE[name] = Kernel(name, source, interpret, n_outputs, reuse)
+    return k
+
+
 def load_kernel(source, fallback=None) -> "KernelCall":
     """The FX target for a generated module (``codegen.schedule.plan.KernelSource``): its cached
     ``Kernel`` with ``fallback`` (``codegen.fallback.Fallback`` or None) for this call site."""

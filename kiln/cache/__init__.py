@@ -1,0 +1,143 @@
+"""The compile cache: graphs compiled by one process, reused by the next.
+
+``open_graph`` decides whether a Dynamo graph may use the cache and computes its key
+(``key.graph_key``). ``Session.load`` returns the compiled callable of a hit: the stored wrappers,
+kernels and C++ libraries loaded (``serial``), AOTAutograd's runtime wrappers put back together
+(``aot``), the stored shape guards checked and added to Dynamo's; tracing, passes, partitioning and
+code generation are skipped. On a miss the pipeline compiles as usual; kiln's compilers hand their
+results to ``Session.recorder`` and ``Session.save`` writes the entry once the graph is complete (a
+training graph when its backward compiles, at its first ``backward()``). Entries live in ``store``'s
+directory (``cache_dir``, ``KILN_CACHE_DIR``); ``kiln cache info|clear`` reads and empties it.
+
+Counters (``kiln.counters['cache']``): ``hit``, ``miss``, ``saved``, ``bypass`` (not cacheable),
+``damaged`` (an entry failed its check and was deleted), ``guard_miss`` (stored for other shapes),
+``load_failed`` (an entry that did not load: compiled again).
+"""
+from __future__ import annotations
+
+import pickle
+import warnings
+
+import torch
+
+from kiln.cache import aot, key, serial, store
+from kiln.debug import counters, log
+
+_WARNED: set = set()
+
+
+def root_of(opts) -> str:
+    """The cache directory of ``opts`` (made 0700 if missing; ``store.CacheDirError`` if unsafe)."""
+    return store.directory(opts.cache_dir)
+
+
+def open_graph(gm, inputs, opts, options_key: str, target: str, frozen: bool = False):
+    """A ``Session`` for this graph, or None when the cache is off or the graph is not cacheable."""
+    if not opts.cache:
+        return None
+    why = key.bypass(gm, inputs, opts, frozen)
+    if why:
+        counters["cache"]["bypass"] += 1
+        log(2, f"cache: not cached ({why})")
+        return None
+    try:
+        root = root_of(opts)
+    except (OSError, store.CacheDirError) as e:
+        if str(e) not in _WARNED:
+            _WARNED.add(str(e))
+            warnings.warn(f"kiln: compile cache disabled: {e}", stacklevel=2)
+        return None
+    return Session(root, key.graph_key(gm, inputs, opts, options_key, target), opts, inputs)
+
+
+def _backed_symints(inputs) -> list:
+    return [x for x in inputs if isinstance(x, torch.SymInt) and getattr(x.node, "hint", None) is not None]
+
+
+class Session:
+    def __init__(self, root: str, k: str, opts, inputs):
+        self.root, self.key, self.opts, self.inputs = root, k, opts, inputs
+        self.recorder = aot.Recorder(self._guards_expr)
+
+    def _guards_expr(self):
+        symints = _backed_symints(self.inputs)
+        if not symints:
+            return None
+        env = symints[0].node.shape_env
+        pruned = getattr(env, "get_pruned_guards", None)
+        guards = pruned(symints) if pruned is not None else None
+        return env.produce_guards_expression(placeholders=symints, guards=guards)
+
+    def load(self):
+        """The compiled callable of a hit, else None (a miss: compile, and ``save``)."""
+        payload, why = store.read(self.root, self.key)
+        if payload is None:
+            if why != "missing":
+                counters["cache"]["damaged"] += 1
+                log(1, f"cache: entry {self.key} was damaged ({why}); deleted, compiling again")
+            counters["cache"]["miss"] += 1
+            return None
+        try:
+            entry = pickle.loads(payload)
+            symints = _backed_symints(self.inputs)
+            if entry["guards"] is not None:
+                env = symints[0].node.shape_env
+                if not env.evaluate_guards_expression(entry["guards"], [s.node.hint for s in symints]):
+                    counters["cache"]["guard_miss"] += 1
+                    counters["cache"]["miss"] += 1
+                    log(2, f"cache: entry {self.key} holds other shapes")
+                    return None
+            parts = {k: serial.unpack(v, self.opts) for k, v in entry["parts"].items()}
+            fn = aot.rebuild(entry, parts.get("forward"), parts.get("backward"), parts.get("inference"))
+            if entry["guards"] is not None:   # the same guards as a compile would add, now in Dynamo's
+                env.evaluate_guards_expression(entry["guards"], symints)
+        except Exception as e:   # noqa: BLE001  (a stale or foreign entry: compile as without the cache)
+            counters["cache"]["load_failed"] += 1
+            counters["cache"]["miss"] += 1
+            log(1, f"cache: entry {self.key} did not load ({type(e).__name__}: {e}); compiling again")
+            return None
+        counters["cache"]["hit"] += 1
+        log(1, f"cache: hit {self.key}")
+        return fn
+
+    def traced(self) -> None:
+        """AOTAutograd is done with this graph (its metadata is final): save when complete."""
+        self.recorder.traced = True
+        self.save()
+
+    def add(self, kind: str, compiled, units=()) -> None:
+        """A compiled graph of this miss (``kind``: forward, backward, inference); saves the entry
+        once it is complete and AOTAutograd is done (``traced``)."""
+        try:
+            self.recorder.add(kind, serial.pack(compiled, units))
+        except serial.NotCacheable as e:
+            self.recorder.failed = str(e)
+        self.save()
+
+    def save(self) -> None:
+        rec = self.recorder
+        if rec.closed or not rec.traced:
+            return
+        entry = rec.entry()
+        if entry is None:
+            if rec.failed:
+                rec.closed = True
+                counters["cache"]["bypass"] += 1
+                log(2, f"cache: not stored ({rec.failed})")
+            return
+        rec.closed = True
+        rec.parts.clear()
+        try:
+            payload = serial.dumps(entry)
+        except serial.NotCacheable as e:
+            counters["cache"]["bypass"] += 1
+            log(2, f"cache: not stored ({e})")
+            return
+        try:
+            store.write(self.root, self.key, payload)
+            store.evict(self.root, self.opts.cache_size_mb * (1 << 20))
+        except OSError as e:
+            log(1, f"cache: could not write entry {self.key}: {e}")
+            return
+        counters["cache"]["saved"] += 1
+        log(2, f"cache: saved {self.key} ({len(payload)} bytes)")

@@ -1,0 +1,112 @@
+"""A compiled graph (``runtime.load.Compiled``) as bytes, and back.
+
+What a wrapper needs is its source and its globals. The globals are pickled with a pickler that knows
+kiln's and torch's objects that plain pickle does not: ATen overloads (and the C++ handles the wrapper
+binds in their place) and higher-order ops by their names, kernels by their module text (and the ATen
+graph of their call site's fallback), the ATen fallbacks of declined kernels by their graphs. Functions
+and classes go by reference, GraphModules through their own pickling (their code, not their node
+metadata), small tensors by value. Anything else, a closure or a large constant, makes the graph
+uncacheable (``NotCacheable``): it is compiled every time, as without the cache. The C++ translation
+units a graph's kernels were built from travel with it and are built (or found built) before the
+wrapper loads.
+"""
+from __future__ import annotations
+
+import io
+import pickle
+
+import torch
+
+from kiln.codegen.fallback import Fallback
+from kiln.codegen.wrapper import Wrapper
+from kiln.runtime import cpp_build
+from kiln.runtime.kernels import KernelCall, kernel_named
+from kiln.runtime.load import Compiled, load
+
+MAX_CONSTANT_BYTES = 1 << 24   # larger tensor constants are not copied into the cache
+
+
+class NotCacheable(Exception):
+    """A compiled graph holds something the cache cannot store; the message says what."""
+
+
+def _overload(ns, op, overload):
+    return getattr(getattr(getattr(torch.ops, ns), op), overload)
+
+
+def _packet(ns, op):
+    return getattr(getattr(torch.ops, ns), op)
+
+
+def _higher_order(name):
+    return getattr(torch.ops.higher_order, name)
+
+
+def _kernel_call(name, source, interpret, n_outputs, reuse, fallback):
+    return KernelCall(kernel_named(name, source, interpret, n_outputs, reuse), fallback)
+
+
+def _fallback(gm):
+    fb = Fallback(gm.graph)
+    fb._gm = gm
+    return fb
+
+
+class _Pickler(pickle.Pickler):
+    def reducer_override(self, obj):
+        if isinstance(obj, torch._ops.OpOverload):
+            return _overload, (obj.namespace, obj._opname, obj._overloadname)
+        if isinstance(obj, torch._ops.OpOverloadPacket):
+            return _packet, (obj._qualified_op_name.split("::")[0], obj.__name__)
+        if isinstance(obj, torch._ops.HigherOrderOperator):
+            return _higher_order, (obj.name(),)
+        if isinstance(obj, KernelCall):
+            k = obj.kernel
+            return _kernel_call, (k.name, k.source, k.interpret, k.n_outputs, tuple(k.reuse), obj.fallback)
+        if isinstance(obj, Fallback):
+            return _fallback, (obj.module,)
+        if isinstance(obj, torch.Tensor):
+            if type(obj) not in (torch.Tensor, torch.nn.Parameter) or obj.device.type == "meta":
+                raise NotCacheable(f"a constant of type {type(obj).__name__} on {obj.device}")
+            if obj.untyped_storage().nbytes() > MAX_CONSTANT_BYTES:
+                raise NotCacheable(f"a constant of {obj.untyped_storage().nbytes()} bytes")
+        return NotImplemented
+
+
+def dumps(obj) -> bytes:
+    buf = io.BytesIO()
+    try:
+        _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    except NotCacheable:
+        raise
+    except Exception as e:   # a local function, an object without pickling support
+        raise NotCacheable(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+    return buf.getvalue()
+
+
+def pack(compiled: Compiled, units=()) -> dict:
+    """What ``unpack`` needs to rebuild ``compiled``: a dict of picklable parts (``dumps`` it)."""
+    w = compiled.wrapper
+    globals_ = dict(w.globals)
+    globals_.update(w.handles)   # each handle's overload; ``unpack`` binds the handle again
+    return {"name": w.name, "source": w.source, "globals": globals_, "handles": sorted(w.handles),
+            "known_outputs": list(w.known_outputs), "fallback": compiled.fallback,
+            "units": [(u.source, tuple(u.functions)) for u in units]}
+
+
+def unpack(part: dict, opts) -> Compiled:
+    """The ``Compiled`` of a stored graph: its C++ units built or loaded, its wrapper executed."""
+    from kiln.codegen.to_cpp.module import CppUnit
+    for source, functions in part["units"]:
+        cpp_build.build(CppUnit(source, functions), opts)
+    globals_ = dict(part["globals"])
+    for name in part["handles"]:
+        globals_[name] = globals_[name]._op
+    kernels, seen = [], set()
+    for obj in globals_.values():
+        if isinstance(obj, KernelCall) and obj.kernel.name not in seen:
+            seen.add(obj.kernel.name)
+            kernels.append(obj)
+    w = Wrapper(name=part["name"], source=part["source"], globals=globals_, kernels=kernels,
+                known_outputs=part["known_outputs"])
+    return load(w, part["fallback"])
