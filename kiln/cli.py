@@ -17,6 +17,9 @@ def main(argv=None) -> int:
     if cmd == "check-ops":
         from kiln.bench.opinfo import main as check_ops
         return check_ops(argv)
+    if cmd == "bench-compile":
+        from kiln.bench.compile_times import main as bench_compile
+        return bench_compile(argv)
     if cmd == "cache":
         return cache_command(argv)
     if cmd == "options":
@@ -24,7 +27,7 @@ def main(argv=None) -> int:
         print(describe())
         return 0
     print("usage: kiln demo | kiln bench [--suite micro|models|all] [...] | kiln check-ops [--ops REGEX] [...]"
-          " | kiln options | kiln cache info|clear")
+          " | kiln bench-compile [--cases gpt] | kiln options | kiln cache info|clear")
     return 0 if cmd in ("help", "-h", "--help") else 2
 
 

@@ -31,11 +31,11 @@ def root_of(opts) -> str:
     return store.directory(opts.cache_dir)
 
 
-def open_graph(gm, inputs, opts, options_key: str, target: str, frozen: bool = False):
+def open_graph(gm, inputs, opts, options_key: str, target: str, frozen: bool = False, registered=()):
     """A ``Session`` for this graph, or None when the cache is off or the graph is not cacheable."""
     if not opts.cache:
         return None
-    why = key.bypass(gm, inputs, opts, frozen)
+    why = key.bypass(gm, inputs, opts, frozen, registered)
     if why:
         counters["cache"]["bypass"] += 1
         log(2, f"cache: not cached ({why})")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.metadata
+import inspect
 import os
 import platform
 
@@ -89,8 +90,28 @@ def graph_key(gm: torch.fx.GraphModule, inputs, opts, options_key: str, target: 
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
 
-def bypass(gm: torch.fx.GraphModule, inputs, opts, frozen: bool) -> str:
-    """Why this graph is compiled without the cache ('' when it may use it)."""
+HOOKS = ("pre_grad_custom_pass", "joint_custom_pre_pass", "joint_custom_post_pass", "post_grad_custom_pre_pass",
+         "post_grad_custom_post_pass")
+
+
+def unkeyed_pass(fn) -> str:
+    """Why custom pass ``fn`` cannot key a stored compile ('' when it can): a pass is known by its
+    ``uuid()``, or by its source when it is a plain function; a closure or bound state could differ
+    between processes behind the same source."""
+    if callable(getattr(fn, "uuid", None)):
+        return ""
+    if inspect.isfunction(fn) and not fn.__closure__ and not fn.__defaults__ and not fn.__kwdefaults__:
+        return ""
+    return f"custom pass {getattr(fn, '__qualname__', type(fn).__name__)} has no uuid() (closures and objects need one)"
+
+
+def bypass(gm: torch.fx.GraphModule, inputs, opts, frozen: bool, registered=()) -> str:
+    """Why this graph is compiled without the cache ('' when it may use it). ``registered``: the
+    passes registered through ``kiln.passes.register`` (a snapshot)."""
+    for fn in [getattr(opts, h) for h in HOOKS] + [p.fn for p in registered]:
+        why = unkeyed_pass(fn) if fn is not None else ""
+        if why:
+            return why
     if frozen:
         return "freezing turns this process's parameters into constants"
     if opts.mode == "reduce-overhead":

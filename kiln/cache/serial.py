@@ -13,6 +13,7 @@ wrapper loads.
 from __future__ import annotations
 
 import io
+import os
 import pickle
 
 import torch
@@ -46,10 +47,31 @@ def _kernel_call(name, source, interpret, n_outputs, reuse, fallback):
     return KernelCall(kernel_named(name, source, interpret, n_outputs, reuse), fallback)
 
 
-def _fallback(gm):
-    fb = Fallback(gm.graph)
-    fb._gm = gm
-    return fb
+class StoredFallback(Fallback):
+    """A kernel's ATen fallback read from the cache: its GraphModule is unpickled when it first runs
+    (most never do; making a GraphModule from its code costs about a millisecond each)."""
+
+    def __init__(self, data: bytes):
+        self._data, self._gm = data, None
+        self.__name__ = "aten_fallback"
+
+    @property
+    def module(self):
+        if self._gm is None:
+            self._gm = pickle.loads(self._data)
+        return self._gm
+
+    @property
+    def graph(self):
+        return self.module.graph
+
+
+def _fallback(data: bytes):
+    return StoredFallback(data)
+
+
+def _graph_module_bytes(gm) -> bytes:
+    return dumps(gm)
 
 
 class _Pickler(pickle.Pickler):
@@ -63,8 +85,10 @@ class _Pickler(pickle.Pickler):
         if isinstance(obj, KernelCall):
             k = obj.kernel
             return _kernel_call, (k.name, k.source, k.interpret, k.n_outputs, tuple(k.reuse), obj.fallback)
+        if isinstance(obj, StoredFallback):
+            return _fallback, (obj._data,)
         if isinstance(obj, Fallback):
-            return _fallback, (obj.module,)
+            return _fallback, (_graph_module_bytes(obj.module),)
         if isinstance(obj, torch.Tensor):
             if type(obj) not in (torch.Tensor, torch.nn.Parameter) or obj.device.type == "meta":
                 raise NotCacheable(f"a constant of type {type(obj).__name__} on {obj.device}")
@@ -89,16 +113,29 @@ def pack(compiled: Compiled, units=()) -> dict:
     w = compiled.wrapper
     globals_ = dict(w.globals)
     globals_.update(w.handles)   # each handle's overload; ``unpack`` binds the handle again
+    fallback = compiled.fallback
     return {"name": w.name, "source": w.source, "globals": globals_, "handles": sorted(w.handles),
-            "known_outputs": list(w.known_outputs), "fallback": compiled.fallback,
-            "units": [(u.source, tuple(u.functions)) for u in units]}
+            "known_outputs": list(w.known_outputs),
+            "fallback": None if fallback is None else StoredFallback(_graph_module_bytes(fallback)),
+            "units": [(u.source, tuple(u.functions), _binary(u)) for u in units]}
+
+
+def _binary(unit):
+    """``(file name, bytes)`` of the library built from ``unit`` (a new process may not find the
+    kernel directory it was built into: a reboot empties /tmp), or None."""
+    try:
+        path = cpp_build.library(unit.functions[0])
+        with open(path, "rb") as f:
+            return os.path.basename(path), f.read()
+    except (KeyError, IndexError, OSError):
+        return None
 
 
 def unpack(part: dict, opts) -> Compiled:
     """The ``Compiled`` of a stored graph: its C++ units built or loaded, its wrapper executed."""
     from kiln.codegen.to_cpp.module import CppUnit
-    for source, functions in part["units"]:
-        cpp_build.build(CppUnit(source, functions), opts)
+    for source, functions, binary in part["units"]:
+        cpp_build.build(CppUnit(source, functions), opts, binary=binary)
     globals_ = dict(part["globals"])
     for name in part["handles"]:
         globals_[name] = globals_[name]._op

@@ -154,8 +154,10 @@ def _fail(cause: str) -> CppBuildError:
     return CppBuildError(cause)
 
 
-def build(unit, opts: Options = None) -> str:
-    """Compile (or find in the cache) and load ``unit`` (a ``CppUnit``); returns the library's path."""
+def build(unit, opts: Options = None, binary=None) -> str:
+    """Compile (or find in the cache) and load ``unit`` (a ``CppUnit``); returns the library's path.
+    ``binary``: ``(file name, bytes)`` of the library a build with the same key made (the compile
+    cache keeps them), written in place of a compile when its name is this build's."""
     opts = opts or active()
     cxx = find_compiler(opts)
     if not cxx:
@@ -171,7 +173,10 @@ def build(unit, opts: Options = None) -> str:
         os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, f"kiln_{key}.so")
         if not os.path.exists(path):
-            _compile(cxx, flags, libs, unit.source, directory, path)
+            if binary is not None and binary[0] == os.path.basename(path):
+                _install(binary[1], directory, path)
+            else:
+                _compile(cxx, flags, libs, unit.source, directory, path)
         try:
             lib = ctypes.CDLL(path)
         except OSError as e:
@@ -182,6 +187,13 @@ def build(unit, opts: Options = None) -> str:
         for name in unit.functions:
             _OWNER.setdefault(name, lib)
     return lib._name
+
+
+def _install(data: bytes, directory: str, path: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".so.tmp")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
 
 
 def _compile(cxx, flags, libs, source, directory, path):

@@ -98,6 +98,18 @@ def test_changed_option_or_pass_misses(tmp_path):
     _train_step(m, x, codegen="aten", joint_custom_post_pass=Noop("b"), **_cache(tmp_path))
     assert (_count("miss"), _count("hit")) == (5, 1)
 
+    def plain(graph):   # a plain function is keyed by its source
+        pass
+    _train_step(m, x, codegen="aten", post_grad_custom_pre_pass=plain, **_cache(tmp_path))
+    _train_step(m, x, codegen="aten", post_grad_custom_pre_pass=plain, **_cache(tmp_path))
+    assert (_count("miss"), _count("hit")) == (6, 2)
+    scale = 2.0
+
+    def closure(graph):   # its closure could differ between processes behind the same source
+        return scale
+    _train_step(m, x, codegen="aten", post_grad_custom_pre_pass=closure, **_cache(tmp_path))
+    assert (_count("miss"), _count("hit"), _count("bypass")) == (6, 2, 1)
+
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "garbage"])
 def test_damaged_entry_is_rebuilt_not_loaded(tmp_path, damage):
@@ -165,13 +177,14 @@ _SCRIPT = textwrap.dedent("""
     out.sum().backward()
     torch.save([out.detach()] + [p.grad for p in m.parameters()], sys.argv[2])
     c = kiln.counters["cache"]
-    print("COUNTS", c["hit"], c["miss"], c["saved"])
+    print("COUNTS", c["hit"], c["miss"], c["saved"], kiln.counters["codegen"]["cpp_builds"])
 """)
 
 
 def test_processes_fill_one_cache_then_hit(tmp_path):
     """Two processes start on an empty cache at once (both miss and write the same entry); a third
-    process hits, with results bitwise equal to theirs."""
+    process, with an empty kernel directory (/tmp emptied by a reboot), hits without running the C++
+    compiler, with results bitwise equal to theirs."""
     script = tmp_path / "step.py"
     script.write_text(_SCRIPT)
     cache = str(tmp_path / "cache")
@@ -179,6 +192,7 @@ def test_processes_fill_one_cache_then_hit(tmp_path):
     env.pop("KILN_CACHE", None)
 
     def start(i):
+        env["KILN_KERNEL_DIR"] = str(tmp_path / f"kernels{i // 2}")
         return subprocess.Popen([sys.executable, str(script), cache, str(tmp_path / f"r{i}.pt")], env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -190,7 +204,7 @@ def test_processes_fill_one_cache_then_hit(tmp_path):
     both = [start(0), start(1)]
     counts = [finish(p) for p in both]
     assert all(c[0] == 0 for c in counts) and all(c[2] == 1 for c in counts), counts
-    assert finish(start(2)) == (1, 0, 0)
+    assert finish(start(2)) == (1, 0, 0, 0)
     results = [torch.load(tmp_path / f"r{i}.pt") for i in range(3)]
     for r in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(results[0], r))
