@@ -48,7 +48,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list, opts: Options):
         registered = passes.snapshot()   # the backward, compiled later, runs these too
         target = resolve_target(opts, example_inputs)
         session = cache.open_graph(gm, example_inputs, opts, cache_key(opts, registered), target,
-                                   frozen=opts.freezing and not torch.is_grad_enabled())
+                                   frozen=opts.freezing and not torch.is_grad_enabled(), registered=registered)
         hit = session.load() if session is not None else None
         if hit is not None:
             return hit
