@@ -120,6 +120,26 @@ KEEP = [aten.convolution, aten.convolution_backward, aten.mm, aten.addmm, aten.b
         aten._native_batch_norm_legit_no_training]
 
 
+def _overlaps(x) -> bool:
+    """Whether ``x`` has elements sharing memory (a stride 0 on a dim longer than 1: an expanded input)."""
+    return any(st == 0 and statically_known_true(n > 1) for n, st in zip(x.shape, x.stride()))
+
+
+def _scatter_into_dense(op):
+    """``op`` (slice/select/diagonal_scatter) with an expanded input given a dense copy first: torch
+    2.11's meta functions give the result the input's strides, zeros included, where eager returns a
+    dense tensor; kernels writing by the meta's strides then write every element to one address (fuzz
+    seed 10 #409 on 2.11). Declines (the op stays whole) for any other input."""
+    def decompose(x, *args, **kwargs):
+        if not _overlaps(x):
+            return NotImplemented
+        return op(aten.clone.default(x, memory_format=torch.contiguous_format), *args, **kwargs)
+    return decompose
+
+
+DENSE_RESULT = [aten.slice_scatter.default, aten.select_scatter.default, aten.diagonal_scatter.default]
+
+
 @functools.lru_cache(maxsize=None)
 def _table(target: str):
     if target == "triton":
@@ -135,7 +155,18 @@ def _table(target: str):
         table[aten.max_pool2d_with_indices.default] = _max_pool2d_with_indices
         table = {op: _real_only(fn, DECLINE.get(op)) for op, fn in table.items()}
     table[prims.broadcast_in_dim.default] = _broadcast_in_dim   # the references of keepdim reductions call it
+    for op in DENSE_RESULT:   # before the core table's own decomposition, if it has one
+        inner = table.get(op)
+        table[op] = _then(_scatter_into_dense(op), inner) if inner is not None else _scatter_into_dense(op)
     return table
+
+
+def _then(first, second):
+    """``first``, or ``second`` where ``first`` declines."""
+    def decompose(*args, **kwargs):
+        out = first(*args, **kwargs)
+        return second(*args, **kwargs) if out is NotImplemented else out
+    return decompose
 
 
 def _bool_scaled_or_empty(x, dim, index, source, *, alpha=1):

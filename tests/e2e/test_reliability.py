@@ -323,6 +323,26 @@ def test_decompositions_torch_gets_wrong_stay_aten(codegen):
         same(fn(x), compiled(fn, codegen)(x))
 
 
+@pytest.mark.parametrize("codegen", ["aten", "triton", "cpp"])
+def test_scatters_into_an_expanded_input_return_dense_results(codegen):
+    """torch 2.11's meta functions of slice/select/diagonal_scatter keep an expanded input's zero strides
+    (eager returns a dense tensor): kernels wrote every element to one address (fuzz seed 10 #409 on 2.11).
+    The input gets a dense copy first; a view of the result is read at its real strides."""
+    from kiln.capture.decomp import decomposition_table
+    from torch._subclasses import FakeTensorMode
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(torch.ones(1).expand(16))
+        out = decomposition_table(codegen)[torch.ops.aten.slice_scatter.default](fake, torch.ones(2), 0, 7, 11, 2)
+    assert tuple(out.stride()) == (1,)
+    a, b = torch.tensor([-1.0]).expand(16), torch.tensor([[2.0]]).expand(4, 4)
+    fns = [lambda a, b: torch.slice_scatter(a, a[:2] * 3 - 1, 0, 7, 11, 2).view(4, 4) + b,
+           lambda a, b: torch.select_scatter(b, a[:4] + 1, 0, 1).t() * 2,
+           lambda a, b: torch.diagonal_scatter(b, a[:4] - 5) + 1]
+    for fn in fns:
+        torch._dynamo.reset()
+        same(fn(a, b), compiled(fn, codegen)(a, b))
+
+
 def test_index_fill_of_a_strided_tensor_stays_aten():
     """torch 2.11's index_fill decomposition restores a strided input's strides by ``empty_like(x).copy_``,
     which AOTAutograd's functional-graph check rejects (fuzz seed 10 #1135): the fusing targets keep such an
