@@ -140,6 +140,16 @@ def _scatter_into_dense(op):
 DENSE_RESULT = [aten.slice_scatter.default, aten.select_scatter.default, aten.diagonal_scatter.default]
 
 
+def _angle(x):
+    """``angle`` of a complex tensor as ``atan2(imag, real)`` (what eager computes): eager's complex
+    angle returns a dense result where its meta function keeps the input's strides (a transposed input:
+    (3, 1) against (1, 8)), so a kernel reading the result by the meta's strides read the wrong
+    elements (fuzz seed 10 #467). Real inputs keep the op whole."""
+    if not x.is_complex():
+        return NotImplemented
+    return aten.atan2.default(aten.imag.default(x), aten.real.default(x))
+
+
 @functools.lru_cache(maxsize=None)
 def _table(target: str):
     if target == "triton":
@@ -155,9 +165,10 @@ def _table(target: str):
         table[aten.max_pool2d_with_indices.default] = _max_pool2d_with_indices
         table = {op: _real_only(fn, DECLINE.get(op)) for op, fn in table.items()}
     table[prims.broadcast_in_dim.default] = _broadcast_in_dim   # the references of keepdim reductions call it
-    for op in DENSE_RESULT:   # before the core table's own decomposition, if it has one
+    # before the table's own decomposition, if it has one (complex inputs too: not wrapped by _real_only)
+    for op, first in [(aten.angle.default, _angle)] + [(op, _scatter_into_dense(op)) for op in DENSE_RESULT]:
         inner = table.get(op)
-        table[op] = _then(_scatter_into_dense(op), inner) if inner is not None else _scatter_into_dense(op)
+        table[op] = _then(first, inner) if inner is not None else first
     return table
 
 

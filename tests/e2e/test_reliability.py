@@ -343,6 +343,18 @@ def test_scatters_into_an_expanded_input_return_dense_results(codegen):
         same(fn(a, b), compiled(fn, codegen)(a, b))
 
 
+@pytest.mark.parametrize("codegen", ["aten", "triton", "cpp"])
+def test_angle_of_a_transposed_complex_tensor(codegen):
+    """Eager's complex angle returns a dense result where its meta keeps the input's strides: kernels
+    reading the result read the wrong elements (fuzz seed 10 #467). Real inputs still fuse."""
+    z = torch.complex(torch.tensor([[1.0, -2.0, float("nan")], [0.0, -0.0, float("inf")]]),
+                      torch.tensor([[0.5, float("-inf"), 1.0], [-0.0, 0.0, 3.0]])).t()
+    fn = lambda z, r: (torch.angle(z).sum(1), torch.angle(z).amax(0), torch.angle(r) * 2)  # noqa: E731
+    r = torch.tensor([-1.0, 0.0, -0.0, 2.0, float("nan")])
+    for a, b in zip(fn(z, r), compiled(fn, codegen, dynamic=True)(z, r)):   # dynamic: no launcher restrides
+        same(a, b)
+
+
 def test_index_fill_of_a_strided_tensor_stays_aten():
     """torch 2.11's index_fill decomposition restores a strided input's strides by ``empty_like(x).copy_``,
     which AOTAutograd's functional-graph check rejects (fuzz seed 10 #1135): the fusing targets keep such an
