@@ -355,6 +355,19 @@ def test_angle_of_a_transposed_complex_tensor(codegen):
         same(a, b)
 
 
+@pytest.mark.parametrize("codegen", ["triton", "cpp"])
+def test_empty_tensors_stay_aten(codegen):
+    """Ops on statically empty tensors are left to ATen: a zero-size dim made the others' index terms vanish
+    and a load hoisted out of the empty reduction loop read past the storage (fuzz seed 10 #3264 and #5151:
+    Triton's interpreter crashed)."""
+    x = torch.zeros(1, 0, dtype=torch.float16).expand(2, 0)
+    fn = lambda x, y: (x.sum(), x.float().amax(1) if x.shape[1] else x.sum(1), (y.sin() * 2).sum(0))  # noqa: E731
+    y = torch.ones(0, 3)
+    for a, b in zip(fn(x, y), compiled(fn, codegen)(x, y)):
+        same(a, b)
+    assert kiln.counters["codegen"]["runtime_fallback"] == 0
+
+
 def test_index_fill_of_a_strided_tensor_stays_aten():
     """torch 2.11's index_fill decomposition restores a strided input's strides by ``empty_like(x).copy_``,
     which AOTAutograd's functional-graph check rejects (fuzz seed 10 #1135): the fusing targets keep such an

@@ -87,6 +87,8 @@ class Lowering:
     def _lowerable(self, node):
         if _touches_complex(node):   # no kernel computes complex numbers: the op stays ATen
             return False
+        if _touches(node, _empty):   # nothing to compute, or a neutral value: ATen knows
+            return False
         if node.target is operator.getitem:
             return not isinstance(self.values.get(node.args[0]), ExternTuple)
         if node.target not in LOWERINGS and self._functional(node) is not None:
@@ -245,10 +247,22 @@ class Lowering:
         return Pointwise.of_buffer(buf)
 
 
-def _touches_complex(node) -> bool:
+def _touches(node, test) -> bool:
+    """Whether ``test`` holds for a tensor ``node`` reads or makes."""
     vals = [node.meta.get("val")] + [a.meta.get("val") for a in node.all_input_nodes]
-    return any(is_tensor(v) and v.is_complex() for v in vals) or any(
-        isinstance(v, (tuple, list)) and any(is_tensor(t) and t.is_complex() for t in v) for v in vals)
+    return any(is_tensor(v) and test(v) for v in vals) or any(
+        isinstance(v, (tuple, list)) and any(is_tensor(t) and test(t) for t in v) for v in vals)
+
+
+def _touches_complex(node) -> bool:
+    return _touches(node, lambda t: t.is_complex())
+
+
+def _empty(t) -> bool:
+    """A tensor statically without elements: its indices degenerate (a dim of size 0 makes the others'
+    index terms vanish), and a load hoisted out of an empty loop read past the storage (fuzz seed 10
+    #3264: the sum of an expanded (2, 0) tensor crashed Triton's interpreter)."""
+    return any(isinstance(n, int) and n == 0 for n in t.shape)
 
 
 def _flipped(val) -> bool:
