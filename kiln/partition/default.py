@@ -12,7 +12,7 @@ from typing import List, Optional
 
 import torch.fx as fx
 
-from kiln.partition.extract import is_impure, is_sym
+from kiln.partition.extract import is_impure, is_sym, is_symint
 from kiln.partition.joint_info import GraphIndex
 
 
@@ -26,7 +26,7 @@ def forward_ids(gi) -> list:
     last = max((i for i, x in enumerate(need) if x), default=-1)
     fwd = [not tang[i] and (i <= last or n.op == "placeholder") for i, n in enumerate(nodes)]
     for i, n in enumerate(nodes):  # cheap size arithmetic on forward values stays in the forward
-        if not fwd[i] and not tang[i] and n.op == "call_function" and is_sym(n) \
+        if not fwd[i] and not tang[i] and n.op == "call_function" and is_symint(n) \
                 and all(fwd[a] for a in gi.inputs_of[i]):
             fwd[i] = True
     return fwd

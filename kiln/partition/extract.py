@@ -62,6 +62,14 @@ def is_sym(node: fx.Node) -> bool:
     return isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool))
 
 
+def is_symint(node: fx.Node) -> bool:
+    """The node holds a SymInt or an int: the only numbers a forward may save for its backward (compiled
+    autograd takes SymInts alone; a saved SymFloat, ``var``'s Bessel factor N / (N - 1) under dynamic
+    shapes, failed with 'an integer is required')."""
+    val = node.meta.get("val")
+    return isinstance(val, (torch.SymInt, int)) and not isinstance(val, bool)
+
+
 def tangent_closure(graph: fx.Graph) -> set:
     """Every node that depends (transitively) on a tangent: these can only run in the backward."""
     out = set()

@@ -15,7 +15,7 @@ import torch.fx as fx
 
 from kiln.partition import ops
 from kiln.partition.estimate import size_bytes
-from kiln.partition.extract import is_impure, is_sym, is_tangent, split_outputs
+from kiln.partition.extract import is_impure, is_sym, is_symint, is_tangent, split_outputs
 
 MAX_DIST = 100
 
@@ -155,7 +155,8 @@ class JointInfo(GraphIndex):
                 must_rec[i] = "MUST_RECOMPUTE" in str(rec)
             if red_l[i]:
                 big_red[i] = ops.is_big_reduction(n, lambda x: self.size.get(x) or size_bytes(x))
-            mat[i] = self._materialized(i) and not ops.constant_object(n)
+            # a number (size arithmetic) is never a buffer: a SymFloat that cannot be saved is recomputed
+            mat[i] = self._materialized(i) and not ops.constant_object(n) and not is_sym(n)
         self.must_recompute = np.array(must_rec, dtype=bool)
         self.big_reduction = np.array(big_red, dtype=bool)
         self.materialized = np.array(mat, dtype=bool)
@@ -213,7 +214,7 @@ class JointInfo(GraphIndex):
             if n.op == "placeholder":
                 kind[j] = 1
             elif not isinstance(n.meta.get("val"), torch.Tensor):
-                kind[j] = 2 if is_sym(n) else 3
+                kind[j] = 2 if is_symint(n) else 3   # a SymFloat is recomputed from the SymInts it needs
             elif view[i]:
                 kind[j] = 3
             else:

@@ -74,3 +74,20 @@ def test_broadcast_in_dim_decomposes_to_aten_views(shape, dims, out):
     assert torch.equal(got, prims.broadcast_in_dim(a, list(out), dims))
     gm = torch.fx.experimental.proxy_tensor.make_fx(lambda a: decompose(a, list(out), dims))(a)
     assert {n.target.namespace for n in gm.graph.nodes if n.op == "call_function"} <= {"aten"}
+
+
+@pytest.mark.parametrize("codegen", TARGETS)
+def test_dynamic_shapes_save_no_symfloat(codegen):
+    """Under dynamic shapes ``x.var(-1, keepdim=True)``'s backward needs the Bessel factor, a SymFloat:
+    compiled autograd takes only SymInts from a forward, so the partitioner recomputes the factor in the
+    backward from the saved size (saving it failed with 'an integer is required')."""
+    def f(x):
+        return x.var(-1, keepdim=True) * x
+    x = torch.randn(6, 5, requires_grad=True)
+    fn = torch.compile(f, backend="kiln", dynamic=True, options={"codegen": codegen})
+    backward = torch.compile(backend="kiln", options={"codegen": codegen})
+    with torch._dynamo.compiled_autograd._enable(backward):
+        fn(x).sum().backward()
+    got, x.grad = x.grad, None
+    f(x).sum().backward()
+    torch.testing.assert_close(got, x.grad)
