@@ -158,6 +158,15 @@ class Tuning:
                               check="pos")
     cpp_outer_chunks: int = _opt(64, "chunks of rows whose partials a C++ reduction over all rows combines",
                                  check="pos")
+    cpp_row_cache: int = _opt(16384, "a C++ reduction row of at most this many elements keeps the exponentials "
+                                     "(and other vector math) one loop over it computes for the next loops; 0: never",
+                              check="nonneg")
+    cpp_row_split: int = _opt(16, "a C++ reduction row read at r / K and r % K (NCHW BatchNorm: the batch and the "
+                                  "pixels) loops over K contiguous elements inside when K is at least this; 0: never",
+                              check="nonneg")
+    cpp_vector_math: bool = _opt(True, "C++ kernels call glibc's vector math (libmvec) where no comparison, "
+                                       "rounding or max depends on the result (false: scalar math everywhere, "
+                                       "the same bits in every kernel)")
     # reductions split in two kernels
     split_min_r: int = _opt(4096, "split a reduction only when its rows are at least this long ...",
                             check="pos")

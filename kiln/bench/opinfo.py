@@ -1,8 +1,9 @@
-"""The OpInfo sweep: every op of PyTorch's ``op_db`` through kiln (ATen and Triton targets) and
+"""The OpInfo sweep: every op of PyTorch's ``op_db`` through kiln (ATen, Triton and C++ targets) and
 inductor, values and gradients judged against eager at the op's own tolerances.
 
-    kiln check-ops (or python -m kiln.bench.opinfo) [--backends kiln-aten,kiln-triton,inductor] [--ops REGEX] [--shard i/n]
-        [--samples 2] [--dtypes fp32,bf16] [--json out.json] [--report REPORT.md] [--workers 2] [--db op,hop]
+    kiln check-ops (or python -m kiln.bench.opinfo) [--backends kiln-aten,kiln-triton,kiln-cpp,inductor] [--ops REGEX]
+        [--shard i/n] [--samples 2] [--dtypes fp32,bf16] [--json out.json] [--report REPORT.md] [--workers 2]
+        [--db op,hop]
 
 Each op in each dtype it supports on the CPU is a task for a pool of worker processes
 (``opinfo_pool``); each of its first ``--samples`` samples runs forward (an inference graph) and, when it
@@ -29,7 +30,7 @@ from kiln.bench import opinfo_report as report
 from kiln.bench.opinfo_pool import ROOT, Pool
 from kiln.bench.opinfo_sample import BACKENDS, UnknownBackend
 
-DEFAULT_BACKENDS = "kiln-aten,kiln-triton,inductor"
+DEFAULT_BACKENDS = "kiln-aten,kiln-triton,kiln-cpp,inductor"
 
 
 def parser() -> argparse.ArgumentParser:
@@ -144,7 +145,7 @@ def merge(paths) -> tuple[list, list]:
     return records, metas
 
 
-QUIET = ("graph_breaks", "fallback", "runtime_fallback")   # counts left out when 0
+QUIET = ("graph_breaks", "fallback", "runtime_fallback", "declined")   # counts left out when 0
 
 
 def _compact(r) -> dict:

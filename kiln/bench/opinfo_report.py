@@ -22,7 +22,7 @@ def key(rec) -> tuple:
 
 
 def backends_of(records) -> list:
-    order = ["kiln-aten", "kiln-triton", "inductor", "aot_eager", "eager"]
+    order = ["kiln-aten", "kiln-triton", "kiln-cpp", "inductor", "aot_eager", "eager"]
     found = {r["backend"] for r in records if r["backend"] != "*"}
     return [b for b in order if b in found] + sorted(found - set(order))
 
@@ -34,7 +34,8 @@ def expand(records) -> list:
 
 
 def summary(records) -> dict:
-    """{backend: Counter of statuses, plus 'no_graph', 'breaks', 'fallback', 'runtime_fallback'}."""
+    """{backend: Counter of statuses, plus 'no_graph', 'breaks', 'fallback_units', 'runtime_fallback_units',
+    'declined_units' (a kernel the C++ emitter declined ran its ATen nodes)}."""
     out = collections.defaultdict(collections.Counter)
     for r in expand(records):
         c = out[r["backend"]]
@@ -45,6 +46,7 @@ def summary(records) -> dict:
         c["breaks"] += r.get("graph_breaks") or 0
         c["fallback_units"] += bool(r.get("fallback"))
         c["runtime_fallback_units"] += bool(r.get("runtime_fallback"))
+        c["declined_units"] += bool(r.get("declined"))
         c["seconds"] += r.get("seconds") or 0
     return out
 
@@ -122,13 +124,13 @@ def write(records, meta: dict, path: str | None = None) -> str:
               "## Summary", "",
               "| backend | units | pass | mismatch | error | crash | timeout | skip | pass rate | passes with no graph "
               "| backend raised, Dynamo ran eager | graph breaks | units with a graph left ATen "
-              "| units with a runtime fallback | seconds |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| units with a runtime fallback | units with a kernel declined (C++) | seconds |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for b in backends:
         c = s[b]
         lines.append(f"| {b} | {sum(c[x] for x in STATUSES)} | " + " | ".join(str(c[x]) for x in STATUSES)
                      + f" | {rate(c)} | {c['no_graph']} | {c['backend_exception']} | {c['breaks']} | {c['fallback_units']} "
-                       f"| {c['runtime_fallback_units']} | {c['seconds']:.0f} |")
+                       f"| {c['runtime_fallback_units']} | {c['declined_units']} | {c['seconds']:.0f} |")
     lines += _by_dtype(records, backends)
     op_level = [r for r in records if r["backend"] == "*"]
     if op_level:

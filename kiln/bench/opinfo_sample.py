@@ -11,8 +11,10 @@ have passed it (``fp64_ok``), to tell reordering noise from wrong values.
 
 The outcome is a plain dict (``status``: pass, mismatch, error, skip; the worker pool adds crash and
 timeout) with the counts that matter for kiln: Dynamo graphs and graph breaks, graphs that stayed ATen
-(``counters['codegen']['fallback']``), kernels that fell back to ATen at run time
-(``counters['codegen']['runtime_fallback']``) and the reasons kiln logged.
+(``counters['codegen']['fallback']``: on the C++ target also a unit g++ could not build), kernels that
+fell back to ATen at run time (``counters['codegen']['runtime_fallback']``), kernels the C++ emitter
+declined, whose ATen nodes run (``declined``: scatters, random ops, ops without a template) and the
+reasons kiln logged.
 """
 from __future__ import annotations
 
@@ -32,8 +34,10 @@ from kiln.bench import opinfo_cases as cases
 
 # backend name -> (torch.compile backend, options)
 BACKENDS = {
-    "kiln-aten": ("kiln", {"codegen": "aten"}),
-    "kiln-triton": ("kiln", {"codegen": "triton", "compile_workers": 0}),
+    "kiln-aten": ("kiln", {"codegen": "aten", "cache": False}),   # (no compile cache: the sweep tests compiles)
+    "kiln-triton": ("kiln", {"codegen": "triton", "compile_workers": 0, "cache": False}),
+    # C++ kernels: built with the system compiler (no precompile workers: those are for Triton on CUDA)
+    "kiln-cpp": ("kiln", {"codegen": "cpp", "cache": False}),
     "inductor": ("inductor", None),
     "aot_eager": ("aot_eager", None),
     "eager": ("eager", None),
@@ -43,7 +47,7 @@ COTANGENT_SEED = 1234
 
 class UnknownBackend(ValueError):
     """``--backends`` named a backend the sweep does not know: use the names of ``BACKENDS``
-    (kiln-aten, kiln-triton, inductor, aot_eager, eager)."""
+    (kiln-aten, kiln-triton, kiln-cpp, inductor, aot_eager, eager)."""
 
 
 def error_text(e: BaseException) -> str:
@@ -204,7 +208,8 @@ def _counts():
     from torch._dynamo.utils import counters as dyn
     from kiln.debug import counters
     return (sum(dyn["graph_break"].values()), dyn["stats"]["unique_graphs"],
-            counters["codegen"]["fallback"], counters["codegen"]["runtime_fallback"])
+            counters["codegen"]["fallback"], counters["codegen"]["runtime_fallback"],
+            counters["codegen"]["cpp_declined"])
 
 
 def run(op, sample, dtype: torch.dtype, backend: str, index: int = 0, mode: str = "forward",
@@ -313,7 +318,8 @@ def _compiled(fn, sample, spec, cots, rec):
             rec["backend_exception"] = caught.found[0]
         after = _counts()
         rec.update(graphs=after[1] - before[1], graph_breaks=after[0] - before[0],
-                   fallback=after[2] - before[2], runtime_fallback=after[3] - before[3])
+                   fallback=after[2] - before[2], runtime_fallback=after[3] - before[3],
+                   declined=after[4] - before[4])
         reasons = [ln.split("[kiln] ", 1)[1] for ln in log.getvalue().splitlines() if "[kiln] codegen:" in ln]
         if reasons:
             rec["reasons"] = reasons[:4]

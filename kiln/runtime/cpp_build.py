@@ -211,6 +211,7 @@ def _compile(cxx, flags, libs, source, directory, path):
             kept = path[:-3] + ".failed.cpp"
             shutil.copy(src, kept)
             first = next((ln for ln in res.stderr.splitlines() if "error" in ln), res.stderr.strip()[:300])
+            first = first.replace(src, os.path.basename(kept))   # not the temporary folder's name
             raise _fail(f"{os.path.basename(cxx)} exited with {res.returncode}: {first.strip()} (source: {kept})")
         shutil.copy(src, path[:-3] + ".cpp")
         os.replace(out, path)   # atomic: another process building the same library loses nothing

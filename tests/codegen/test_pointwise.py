@@ -181,3 +181,29 @@ def test_pow_with_negative_bases():
     b = torch.tensor([2.0, 3.0, 0.5, -1.5, 2.0, -3.0, 0.0, 7.0])
     gm, _ = fused(torch.pow, a, b)
     torch.testing.assert_close(gm(a, b), torch.pow(a, b), atol=1e-6, rtol=1e-6, equal_nan=True)
+
+
+
+def amin_backward_bf16(x, m, g):
+    """amin's backward on a value computed in the kernel, ``eq(x ** 3, amin)``, in bf16; ``m`` the minimum
+    (an input, as from the forward graph, or None: computed here)."""
+    c = x ** 3
+    hit = c == (c.amin(0, keepdim=True) if m is None else m)
+    return g * hit / hit.sum(0, keepdim=True)
+
+
+def test_comparisons_round_bf16_operands_first():
+    """A comparison sees its operands in their own dtype, as eager does: the cube of a bf16 input is
+    rounded to bf16 before ``eq`` with the minimum (the forward graph's, rounded, or this kernel's);
+    compared unrounded with the forward's minimum, no element matched and the gradient was NaN (fuzz seed
+    14, program 369, Triton and C++ targets)."""
+    x = (torch.randint(-12, 13, (8, 4)).double() / 4).bfloat16()
+    g = torch.randn(8, 4).bfloat16()
+    m = (x ** 3).amin(0, keepdim=True)
+    for args in ((x, m, g), (x, None, g)):
+        assert not amin_backward_bf16(*args).isnan().any()
+        check(amin_backward_bf16, *args, atol=0, rtol=0)
+    from tests.codegen import test_cpp
+    if test_cpp.cpp_build.find_compiler(test_cpp.current()):
+        test_cpp.check(amin_backward_bf16, x, m, g, exact=True)
+        test_cpp.check(amin_backward_bf16, x, None, g, exact=True)

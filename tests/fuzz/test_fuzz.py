@@ -1,4 +1,4 @@
-"""Random programs through kiln against eager (kiln.bench.fuzz): a short run of both targets in the
+"""Random programs through kiln against eager (kiln.bench.fuzz): a short run of every target in the
 default suite (in this process), a long one marked slow (child processes), and the generator as a
 hypothesis strategy."""
 from __future__ import annotations
@@ -11,8 +11,9 @@ from kiln.bench.fuzz.child import namespace
 from kiln.bench.fuzz.program import Program
 
 
-def _run(tmp_path, programs: int, workers: int, start: int = 0, inline: bool = False) -> dict:
-    cfg = runner.Config(targets=("aten", "triton"), programs=programs, seed=0, start=start, workers=workers,
+def _run(tmp_path, programs: int, workers: int, start: int = 0, inline: bool = False,
+         targets=("aten", "triton", "cpp")) -> dict:
+    cfg = runner.Config(targets=targets, programs=programs, seed=0, start=start, workers=workers,
                         out=str(tmp_path), shrink=False, quiet=True, timeout=240, inline=inline)
     return runner.main(cfg)
 
@@ -27,15 +28,18 @@ def _assert_clean(summary: dict, programs: int) -> None:
         f"{' | '.join(g['key'])}: programs {g['programs']}\n  {g['repro']}\n  {g['detail']}" for g in bad)
 
 
-def test_short_run_both_targets(tmp_path):
-    """16 programs per target, in this process (``test_runner`` covers the child processes)."""
-    summary = _run(tmp_path, programs=16, workers=1, inline=True)
-    _assert_clean(summary, 16)
+@pytest.mark.parametrize("targets,programs", [(("aten", "triton"), 16), (("cpp",), 10)])
+def test_short_run_every_target(tmp_path, targets, programs):
+    """16 programs on aten and triton, the first 10 of them on cpp (each builds a library with g++), in
+    this process (``test_runner`` covers the child processes)."""
+    summary = _run(tmp_path, programs=programs, workers=1, inline=True, targets=targets)
+    assert set(summary["targets"]) == set(targets)
+    _assert_clean(summary, programs)
     assert (tmp_path / "summary.md").exists() and (tmp_path / "results.jsonl").exists()
 
 
 @pytest.mark.slow
-def test_long_run_both_targets(tmp_path):
+def test_long_run_every_target(tmp_path):
     summary = _run(tmp_path, programs=300, workers=2, start=1000)
     _assert_clean(summary, 300)
 

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from kiln.bench.fuzz import harness, reduce, runner
@@ -148,6 +149,26 @@ def test_scalar_loops_of_backward_ops_inside_the_graph():
     assert not harness._scalar_loops(mk, fn, True, scalar, None, True)
 
 
+def test_gelu_at_inf_follows_the_scalar_loop():
+    """gelu (erf form) forward at +inf: NaN in eager's vectorized loop, inf in its scalar loop and in fp64;
+    kiln's C++ and Triton kernels give inf. Inside the graph (on a ``torch.cat``) the ``SCALAR_LOOP_OPS``
+    dispatch reaches it, so inf is excused and nothing else (the cpp fuzz run of seed 10, program 16)."""
+    from kiln.bench.fuzz.child import namespace
+    prog = Program((Input((1, 4), seed=12569), Input((3, 4), seed=213044, special=True)),
+                   (Op("torch.cat([{0}, {1}], 0)", ("a0", "a1"), "v0"), Op("F.gelu({0})", ("v0",), "v1")), ("v1",))
+    ns = namespace(prog)
+    mk, fn = ns["make_inputs"], ns["program"]
+    eager = harness.execute(fn, mk(), False)
+    pos_inf = torch.cat(mk()).isposinf()
+    assert pos_inf.any() and eager.outs[0][pos_inf].isnan().all()
+    kiln_like = harness.execute(fn, mk(), False)
+    kiln_like.outs[0][pos_inf] = math.inf
+    assert harness.compare(eager, kiln_like, None)[0].what == "nan"
+    assert harness._scalar_loops(mk, fn, False, kiln_like, None, True)
+    kiln_like.outs[0][pos_inf] = 1.0
+    assert not harness._scalar_loops(mk, fn, False, kiln_like, None, True)
+
+
 def test_writes_through_overlapping_memory_are_discarded():
     """An op that writes a tensor two of whose elements share memory (a select_scatter output with an
     overlapping input's strides, masked_fill_ of an expanded view): eager's values depend on the order of
@@ -198,3 +219,31 @@ def test_a_program_the_fuzzer_cannot_make_is_a_harness_error(tmp_path):
     s = runner.main(cfg)["targets"]["aten"]
     assert s["harness_errors"] == 1 and s["crashes"] == 0 and s["failed"] == 0, s
     assert s["passed"] + s["discarded"] + s["upstream"] == 1, s
+
+
+def test_command_line_targets():
+    """``--target`` takes kiln's codegen targets, several at once; another name is an error naming them."""
+    from kiln.bench.fuzz.__main__ import parse
+    assert parse(["--target", "cpp"]).targets == ("cpp",)
+    assert parse(["--target", "aten,triton,cpp"]).targets == ("aten", "triton", "cpp")
+    with pytest.raises(SystemExit):
+        parse(["--target", "fortran"])
+
+
+def test_a_failed_cpp_build_is_a_fallback():
+    """On the C++ target a graph whose build fails runs ATen (values right): the harness counts it with
+    the run-time fallbacks, with the compiler's reason (``--strict`` then shrinks it as a failure)."""
+    import warnings
+    from kiln.bench.fuzz.child import fallback_kind, namespace
+    prog = Program((Input((4, 7), seed=3),), (Op("torch.exp({0}) + 1", ("a0",), "v0"),), ("v0",))
+    ns = namespace(prog)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = harness.check_program(ns["make_inputs"], ns["program"], "cpp", baseline=False,
+                                    options={"cpp_flags": "-O1 -fno-such-flag-kiln"})
+    assert res.status == "pass" and res.fallbacks == 1, res
+    assert "C++ build failed" in res.fallback_reasons[0], res.fallback_reasons
+    assert "exited with #" in fallback_kind(res.fallback_reasons)
+    from kiln.bench.fuzz.report import _fallback_kinds
+    kinds = list(_fallback_kinds([res.to_dict()]))
+    assert len(kinds) == 1 and "exited with #" in kinds[0] and "/" not in kinds[0], kinds

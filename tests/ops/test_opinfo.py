@@ -1,6 +1,6 @@
 """The OpInfo sweep (``kiln.bench.opinfo``): a fast shard of representative ops through the sweep's own
-code path on both kiln targets, the judging of values, the worker pool's crash and timeout handling, the
-report, and (``-m slow``) the full sweep against inductor."""
+code path on the kiln targets (ATen, Triton, some on C++), the judging of values, the worker pool's crash and
+timeout handling, the report, and (``-m slow``) the full sweep against inductor."""
 from __future__ import annotations
 
 import json
@@ -28,7 +28,7 @@ FAST_OPS = [
     "fft.rfft",                                                       # fft (complex intermediates)
     "cond.simple",                                                    # torch.cond (hop_db)
 ]
-# units of the fast shard whose graph may stay ATen on the Triton target, and why (a gap, not a failure:
+# units of the fast shard whose graph may stay ATen on the Triton (and C++) target, and why (a gap, not a failure:
 # the values are ATen's); remove an entry when code generation covers it
 ATEN_GRAPHS_ALLOWED = {
     ("index_select", "forward"): "index_select: lowering IndexError (list index out of range)",
@@ -36,17 +36,27 @@ ATEN_GRAPHS_ALLOWED = {
 }
 
 
+# some ops of the fast shard also run on the C++ target (each unit builds a library with g++: a few, to keep
+# make test short); scatters are declined there (their ATen nodes run), so scatter_add, gather's and max's
+# backward check that a declined kernel beside C++ kernels gives eager's values
+FAST_CPP = ["add", "nn.functional.gelu", "sum", "var_mean", "softmax", "max.reduction_with_dim",
+            "nn.functional.layer_norm", "transpose", "gather", "scatter_add", "bfloat16", "fft.rfft"]
+CPP_DECLINES = {("max.reduction_with_dim", "backward"), ("gather", "backward"),   # their scatters
+                ("scatter_add", "forward"), ("scatter_add", "backward")}
+
+
 @pytest.fixture(scope="module")
 def db():
     return opinfo_cases.op_db()
 
 
-@pytest.mark.parametrize("backend", ["kiln-aten", "kiln-triton"])
-@pytest.mark.parametrize("name", FAST_OPS)
+@pytest.mark.parametrize("name,backend", [(n, b) for b in ("kiln-aten", "kiln-triton") for n in FAST_OPS]
+                         + [(n, "kiln-cpp") for n in FAST_CPP])
 def test_fast_shard(db, name, backend):
     """Every unit passes (values and gradients within the op's tolerance), was compiled by kiln (a
     Dynamo graph, no exception that made Dynamo run it eagerly), and ran kiln's kernels (no run-time
-    fallback; on the Triton target no graph left ATen unless allowed above with its reason)."""
+    fallback; on the Triton and C++ targets no graph left ATen unless allowed above with its reason: a
+    C++ build failure leaves the graph ATen too)."""
     op = opinfo_cases.find(name)
     samples = opinfo_cases.samples(op, torch.float32, 1)
     assert samples, f"{name}: no sample"
@@ -57,8 +67,10 @@ def test_fast_shard(db, name, backend):
             assert rec["status"] == "pass", unit
             assert rec["graphs"] >= 1 and not rec.get("backend_exception"), unit
             assert rec["runtime_fallback"] == 0, unit
-            if backend == "kiln-triton" and (name, mode) not in ATEN_GRAPHS_ALLOWED:
+            if backend != "kiln-aten" and (name, mode) not in ATEN_GRAPHS_ALLOWED:
                 assert rec["fallback"] == 0, unit
+            if backend == "kiln-cpp":   # the record counts the kernels the C++ emitter declined
+                assert (rec["declined"] > 0) == ((name, mode) in CPP_DECLINES), unit
 
 
 # bf16 on the Triton target, whose interpreter truncates fp32 to bf16 and builds no bf16 constant
@@ -280,16 +292,25 @@ def test_report_lists_what_inductor_passes_and_kiln_fails(tmp_path):
     assert "| neg | fp32 | **1/1/0/1/0/1** | **2/0/1/0/0/1** |" in text   # failures in bold
 
 
+def test_report_counts_fallbacks_of_each_kind():
+    """The summary counts units with a graph left ATen (on the C++ target also a failed build), a
+    run-time fallback, and a kernel the C++ emitter declined (its ATen nodes ran), each apart."""
+    records = [_rec("kiln-cpp", "pass", 0, declined=2), _rec("kiln-cpp", "pass", 1, fallback=1),
+               _rec("kiln-cpp", "pass", 2, runtime_fallback=1, declined=1)]
+    text = opinfo_report.write(records, {})
+    assert "| kiln-cpp | 3 | 3 | 0 | 0 | 0 | 0 | 0 | 100.00% | 0 | 0 | 0 | 1 | 1 | 2 |" in text
+
+
 # -- the full sweep ----------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("shard", range(8))
 def test_full_sweep_matches_inductor(tmp_path, shard):
-    """All ops, two samples each, fp32 forward and backward, both kiln targets beside inductor: no unit
+    """All ops, two samples each, fp32 forward and backward, the kiln targets beside inductor: no unit
     inductor passes may fail under kiln (``benchmarks/opinfo/REPORT.md`` lists the current ones)."""
     out = tmp_path / "sweep.json"
-    opinfo.main(["--shard", f"{shard}/8", "--backends", "kiln-aten,kiln-triton,inductor",
+    opinfo.main(["--shard", f"{shard}/8", "--backends", "kiln-aten,kiln-triton,kiln-cpp,inductor",
                  "--json", str(out), "--report", str(tmp_path / "REPORT.md")])
     records = json.loads(out.read_text())["records"]
     bad = {b: [(opinfo_report._unit(k), opinfo_report._failure(k)) for _, k in opinfo_report.regressions(records, b)]
-           for b in ("kiln-aten", "kiln-triton")}
-    assert not bad["kiln-aten"] and not bad["kiln-triton"], json.dumps(bad, indent=1)
+           for b in ("kiln-aten", "kiln-triton", "kiln-cpp")}
+    assert not any(bad.values()), json.dumps(bad, indent=1)

@@ -12,7 +12,8 @@
   the reproducers and summary that ``report`` writes.
 
 Usage: ``python -m kiln.bench.fuzz --target triton --programs 1000 --seed 0 --workers 2 --out DIR``
-(``--indices 5,17`` some programs, ``--strict`` ATen fallbacks as failures, ``--set tuning.x=v`` options,
+(``--target`` aten, triton or cpp, or several: ``aten,triton,cpp``;
+``--indices 5,17`` some programs, ``--strict`` ATen fallbacks as failures, ``--set tuning.x=v`` options,
 ``--deadline S`` start no program after S seconds, ``--inline`` no child processes). ``DIR/summary.md``
 (passed, failed, discarded by reason, upstream, crashes, ATen fallbacks by reason) is rewritten every
 minute, at the deadline and on SIGTERM. One program in this process:

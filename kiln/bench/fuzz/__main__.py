@@ -5,10 +5,12 @@ import sys
 
 from kiln.bench.fuzz.runner import Config, main
 
+TARGETS = ("aten", "triton", "cpp")   # kiln's codegen targets (cpp: C++/OpenMP kernels built with g++)
+
 
 def parse(argv=None) -> Config:
     p = argparse.ArgumentParser(prog="python -m kiln.bench.fuzz", description=__doc__)
-    p.add_argument("--target", default="triton", help="aten, triton, or both: 'aten,triton'")
+    p.add_argument("--target", default="triton", help="aten, triton, cpp, or several: 'aten,triton,cpp'")
     p.add_argument("--programs", type=int, default=100, help="programs per target")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--start", type=int, default=0, help="index of the first program")
@@ -24,7 +26,8 @@ def parse(argv=None) -> Config:
     p.add_argument("--set", action="append", default=[], metavar="OPTION=VALUE",
                    help="a kiln option for every compile, e.g. --set tuning.persistent_max=64 (a Python literal)")
     p.add_argument("--strict", action="store_true",
-                   help="count a kernel that fell back to ATen at run time as a failure (and shrink it)")
+                   help="count a kernel that fell back to ATen at run time, or a C++ build that failed (its graph "
+                        "then runs ATen), as a failure (and shrink it)")
     p.add_argument("--deadline", type=float, default=None,
                    help="seconds: then start no new program, end shrinking, and write the summary once the "
                         "programs still running finish (abandoned after --grace more seconds)")
@@ -36,9 +39,9 @@ def parse(argv=None) -> Config:
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
     targets = tuple(t for t in a.target.split(",") if t)
-    bad = [t for t in targets if t not in ("aten", "triton")]
+    bad = [t for t in targets if t not in TARGETS]
     if bad:
-        p.error(f"--target {bad[0]!r}: choose aten or triton (or 'aten,triton')")
+        p.error(f"--target {bad[0]!r}: choose from {', '.join(TARGETS)} (or several: 'aten,cpp')")
     options = {}
     for item in a.set:
         name, _, value = item.partition("=")

@@ -39,11 +39,14 @@ def run_program(program: Program, target: str, name: str = "<fuzz program>", opt
 
 
 def fallback_kind(reasons: list) -> str:
-    """The error of the first kernel that fell back to ATen, its numbers masked: 'InterpreterError: ...'."""
+    """The error of the first kernel that fell back to ATen (or C++ build that failed), its numbers masked:
+    'InterpreterError: ...'."""
     for line in reasons:
-        m = re.search(r"running its ATen nodes instead \((.*)\)$", line)
-        if m:
-            return re.sub(r"\d+", "#", m.group(1))[:80]
+        m = re.search(r"running its ATen nodes instead \((.*)\)$", line) or re.search(
+            r"C\+\+ build failed \((.*)\); the graph runs ATen", line)
+        if m:   # without folders and generated names (a C++ build's file), which change as a program shrinks
+            text = re.sub(r"(/[^\s/:]+)+/", "", m.group(1))
+            return re.sub(r"\d+", "#", re.sub(r"kiln_[0-9a-f]+", "kiln_#", text))[:80]
     return "?"
 
 

@@ -8,9 +8,10 @@
    eager's writes) and a result that changes when overlapping inputs are dense copies (eager
    then computes with aliasing);
 2. the arbiter: the same program on inputs built in float64/complex128 (views and aliases kept);
-3. kiln: ``torch.compile(program, backend="kiln", dynamic=dynamic, options={"codegen": target})`` after
-   ``torch._dynamo.reset()`` and ``kiln.runtime.kernels.reset()`` (so each program's ATen fallbacks are
-   counted: ``kiln.counters['codegen']['runtime_fallback']``);
+3. kiln: ``torch.compile(program, backend="kiln", dynamic=dynamic, options={"codegen": target})`` (target:
+   aten, triton or cpp) after ``torch._dynamo.reset()`` and ``kiln.runtime.kernels.reset()`` (so each
+   program's ATen fallbacks are counted: ``kiln.counters['codegen']['runtime_fallback']``, and on the C++
+   target the graphs whose build failed: ``cpp_build_failed``);
 4. compare outputs, gradients of the inputs with ``grad`` (training) and the final values of every input
    (in-place mutation), as ``compare`` says; a difference that eager's own scalar loops share (eager run
    on strided copies of the inputs and cotangents, and of the tensors of ``SCALAR_LOOP_OPS`` inside the
@@ -179,9 +180,10 @@ def _strided(x):
 # 64 contiguous elements against one or a strided copy): elu/celu/selu and hardswish give NaN in one and
 # the gradient in the other; hardtanh/relu6, hardshrink and softshrink 0 in one and the gradient in the
 # other. Which loop runs depends on the layout and length of the tensors inside the graph, so eager's
-# gradient there is not defined; kiln's decompositions follow the scalar loops.
+# gradient there is not defined; kiln's decompositions follow the scalar loops. gelu (erf form) forward at
+# +inf: NaN in the vectorized loop, inf in the scalar one (and in fp64: the arbiter's).
 SCALAR_LOOP_OPS = ("elu_backward", "hardtanh_backward", "hardswish_backward", "hardshrink_backward",
-                   "softshrink_backward")
+                   "softshrink_backward", "gelu")
 
 
 class _ScalarLoopOps(TorchDispatchMode):
@@ -244,7 +246,9 @@ def _error(e: BaseException) -> tuple:
 
 
 def compile_with_kiln(program, target: str, dynamic: bool, options=None):
-    return torch.compile(program, backend="kiln", dynamic=dynamic, options={"codegen": target, **(options or {})})
+    """``program`` compiled for ``target``, without the compile cache (a fuzzer tests compiles, not hits)."""
+    return torch.compile(program, backend="kiln", dynamic=dynamic,
+                         options={"codegen": target, "cache": False, **(options or {})})
 
 
 def _kiln_run(make_inputs, program, target, train, dynamic, options=None):
@@ -252,9 +256,10 @@ def _kiln_run(make_inputs, program, target, train, dynamic, options=None):
     from kiln.runtime import kernels
     torch._dynamo.reset()
     kernels.reset()
-    before = kiln.counters["codegen"]["runtime_fallback"]
+    c = kiln.counters["codegen"]
+    before = c["runtime_fallback"] + c["cpp_build_failed"]
     run = execute(compile_with_kiln(program, target, dynamic, options), make_inputs(), train)
-    return run, kiln.counters["codegen"]["runtime_fallback"] - before
+    return run, c["runtime_fallback"] + c["cpp_build_failed"] - before   # a failed C++ build: its whole graph
 
 
 def upstream(make_inputs, program, train, dynamic, eager, ref, res, zero_sign=True) -> str:
@@ -273,7 +278,7 @@ def upstream(make_inputs, program, train, dynamic, eager, ref, res, zero_sign=Tr
 
 
 def _fallback_reasons(make_inputs, program, target, train, dynamic, options=None) -> list:
-    """Run kiln again at debug level 1 and keep its 'failed on its first call' lines."""
+    """Run kiln again at debug level 1 and keep its 'failed on its first call' and 'C++ build failed' lines."""
     import kiln
     err = io.StringIO()
     try:
@@ -281,7 +286,8 @@ def _fallback_reasons(make_inputs, program, target, train, dynamic, options=None
             _kiln_run(make_inputs, program, target, train, dynamic, options)
     except Exception:
         pass
-    return [ln.strip() for ln in err.getvalue().splitlines() if "failed on its first call" in ln][:5]
+    return [ln.strip() for ln in err.getvalue().splitlines()
+            if "failed on its first call" in ln or "C++ build failed" in ln][:5]
 
 
 def check_program(make_inputs, program, target="triton", train=False, dynamic=False, verbose=False,

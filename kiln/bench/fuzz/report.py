@@ -87,9 +87,10 @@ def _fallback_kinds(rs: list) -> dict:
     kinds = collections.Counter()
     for r in rs:
         for line in r.get("fallback_reasons", []):
-            m = re.search(r"running its ATen nodes instead \((.*)\)$", line)
-            if m:
-                kinds[_mask(m.group(1))] += 1
+            m = re.search(r"running its ATen nodes instead \((.*)\)$", line) or re.search(
+                r"C\+\+ build failed \((.*)\); the graph runs ATen", line)
+            if m:   # (a C++ build's message names files by folder and hash)
+                kinds[_mask(re.sub(r"kiln_[0-9a-f]{20}", "kiln_K", re.sub(r"(/[^\s/:]+)+/", "", m.group(1))))] += 1
     return dict(kinds.most_common())
 
 
@@ -155,7 +156,7 @@ def write_summary(out_dir: str, records: list, failures: list, wall: float, work
     for g in summary["groups"]:
         lines.append(f"- {' | '.join(g['key'])}: {g['count']} programs {g['programs'][:8]}"
                      f"{' (upstream)' if g['upstream'] else ''}\n  repro: {g['repro']}\n  {g['detail']}")
-    lines += ["", f"## Programs with ATen fallbacks at run time ({len(summary['fallbacks'])})"]
+    lines += ["", f"## Programs with ATen fallbacks at run time or failed C++ builds ({len(summary['fallbacks'])})"]
     lines += [f"- {f['target']} {f['index']}: {f['kernels']} kernels; {f['reasons'][:1]}" for f in summary["fallbacks"]]
     with open(os.path.join(out_dir, "summary.md"), "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -253,6 +253,10 @@ def _modidx(a, d, m, r):
         return ZERO
     if _leq(r.max(rest), d * m - 1):
         return _floordiv(rest, d, r)
+    if d != 1:   # rest = d*q + low with 0 <= low < d: the digit is q's (1024*xo + xi, xi < 1024: xo's)
+        q, low = _split(rest, d)
+        if q != 0 and _neg_free(q) and _neg_free(low) and (low == 0 or _leq(r.max(low), d - 1)):
+            return _modidx(q, 1, m, r)
     return ModIdx(rest, d, m)
 
 

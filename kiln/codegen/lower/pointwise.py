@@ -130,8 +130,19 @@ def _floor_divide(ctx, a, b):
 
 
 def _compare(op):
+    """A comparison of the operands' values in their own dtype: a 2-byte float operand computed in the same
+    kernel is rounded to it first, as eager compares its stored values (max's backward ``eq(x ** 3, amin)``
+    in bf16 compared the unrounded cube with the rounded minimum: no element matched, NaN gradients)."""
     def lower(ctx, a, b):
-        return elementwise(ctx, lambda x, y: E.bin(op, x, y), a, b, compute=upcast(result_dtype(a, b)))
+        compute = upcast(result_dtype(a, b))
+        shape = tuple(ctx_shape(ctx.meta))
+
+        def at(v, idx):
+            x = value_at(v, idx, shape, compute)
+            if isinstance(v, Pointwise) and v.dtype in (torch.bfloat16, torch.float16) and compute != v.dtype:
+                return ops.cast(ops.cast(x, v.dtype), compute)   # (a reduction's result too: in fp32 here)
+            return x
+        return ctx.pointwise(lambda idx: E.bin(op, at(a, idx), at(b, idx)))
     return lower
 
 

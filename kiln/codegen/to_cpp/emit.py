@@ -16,11 +16,14 @@ from kiln.codegen.ir.loops import Expr, Unsupported
 from kiln.codegen.ir.scope import Scope
 from kiln.codegen.schedule.colpart import XPID
 from kiln.codegen.schedule.plan import KernelPlan, Level
-from kiln.codegen.to_cpp.ops import MEMORY, VALUE, literal, template
+from kiln.codegen.to_cpp.ops import (DISCRETE, DISCRETE_REDUCE, MEMORY, VALUE, calls_vector_math, literal,
+                                     scalar_math, template)
 from kiln.options import Tuning
 
 XO = sympy.Symbol("xo", integer=True, nonnegative=True)   # a pointwise kernel's outer position
 XI = sympy.Symbol("xi", integer=True, nonnegative=True)   # ... and its inner (vectorized) position
+R0 = sympy.Symbol("r0", integer=True, nonnegative=True)   # a split row's outer position (``rows.row_split``)
+R1 = sympy.Symbol("r1", integer=True, nonnegative=True)   # ... and its inner (contiguous) position
 
 
 def render(lines, indent: str, out: list) -> list:
@@ -33,6 +36,47 @@ def render(lines, indent: str, out: list) -> list:
         else:
             out.append(indent + line)
     return out
+
+
+def decides(plan: KernelPlan) -> bool:
+    """Whether the result of a ``VECTOR_MATH`` function (``exp``, also inside ``sigmoid``) decides
+    something discrete in ``plan`` (``ops.DISCRETE``: a comparison, a rounding, an integer cast, a
+    ``where``'s condition, a max or min, also as a reduction). Such a kernel calls glibc's scalar
+    functions in every lane: libmvec's vector variants (SSE, AVX2, AVX-512) and the scalar function (a
+    loop's remainder, a loop the compiler leaves scalar) differ in the last bits, so
+    ``eq(sigmoid(x), amax(sigmoid(x)))`` with ``sigmoid`` computed in two loops (or two kernels: each
+    such kernel uses the scalar function) was false at some maxima (max's backward then lost its
+    gradient: fuzz seed 10, program 287). ``tuning.cpp_vector_math=False`` makes every kernel scalar."""
+    members = {m.name: m for m in plan.members}
+    memo: dict = {}
+
+    def math_in(e) -> bool:
+        if e not in memo:
+            memo[e] = False
+            found = False
+            for n in e.walk():
+                if n.dtype.is_floating_point and calls_vector_math(n.op):
+                    found = True
+                elif n.op == "red" and n.args[0] in members:
+                    found = math_in(members[n.args[0]].value)
+                if found:
+                    break
+            memo[e] = found
+        return memo[e]
+
+    for m in plan.members:
+        if m.reduce in DISCRETE_REDUCE and math_in(m.value):
+            return True
+        for n in m.value.walk():
+            if n.op in ("where", "masked"):   # only the condition decides (the values are continuous)
+                deciding = [n.args[0]]
+            elif n.op in DISCRETE or (n.op == "cast" and not n.dtype.is_floating_point):
+                deciding = n.children()
+            else:
+                continue
+            if any(math_in(c) for c in deciding):
+                return True
+    return False
 
 
 def load_code(ptr: str, idx: str, dtype) -> str:
@@ -67,6 +111,10 @@ class ExprWriter:
         self.red_vars = {}
         self.count = 0
         self.subst, self.ranges = {}, plan.ranges
+        # a reduction row's values kept for later loops over it: Expr -> (array, pass that writes it)
+        self.row_cache, self.pass_no = {}, -1
+        # glibc's scalar math functions in every lane (see ``decides``)
+        self.scalar_math = not tuning.cpp_vector_math or decides(plan)
 
     def tmp(self, prefix="tmp"):
         self.count += 1
@@ -104,9 +152,15 @@ class ExprWriter:
             return self.red_vars[e.args[0]]
         if e.op == "const":
             return literal(e.args[0], e.dtype)
-        code = self._code(e, target, mask, row if target is not post else None, post)
+        kept = self.row_cache.get(e) if mask is None and target is scope else None
+        if kept is not None and self.pass_no > kept[1]:
+            code = f"{kept[0]}[r]"   # computed by an earlier loop over this row
+        else:
+            code = self._code(e, target, mask, row if target is not post else None, post)
         var = self.tmp()
         target.lines.append(f"const {VALUE[e.dtype]} {var} = {code};")
+        if kept is not None and self.pass_no == kept[1]:
+            target.lines.append(f"{kept[0]}[r] = {var};")
         target.cache[key] = var
         return var
 
@@ -131,6 +185,9 @@ class ExprWriter:
                 return f"kiln_round_bf16((float)({x}))"
             if e.dtype == torch.float16:
                 return f"kiln_round_f16((float)({x}))"
+            if a[0].dtype.is_floating_point and not e.dtype.is_floating_point:   # eager's x86 conversion
+                wide = "kiln_f2i64" if e.dtype == torch.int64 else "kiln_f2i32"
+                return f"(({VALUE[e.dtype]}){wide}((double)({x})))"
             return f"(({VALUE[e.dtype]})({x}))"
         if op == "where":
             c, x, y = (sub(v) for v in a)
@@ -147,6 +204,8 @@ class ExprWriter:
         args = [sub(v) for v in a]
         dt = a[0].dtype
         t = template(op, dt, len(a))
+        if self.scalar_math:
+            t = scalar_math(t)
         return t.format(*args, f="f" if VALUE[dt] == "float" else "", t=VALUE[dt])
 
     # -- indices ----------------------------------------------------------------------------------
@@ -171,7 +230,7 @@ class ExprWriter:
     def pexpr(self, e, sub=None) -> str:
         """An index (or size) expression as C++ over the kernel's loop variables."""
         sub = sub or {}
-        names = {XINDEX: "x", RINDEX: "r", XPID: "xpid", XO: XO.name, XI: XI.name}
+        names = {XINDEX: "x", RINDEX: "r", XPID: "xpid", XO: XO.name, XI: XI.name, R0: R0.name, R1: R1.name}
 
         def leaf(s):
             if s in names:
@@ -183,4 +242,4 @@ class ExprWriter:
         return index_source(sympy.sympify(e), leaf, integer, div="/", what="cpp index")
 
 
-__all__ = ["Scope", "ExprWriter", "render", "load_code", "store_code", "XO", "XI"]
+__all__ = ["Scope", "ExprWriter", "render", "load_code", "store_code", "XO", "XI", "R0", "R1"]

@@ -20,7 +20,7 @@ from kiln.codegen.schedule.plan import KernelSource, ScatterPlan
 from kiln.codegen.to_cpp.ops import PREAMBLE
 from kiln.codegen.to_cpp.rows import CppKernel
 from kiln.codegen.to_triton.module import PLACEHOLDER, bind_sizes, pyexpr
-from kiln.debug import log
+from kiln.debug import counters, log
 from kiln.options import Tuning
 
 HEADER = "# kiln generated kernel (C++)\n"
@@ -40,6 +40,7 @@ def write_unit(plans, tuning: Tuning) -> tuple:
         try:
             sources.append(_write_plan(plan, tuning, functions))
         except Unsupported as e:
+            counters["codegen"]["cpp_declined"] += 1
             log(1, f"codegen: cpp declines a kernel, which runs as ATen ({e})")
             sources.append(declined(plan))
     return CppUnit(PREAMBLE + "\n" + "\n\n".join(functions.values()) + "\n", tuple(functions)), sources

@@ -4,12 +4,15 @@ Values of 2-byte floats live in ``float`` (a load widens, a cast rounds to neare
 a store narrows), as eager computes them. Float ops keep eager's NaN and signed-zero rules: no fast-math,
 ``maximum``/``minimum`` propagate NaN and keep the first operand on ties. ``PREAMBLE`` holds the helpers
 every translation unit starts with; with ``KILN_LIBMVEC`` defined (the build found glibc's vector math
-library) the math functions are declared ``omp declare simd``, so loops calling them vectorize.
+library) the math functions are declared ``omp declare simd``, so loops calling them vectorize; the
+``kiln_s_`` aliases of the same functions have no vector variant (a kernel where a math result decides a
+comparison calls those: ``emit.decides``).
 An op without a template raises ``Unsupported``: the kernel is declined and runs as ATen.
 """
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 
@@ -31,9 +34,27 @@ SCALAR_MATH = ("fabs", "sqrt", "floor", "ceil", "trunc", "nearbyint", "lgamma")
 BINARY_MATH = ("fmod", "pow", "atan2", "hypot", "copysign")
 
 
+# ops whose result jumps when their operand moves by one ulp (a comparison, a rounding, a cast to an integer
+# or bool: ``decides``; a ``where``'s condition too), and max/min, which pass on one operand's exact bits
+# (that a later ``eq`` with the value computed again compares against)
+DISCRETE = frozenset({"eq", "ne", "lt", "le", "gt", "ge", "maximum", "minimum", "floor", "ceil", "trunc", "round",
+                      "sign", "floordiv", "truncdiv", "remainder", "fmod", "isnan", "isinf", "signbit",
+                      "logical_not", "logical_and", "logical_or", "logical_xor"})
+DISCRETE_REDUCE = frozenset({"max", "min", "argmax", "argmin", "any", "all"})
+SCALAR_PREFIX = "kiln_s_"   # ``kiln_s_expf``: glibc's scalar expf in every lane (no vector variant declared)
+
+
 def _declare(simd: bool) -> str:
     pragma = "#pragma omp declare simd notinbranch\n" if simd else ""
     return "".join(f"{pragma}float {f}f(float);\n{pragma}double {f}(double);\n" for f in VECTOR_MATH)
+
+
+def _scalar_aliases() -> str:
+    """``kiln_s_<f>``: the same symbol as ``<f>`` without an ``omp declare simd`` vector variant, so a loop
+    calling it runs glibc's scalar function in every lane (libmvec's vector variants may differ from it by
+    an ulp or more, and a value computed in two loops must then be the same: see ``decides``)."""
+    return "".join(f"float {SCALAR_PREFIX}{f}f(float) __asm__(\"{f}f\");\n"
+                   f"double {SCALAR_PREFIX}{f}(double) __asm__(\"{f}\");\n" for f in VECTOR_MATH)
 
 
 PREAMBLE = r"""// kiln generated C++ (no torch headers: raw pointers, sizes, the C ABI; no <math.h>: see SCALAR_MATH)
@@ -41,13 +62,12 @@ PREAMBLE = r"""// kiln generated C++ (no torch headers: raw pointers, sizes, the
 #include <string.h>
 #define INFINITY (__builtin_inff())
 #define NAN (__builtin_nanf(""))
-#define signbit(x) __builtin_signbit(x)
+#define signbit(x) kiln_signbit(x)
 extern "C" {
 """ + "".join(f"float {f}f(float);\ndouble {f}(double);\n" for f in SCALAR_MATH) + \
     "".join(f"float {f}f(float, float);\ndouble {f}(double, double);\n" for f in BINARY_MATH) + r"""
 #ifdef KILN_LIBMVEC
-""" + _declare(True) + "#else\n" + _declare(False) + r"""#endif
-}
+""" + _declare(True) + "#else\n" + _declare(False) + "#endif\n" + _scalar_aliases() + r"""}
 static inline float fmod(float a, float b) { return fmodf(a, b); }   // <cmath>'s float overloads
 static inline float floor(float a) { return floorf(a); }
 #define KILN_INLINE static inline __attribute__((always_inline))
@@ -58,6 +78,19 @@ KILN_INLINE uint16_t kiln_bf16_store(float f) {   // round to nearest even; NaN 
   return (f != f) ? (uint16_t)((u >> 16) | 0x40u) : (uint16_t)r;
 }
 KILN_INLINE float kiln_round_bf16(float f) { return kiln_bf16_load(kiln_bf16_store(f)); }
+// the sign bit from the bits (g++ 12 fails on __builtin_signbit in a vectorized loop over bf16 loads:
+// "unrecognizable insn", a compiler bug)
+KILN_INLINE bool kiln_signbit(float x) { uint32_t u; memcpy(&u, &x, 4); return (u >> 31) != 0; }
+KILN_INLINE bool kiln_signbit(double x) { uint64_t u; memcpy(&u, &x, 8); return (u >> 63) != 0; }
+// a float to an integer as eager converts on x86 (cvtt*2si): NaN and values out of range give the lowest
+// value; 8- and 16-bit integers through int32. A plain cast is undefined there, and with -fno-trapping-math
+// g++ folds (float)(int64_t)x into truncf(x) (NaN stayed NaN)
+KILN_INLINE int64_t kiln_f2i64(double x) {
+  return (x >= -9223372036854775808.0 && x < 9223372036854775808.0) ? (int64_t)x : (int64_t)(-9223372036854775807LL - 1);
+}
+KILN_INLINE int32_t kiln_f2i32(double x) {
+  return (x > -2147483649.0 && x < 2147483648.0) ? (int32_t)x : (int32_t)(-2147483647 - 1);
+}
 KILN_INLINE float kiln_round_f16(float f) { return (float)(_Float16)f; }
 template <typename T> KILN_INLINE T kiln_maximum(T a, T b) { return (a >= b || a != a) ? a : b; }
 template <typename T> KILN_INLINE T kiln_minimum(T a, T b) { return (a <= b || a != a) ? a : b; }
@@ -137,6 +170,19 @@ def template(op: str, dtype: torch.dtype, arity: int) -> str:
     return t
 
 
+_VECTOR_CALL = re.compile(r"\b(" + "|".join(VECTOR_MATH) + r")\{f\}\(")
+
+
+def calls_vector_math(op: str) -> bool:
+    """Whether ``op``'s float template calls a ``VECTOR_MATH`` function (``exp``, ``sigmoid``, ...)."""
+    return bool(_VECTOR_CALL.search(FLOAT_UNARY.get(op, "") + FLOAT_BINARY.get(op, "")))
+
+
+def scalar_math(t: str) -> str:
+    """Template ``t`` with its ``VECTOR_MATH`` calls through the ``SCALAR_PREFIX`` aliases."""
+    return _VECTOR_CALL.sub(lambda m: f"{SCALAR_PREFIX}{m.group(1)}{{f}}(", t)
+
+
 def literal(value, dtype: torch.dtype) -> str:
     """A C++ literal of ``value`` as a ``dtype`` value (floats exactly, as hex)."""
     if dtype == torch.bool:
@@ -176,4 +222,5 @@ def combine(kind: str, acc: str, v: str, floating: bool) -> str:
     raise Unsupported(f"cpp: no reduction {kind}")
 
 
-__all__ = ["VALUE", "MEMORY", "VECTOR_MATH", "PREAMBLE", "template", "literal", "neutral", "combine"]
+__all__ = ["VALUE", "MEMORY", "VECTOR_MATH", "PREAMBLE", "DISCRETE", "DISCRETE_REDUCE", "SCALAR_PREFIX", "template",
+           "calls_vector_math", "scalar_math", "literal", "neutral", "combine"]

@@ -18,13 +18,13 @@ import dataclasses
 
 import sympy
 
-from kiln.codegen.ir.indexing import RINDEX, prod
+from kiln.codegen.ir.indexing import RINDEX, XINDEX, FloorDiv, ModIdx, Ranges, prod, simplify
 from kiln.codegen.ir.loops import Unsupported, ops
 from kiln.codegen.schedule.domain import Role
 from kiln.codegen.schedule.plan import KernelPlan, Level, reds
 from kiln.codegen.schedule.planner import row_passes
-from kiln.codegen.to_cpp.emit import ExprWriter, Scope, render, store_code
-from kiln.codegen.to_cpp.ops import MEMORY, VALUE, combine, literal, neutral
+from kiln.codegen.to_cpp.emit import R0, R1, XI, XO, ExprWriter, Scope, render, store_code
+from kiln.codegen.to_cpp.ops import MEMORY, VALUE, calls_vector_math, combine, literal, neutral
 from kiln.options import Tuning
 
 SIMD_REDUCE = {"sum": "+", "prod": "*", "max": "max", "min": "min"}
@@ -37,6 +37,7 @@ class CppKernel(ExprWriter):
     def __init__(self, plan: KernelPlan, tuning: Tuning):
         super().__init__(plan, tuning)
         self.body = []   # the function's lines after the size bindings (strings and blocks)
+        self.split = None   # K when a row runs as r = r0 * K + r1 (``row_split``)
 
     @property
     def xnumel(self):
@@ -74,10 +75,7 @@ class CppKernel(ExprWriter):
     # -- pointwise ------------------------------------------------------------------------------------
     def _pointwise(self):
         plan = self.plan
-        xs = [s for s, _ in plan.dims]
-        inner = xs[-1] if xs else sympy.Integer(1)
-        split = len(xs) > 1 and not (inner.is_Integer and int(inner) < self.tuning.cpp_min_inner)
-        outer, inner = (prod(xs[:-1]), inner) if split else (sympy.Integer(1), plan.xnumel)
+        outer, inner = pointwise_split(plan, self.tuning.cpp_min_inner)
         self.use_split(outer, inner)
         scope = Scope()
         for m in plan.members:
@@ -108,12 +106,18 @@ class CppKernel(ExprWriter):
         if plan.dims and not plan.dims[-1][1] and not cols and not outers:
             self._columns(passes, row_stores)
             return
+        if not cols and not outers:
+            self._use_row_split()
         row = Scope()
         post = Scope() if outers else None
         self.row, self.post = row, post
+        if not cols and not outers:
+            self._keep_row_values(passes, row)
         for i in range(n_pass):
             p = passes[i] if i < len(passes) else None
+            self.pass_no = i
             self._pass(p, [m for m in cols if col_pass[m.name] == i])
+        self.pass_no = n_pass
         for name in row_stores:
             m = plan.member(name)
             self._store(m, m.result, row, row, None)
@@ -169,8 +173,8 @@ class CppKernel(ExprWriter):
         for m in cols:
             v = self._reduce_value(m, loop)
             loop.lines.append(f"{m.name}_col[r] = {combine(m.reduce, f'{m.name}_col[r]', v, m.acc.is_floating_point)};")
-        head = (["#pragma omp simd " + " ".join(clauses)] if simd else []) + [f"for ({t} r = 0; r < rnumel; r++) {{"]
-        row.lines.append((head, loop, ["}"]))
+        head, tail = self._r_loop(("#pragma omp simd " + " ".join(clauses)) if simd else None)
+        row.lines.append((head, loop, tail))
         for m, code in finals:
             var = self.tmp("red")
             row.lines.append(f"const {VALUE[m.acc] if not m.reduce.startswith('arg') else 'int64_t'} {var} = {code};")
@@ -211,11 +215,18 @@ class CppKernel(ExprWriter):
                 self._store(m, m.result, inner, None, None)
             outer.lines.append((["#pragma omp simd", f"for ({t} x = x0; x < xe; x++) {{"], inner, ["}"]))
             body.lines.append(([f"for ({t} r = 0; r < rnumel; r++) {{"], outer, ["}"]))
-        last = Scope(body)
-        for name in row_stores:
+        last, rows = Scope(body), Scope(body)
+        spread = Scope(rows)
+        for name in row_stores:   # a column's value stored once, or (``spread``) at every row of it
             m = plan.member(name)
-            self._store(m, m.result, last, None, None)
-        body.lines.append((["#pragma omp simd", f"for ({t} x = x0; x < xe; x++) {{"], last, ["}"]))
+            along = m.index is not None and RINDEX in m.index.free_symbols
+            self._store(m, m.result, spread if along else last, None, None)
+        columns = ["#pragma omp simd", f"for ({t} x = x0; x < xe; x++) {{"]
+        if last.lines:
+            body.lines.append((columns, last, ["}"]))
+        if spread.lines:
+            rows.lines.append((columns, spread, ["}"]))
+            body.lines.append(([f"for ({t} r = 0; r < rnumel; r++) {{"], rows, ["}"]))
         head = [self._parallel(), f"for ({t} xb = 0; xb < (xnumel + {xb - 1}) / {xb}; xb++) {{",
                 f"  const {t} x0 = xb * {xb}, xe = x0 + {xb} < xnumel ? x0 + {xb} : xnumel;"]
         self.body.append((head, body, ["}"]))
@@ -277,6 +288,53 @@ class CppKernel(ExprWriter):
         self.body.append(([self._parallel(), f"for ({t} c = 0; c < nch; c++) {{"], body, ["}"]))
         self.body += final + [post]
 
+    def _keep_row_values(self, passes, row):
+        """Values calling a vector math function (``exp``...) that two loops over a row compute (a
+        softmax's exponentials: summed, then divided by the sum) are computed once: the first loop keeps
+        them in a per-row array (a static row of at most ``tuning.cpp_row_cache`` elements, in L1 or L2),
+        later loops read them back. An exponential costs more than a load from cache on a CPU."""
+        n = sympy.sympify(self.plan.rnumel)
+        limit = self.tuning.cpp_row_cache
+        if not n.is_Integer or int(n) > limit:
+            return
+        first: dict = {}   # Expr -> the first pass computing it
+        again: set = set()
+        for i, p in enumerate(passes):
+            roots = [self.plan.member(name).value for name in p.reduce]
+            roots += [self.plan.member(name).result for name in p.stores]
+            seen = set()
+            for root in roots:
+                for e in root.walk():
+                    if e in seen or self.level(e) is not Level.ELEMENT or not calls_vector_math(e.op):
+                        continue
+                    seen.add(e)
+                    if e in first:
+                        again.add(e)
+                    else:
+                        first[e] = i
+        inner = {c for e in again for c in e.walk() if c is not e}   # kept inside a kept value: not kept
+        for e in sorted((e for e in again if e not in inner), key=lambda e: first[e]):
+            arr = self.tmp("kept")
+            row.lines.append(f"{VALUE[e.dtype]} {arr}[{int(n)}];")
+            self.row_cache[e] = (arr, first[e])
+
+    # -- a row as nested loops -------------------------------------------------------------------------
+    def _use_row_split(self):
+        """Index the row's elements as ``r = r0 * K + r1`` where ``row_split`` finds a K."""
+        found = row_split(self.plan, self.tuning.cpp_row_split)
+        if found is not None:
+            self.split, self.subst, self.ranges = found
+
+    def _r_loop(self, pragma):
+        """(head lines, tail lines) of a loop over a row's elements, ``pragma`` on the vectorized loop:
+        ``r`` alone, or ``r0`` over K-element pieces around a vectorized ``r1`` (``split``)."""
+        t = self.idx_t
+        if self.split is None:
+            return ([pragma] if pragma else []) + [f"for ({t} r = 0; r < rnumel; r++) {{"], ["}"]
+        k = self.split
+        return ([f"for ({t} r0 = 0; r0 < rnumel / {k}; r0++) {{"] + ([pragma] if pragma else []) +
+                [f"for ({t} r1 = 0; r1 < {k}; r1++) {{", f"const {t} r = r0 * {k} + r1; (void)r;"], ["}", "}"])
+
     # -- stores -----------------------------------------------------------------------------------------
     def _store(self, m, value, scope, row, post):
         """Store member ``m``'s ``value`` at its index; a per-row value stored at every element of its row
@@ -286,8 +344,8 @@ class CppKernel(ExprWriter):
         idx = m.index if m.index is not None else sympy.Integer(0)
         code = f"{self.out_args[m.name]}[{self.index(idx, (), None)}] = {store_code(v, m.buffer.dtype)};"
         if self.plan.reduction and RINDEX in idx.free_symbols and scope is row:
-            scope.lines.append((["#pragma omp simd", f"for ({self.idx_t} r = 0; r < rnumel; r++) {{"],
-                                _scope_of([code]), ["}"]))
+            head, tail = self._r_loop("#pragma omp simd")
+            scope.lines.append((head, _scope_of([code]), tail))
         else:
             scope.lines.append(code)
 
@@ -312,10 +370,80 @@ class CppKernel(ExprWriter):
         return "\n".join(lines + ["}"])
 
 
+def _index_exprs(plan) -> list:
+    """Every load, index and store expression of ``plan``'s row members."""
+    out = []
+    for m in plan.members:
+        for n in m.value.walk():
+            if n.op == "load":
+                out.append(n.args[1])
+            elif n.op == "index":
+                out.append(n.args[0])
+        if m.index is not None:
+            out.append(m.index)
+    return out
+
+
+def pointwise_split(plan, min_inner: int):
+    """``(outer, inner)``: a pointwise kernel runs ``xindex = xo * inner + xi``, ``inner`` the longest
+    run of trailing dims that every index reads without a division (an NCHW BatchNorm's per-channel
+    loads: ``inner`` = H * W, the channel a function of ``xo`` alone, loaded once per run), else the
+    innermost dim; the whole domain when that is shorter than ``min_inner``."""
+    xs = [s for s, _ in plan.dims]
+    if len(xs) < 2:
+        return sympy.Integer(1), plan.xnumel
+    exprs = [simplify(e, plan.ranges) for e in _index_exprs(plan)]
+    for k in range(1, len(xs) - 1):
+        outer, inner = prod(xs[:k]), prod(xs[k:])
+        if inner.is_Integer and int(inner) < min_inner:
+            break
+        ranges = Ranges({XO: outer, XI: inner})
+        subst = {XINDEX: XO * inner + XI}
+        if not any(XI in a.free_symbols for e in exprs
+                   for a in simplify(e.xreplace(subst), ranges).atoms(FloorDiv, ModIdx)):
+            return outer, inner
+    inner = xs[-1]
+    if inner.is_Integer and int(inner) < min_inner:
+        return sympy.Integer(1), plan.xnumel
+    return prod(xs[:-1]), inner
+
+
+def row_split(plan, minimum: int):
+    """``(K, substitution, ranges)`` when every index reads ``rindex`` only through ``r // K`` and
+    ``r % K`` (a static row of whole K-element pieces, K >= ``minimum``: an NCHW BatchNorm's row is the
+    batch times the pixels), so that ``r = r0 * K + r1`` leaves no division in any index and the
+    inner loop over ``r1`` reads contiguous memory (the compiler vectorizes it: a ``r / K`` and
+    ``r % K`` per element it did not); else None."""
+    n = sympy.sympify(plan.rnumel)
+    if minimum <= 0 or not n.is_Integer:
+        return None
+    exprs = [simplify(e, plan.ranges) for e in _index_exprs(plan)]
+    ks = set()
+    for e in exprs:
+        for a in e.atoms(FloorDiv, ModIdx):
+            if RINDEX not in a.free_symbols:
+                continue
+            if a.args[0] != RINDEX or (isinstance(a, ModIdx) and a.args[1] != 1):
+                return None
+            ks.add(a.args[-1])
+    if len(ks) != 1:
+        return None
+    k = ks.pop()
+    if not k.is_Integer or int(k) < minimum or int(n) % int(k) or int(k) >= int(n):
+        return None
+    bounds = {s: b for s, b in plan.ranges.bounds.items() if s != RINDEX}
+    ranges = Ranges({**bounds, R0: int(n) // int(k), R1: int(k)})
+    subst = {RINDEX: R0 * int(k) + R1}
+    for e in exprs:
+        if any(R1 in a.free_symbols for a in simplify(e.xreplace(subst), ranges).atoms(FloorDiv, ModIdx)):
+            return None
+    return int(k), subst, ranges
+
+
 def _scope_of(lines) -> Scope:
     s = Scope()
     s.lines = list(lines)
     return s
 
 
-__all__ = ["CppKernel"]
+__all__ = ["CppKernel", "row_split"]

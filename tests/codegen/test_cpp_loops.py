@@ -1,0 +1,93 @@
+"""Loop shapes of the C++ emitter that decide its speed: a reduction row read at ``r / K`` and ``r % K``
+runs as nested loops over contiguous K-element pieces (``rows.row_split``), a pointwise kernel's inner
+loop covers the trailing dims its per-channel loads do not depend on (``rows.pointwise_split``)."""
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from kiln.codegen.fuse_graph import fuse_graph
+from kiln.codegen.ir.indexing import XINDEX, ModIdx, Ranges, simplify
+from kiln.codegen.to_cpp.emit import XI, XO
+from kiln.options import current
+from kiln.runtime import cpp_build
+from kiln.runtime.kernels import load_kernel
+from tests.codegen.util import assert_close, decompositions
+
+pytestmark = pytest.mark.skipif(not cpp_build.find_compiler(current()), reason="no C++ compiler (g++, clang++, $CXX)")
+
+
+def compiled(fn, *args, **tuning):
+    """(graph module with C++ kernels, the C++ source of its unit)."""
+    units = []
+
+    def build(unit, opts):
+        units.append(unit.source)
+        return cpp_build.build(unit, opts)
+    gm = make_fx(fn, decomposition_table=decompositions(), tracing_mode="fake")(*args)
+    fuse_graph(gm, list(args), current(codegen="cpp", tuning=tuning), load_kernel, strict=True, build=build)
+    return gm, "\n".join(units)
+
+
+def _c(v):   # a per-channel vector against NCHW
+    return v[None, :, None, None]
+
+
+def _bn_train(x, w, b):   # BatchNorm's training statistics over N, H, W (what kiln's decompositions give)
+    mean = x.mean((0, 2, 3), keepdim=True)
+    var = ((x - mean) ** 2).mean((0, 2, 3), keepdim=True)
+    return F.relu((x - mean) * torch.rsqrt(var + 1e-5) * _c(w) + _c(b))
+
+
+def _bn_eval(x, mean, var, w, b):
+    return F.relu((x - _c(mean)) * _c(torch.rsqrt(var + 1e-5) * w) + _c(b)) + x
+
+
+def _inner_loop_indices(src):
+    """The indices of the loads in the innermost (vectorized) loops."""
+    return re.findall(r"in_ptr\d+\[\(([^\]]*)\)\]", src)
+
+
+@pytest.mark.parametrize("split", [16, 0])
+def test_batch_norm_rows_run_as_contiguous_pieces(split):
+    x, w, b = torch.randn(4, 8, 6, 32), torch.randn(8), torch.randn(8)
+    gm, src = compiled(_bn_train, x, w, b, cpp_row_split=split)
+    assert_close(gm(x, w, b), _bn_train(x, w, b), 1e-5, 1e-5)
+    big = [i for i in _inner_loop_indices(src) if "x" in i]   # the per-element loads of x
+    if split:
+        assert "for (int32_t r1 = 0; r1 < 192; r1++)" in src, src
+        assert big and not [i for i in big if "/" in i or "%" in i], big
+    else:
+        assert "int32_t r0 = 0" not in src and any("/" in i for i in big), big
+
+
+def test_batch_norm_eval_hoists_the_channel():
+    x = torch.randn(2, 8, 4, 16)
+    stats = [torch.randn(8), torch.rand(8) + 0.5, torch.randn(8), torch.randn(8)]
+    gm, src = compiled(_bn_eval, x, *stats)
+    assert_close(gm(x, *stats), _bn_eval(x, *stats), 1e-5, 1e-5)
+    assert "xo_n = 16, xi_n = 64;" in src, src   # the inner loop: H * W, the channel a function of xo
+    assert "[(xo % 8)]" in src and not [i for i in _inner_loop_indices(src) if "xi" in i and "/" in i], src
+
+
+def test_a_digit_of_a_split_index():
+    """((1024 xo + xi) // 1024) % 32 is xo % 32 when xi < 1024; not when xi may reach 1024."""
+    e = ModIdx(XINDEX, 1024, 32).xreplace({XINDEX: XO * 1024 + XI})
+    assert simplify(e, Ranges({XO: 512, XI: 1024})) == ModIdx(XO, 1, 32)
+    assert simplify(e, Ranges({XO: 8, XI: 1024})) == XO
+    assert simplify(e, Ranges({XO: 512, XI: 2048})) != ModIdx(XO, 1, 32)
+
+
+@pytest.mark.parametrize("cache", [16384, 0])
+def test_softmax_computes_each_exponential_once(cache):
+    """A softmax sums its exponentials in one loop over the row and divides them by the sum in the next:
+    the first loop keeps them (``tuning.cpp_row_cache``), the second reads them back."""
+    x = torch.randn(8, 300)
+    x[0, :5] = float("-inf")
+    gm, src = compiled(lambda x: torch.softmax(x, -1), x, cpp_row_cache=cache)
+    assert_close(gm(x), torch.softmax(x, -1), 1e-6, 1e-6)
+    body = src[src.index('extern "C" void kiln_cpp_'):]
+    assert body.count("expf(") == (1 if cache else 2), body
+    assert ("kept" in body) == bool(cache)
