@@ -247,3 +247,19 @@ def test_a_failed_cpp_build_is_a_fallback():
     from kiln.bench.fuzz.report import _fallback_kinds
     kinds = list(_fallback_kinds([res.to_dict()]))
     assert len(kinds) == 1 and "exited with #" in kinds[0] and "/" not in kinds[0], kinds
+
+
+def test_clamp_with_a_nan_bound_is_judged_by_what_this_torch_does():
+    """torch 2.11's eager ``clamp(x, min=nan)`` returns x (its ``clamp_min(x, nan)`` and torch 2.13 give NaN,
+    as kiln does): on such a torch a program clamping at a NaN scalar is discarded, not a failure."""
+    from kiln.bench.fuzz import harness
+
+    def program(a0):
+        return (torch.clamp(a0, min=float('nan')),)
+
+    def other(a0):
+        return (torch.clamp(a0, min=-1.5),)
+    probe = torch.clamp(torch.ones(1), min=float("nan")).isnan().item()
+    assert harness.eager_clamp_ignores_nan_bounds() is (not probe)
+    assert bool(harness._eager_inconsistent(program)) is (not probe)
+    assert harness._eager_inconsistent(other) == ""
