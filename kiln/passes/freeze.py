@@ -29,6 +29,7 @@ from torch.utils import _pytree as pytree
 
 from kiln.debug import counters, log
 from kiln.passes import binary_fold, concat_linear, conv_bn, joint, layout
+from kiln.passes.channels_last import to_channels_last
 from kiln.passes.patterns.mkldnn import pack_conv_weights
 from kiln.passes.constant_fold import add_constant, drop_unused_constants, fold_constants, protect_outputs
 
@@ -137,14 +138,22 @@ def freeze_placeholders(gm: fx.GraphModule, region: FrozenRegion, fake_mode=None
 
 
 # -- the freezing passes ------------------------------------------------------------------------------
-def _mkldnn_rewrite(gm: fx.GraphModule, target: str, inputs) -> int:
+def _mkldnn_rewrite(gm: fx.GraphModule, target: str, inputs, opts=None) -> int:
     """Seed 002's CPU inference pattern: convolutions become prepacked mkldnn calls. Prepacking only:
     the relu fusion stays a post-grad pattern, so user post-grad passes still see
     ``_convolution_pointwise(..., "none")`` followed by relu, as in seed 002. The CPU targets (aten, cpp)
-    only: the C++ emitter leaves convolutions to ATen/oneDNN as the ATen wrapper does."""
+    only: the C++ emitter leaves convolutions to ATen/oneDNN as the ATen wrapper does.
+
+    With ``layout_optimization`` the graph goes channels-last first (``to_channels_last``, for CPU
+    convolutions here): a prepacked convolution writes channels-last whatever its input, and converts a
+    contiguous input itself, so a contiguous graph paid two copies per convolution (its input's layout,
+    and its result's back to the meta's contiguous strides before the next kernel read it): 14.1 against
+    8.1 ms unfrozen on the CPU CNN (2026-11-26)."""
     on_cpu = all(not isinstance(t, torch.Tensor) or t.device.type == "cpu" for t in inputs)
     if target not in ("aten", "cpp") or not on_cpu or not torch.backends.mkldnn.is_available():
         return 0
+    if opts is not None and opts.layout_optimization:
+        to_channels_last(gm, opts.replace(layout_devices="any"))
     n = pack_conv_weights(gm) or 0
     gm.recompile()
     return int(n)
@@ -166,7 +175,7 @@ def freezing_passes(gm: fx.GraphModule, opts, target: str, trace, fake_mode=None
     if target in ("triton", "cpp"):   # the fusing targets: a BatchNorm left unfolded fuses as mul-add
         stats["bn_affine"] = trace.stage("bn_to_affine", conv_bn.bn_to_affine, gm, fake_mode)
     stats["constant_folded"] += fold_constants(gm, fake_mode)
-    stats["mkldnn"] = trace.stage("mkldnn", _mkldnn_rewrite, gm, target, inputs)
+    stats["mkldnn"] = trace.stage("mkldnn", _mkldnn_rewrite, gm, target, inputs, opts)
     if stats["mkldnn"]:
         trace.stage("pin_strides", layout.pin_eager_strides, gm, fake_mode)
     drop_unused_constants(gm)

@@ -89,7 +89,9 @@ def _place(shape, dims, stride=None):
     sq = squeeze(shape)
     full = [s for s, _ in dims]
     xs = [s for s, r in dims if not r]
-    if same_sizes(sq, full):
+    order = _dense_order(shape, stride) if stride is not None else None
+    permuted = order is not None and order != [d for d in range(len(shape)) if int(shape[d]) != 1]
+    if same_sizes(sq, full) and not permuted:   # (a channels-last [16, 32, 32, 32]: memory order below)
         vs = iter(domain_vars(dims))
     elif len(xs) < len(full) and same_sizes(sq, xs):
         vs = iter(unflatten(XINDEX, xs))
