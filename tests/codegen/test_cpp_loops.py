@@ -91,3 +91,14 @@ def test_softmax_computes_each_exponential_once(cache):
     body = src[src.index('extern "C" void kiln_cpp_'):]
     assert body.count("expf(") == (1 if cache else 2), body
     assert ("kept" in body) == bool(cache)
+
+
+def test_a_quotient_of_a_row_and_its_column():
+    """(128 x + r) // 16384 is x // 128 when r < 128 (an attention row of 128 in heads of 128 rows): no
+    division per element (a GPT's attention-softmax backward divided at every element)."""
+    from kiln.codegen.ir.indexing import RINDEX, FloorDiv
+    r = Ranges({XINDEX: 2048, RINDEX: 128})
+    assert simplify(FloorDiv(RINDEX + 128 * XINDEX, 16384), r) == FloorDiv(XINDEX, 128)
+    assert simplify(128 * FloorDiv(RINDEX + 128 * XINDEX, 16384) + ModIdx(XINDEX, 1, 128), r) == XINDEX
+    assert simplify(ModIdx(RINDEX + 128 * XINDEX, 256, 8), r) == ModIdx(XINDEX, 2, 8)
+    assert simplify(FloorDiv(RINDEX + 100 * XINDEX, 16384), r) == FloorDiv(RINDEX + 100 * XINDEX, 16384)

@@ -236,7 +236,28 @@ def _floordiv(a, b, r):
         return FloorDiv(a, b)
     if rest == 0 or _leq(r.max(rest), b - 1):
         return q
+    coarse = _coarsen(rest, b, r)
+    if coarse is not None:   # rest = c*q2 + low, c | b, low < c: rest // b = q2 // (b / c)
+        q2, c = coarse
+        return q + _floordiv(q2, sympy.cancel(b / c), r)
     return q + FloorDiv(rest, b)
+
+
+def _coarsen(a, d, r):
+    """``(q, c)`` with ``a = c*q + low``, ``c`` a divisor of ``d`` above 1 and ``0 <= low < c`` (so
+    ``a // d == q // (d / c)``: ``(128*x + r) // 16384`` is ``x // 128`` when ``r < 128``), the largest
+    such ``c`` among ``a``'s integer coefficients; None when there is none."""
+    if not sympy.sympify(d).is_Integer:
+        return None
+    coeffs = sorted({int(t.as_coeff_Mul()[0]) for t in sympy.Add.make_args(a)
+                     if t.as_coeff_Mul()[0].is_Integer}, reverse=True)
+    for c in coeffs:
+        if c <= 1 or int(d) % c:
+            continue
+        q, low = _split(a, c)
+        if q != 0 and _neg_free(q) and _neg_free(low) and (low == 0 or _leq(r.max(low), c - 1)):
+            return q, c
+    return None
 
 
 def _modidx(a, d, m, r):
@@ -253,10 +274,11 @@ def _modidx(a, d, m, r):
         return ZERO
     if _leq(r.max(rest), d * m - 1):
         return _floordiv(rest, d, r)
-    if d != 1:   # rest = d*q + low with 0 <= low < d: the digit is q's (1024*xo + xi, xi < 1024: xo's)
-        q, low = _split(rest, d)
-        if q != 0 and _neg_free(q) and _neg_free(low) and (low == 0 or _leq(r.max(low), d - 1)):
-            return _modidx(q, 1, m, r)
+    if d != 1:   # rest = c*q + low, c | d, low < c: the digit is q's (1024*xo + xi, xi < 1024: xo's)
+        coarse = _coarsen(rest, d, r)
+        if coarse is not None:
+            q, c = coarse
+            return _modidx(q, sympy.cancel(d / c), m, r)
     return ModIdx(rest, d, m)
 
 
