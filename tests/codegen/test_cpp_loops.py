@@ -102,3 +102,17 @@ def test_a_quotient_of_a_row_and_its_column():
     assert simplify(128 * FloorDiv(RINDEX + 128 * XINDEX, 16384) + ModIdx(XINDEX, 1, 128), r) == XINDEX
     assert simplify(ModIdx(RINDEX + 128 * XINDEX, 256, 8), r) == ModIdx(XINDEX, 2, 8)
     assert simplify(FloorDiv(RINDEX + 100 * XINDEX, 16384), r) == FloorDiv(RINDEX + 100 * XINDEX, 16384)
+
+
+def test_multiplying_by_one_keeps_one_expression():
+    """``x * 1.0`` is ``x`` (exactly, NaN and -0.0 too): softplus's backward computes ``exp(x * beta)`` with
+    beta 1, which then is the forward's ``exp(x)`` and is computed once in mish's backward."""
+    x = torch.tensor([-0.0, 0.0, float("nan"), float("inf"), -3.0, 25.0, 0.5])
+    g = torch.randn(7)
+
+    def mish_grad(x, g):   # the parts of mish's backward that read exp(x)
+        return torch.exp(x) * g + torch.ops.aten.softplus_backward(g, x, 1.0, 20.0)
+    gm, src = compiled(mish_grad, x, g)
+    assert_close(gm(x, g), mish_grad(x, g), 1e-6, 1e-6)
+    body = src[src.index('extern "C" void kiln_cpp_'):]
+    assert body.count("expf(") == 1, body

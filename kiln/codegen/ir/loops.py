@@ -162,7 +162,16 @@ class ops:
 
     @staticmethod
     def binary(op, a, b):
+        if op in ("mul", "truediv") and a.dtype.is_floating_point and a.dtype == b.dtype:
+            if _is_one(b):   # x * 1.0 and x / 1.0 are x exactly (NaN, infinities, -0.0 included): the
+                return a     # expression of x stays one (mish's backward computed exp(x * 1.0) beside exp(x))
+            if op == "mul" and _is_one(a):
+                return b
         return Expr(op, (a, b), torch.bool if op in COMPARE else a.dtype)
+
+
+def _is_one(e) -> bool:
+    return e.op == "const" and e.args[0] == 1.0
 
 
 _ind_names = itertools.count()
