@@ -85,6 +85,8 @@ def load_code(ptr: str, idx: str, dtype) -> str:
         return f"kiln_bf16_load({ptr}[{idx}])"
     if dtype == torch.float16:
         return f"((float){ptr}[{idx}])"
+    if dtype == torch.bool:
+        return f"({ptr}[{idx}] != 0)"
     return f"{ptr}[{idx}]"
 
 
