@@ -12,7 +12,7 @@ import torch
 
 from kiln.codegen.ir.index_source import index_source
 from kiln.codegen.ir.indexing import RINDEX, XINDEX, Ranges, simplify
-from kiln.codegen.ir.loops import Expr, Unsupported
+from kiln.codegen.ir.loops import Expr, Unsupported, ops
 from kiln.codegen.ir.scope import Scope
 from kiln.codegen.schedule.colpart import XPID
 from kiln.codegen.schedule.plan import KernelPlan, Level
@@ -203,12 +203,31 @@ class ExprWriter:
             return f"({cond} ? {val} : {other})"
         if op in ("red", "const"):
             raise AssertionError(op)
+        split = self._masked_exp(e)
+        if split is not None:
+            return sub(split)
         args = [sub(v) for v in a]
         dt = a[0].dtype
         t = template(op, dt, len(a))
         if self.scalar_math:
             t = scalar_math(t)
         return t.format(*args, f="f" if VALUE[dt] == "float" else "", t=VALUE[dt])
+
+    def _masked_exp(self, e):
+        """``exp(where(m, a, k) - c)`` with ``k`` a constant and ``c`` known per row (a masked softmax's
+        ``exp(where(mask, score, -inf) - max)``) as ``where(m, exp(a - c), exp(k - c))``, the same values:
+        the second exponential is computed once per row, and no lane of the vector one sees -inf, for which
+        libmvec's expf takes its special-case path (about 10x slower per vector); else None."""
+        if e.op != "exp" or e.args[0].op != "sub" or self.level(e) is not Level.ELEMENT:
+            return None
+        w, c = e.args[0].args
+        if w.op != "where" or self.level(c) >= Level.ELEMENT:
+            return None
+        cond, t, f = w.args
+        if (t.op == "const") == (f.op == "const"):
+            return None
+        t, f = (ops.unary("exp", ops.binary("sub", v, c)) for v in (t, f))
+        return ops.where(cond, t, f)
 
     # -- indices ----------------------------------------------------------------------------------
     def arg_for(self, name):
