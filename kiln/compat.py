@@ -66,16 +66,17 @@ def triton_c_launcher_ok(version: str) -> bool:
     return version.split(".")[:2] == ["3", "6"]
 
 
-def aot_runtime_wrappers(fw, bw, meta, n_saved, n_symints, detach, n_params=0):
+def aot_runtime_wrappers(fw, bw, meta, n_saved, n_symints, detach):
     """AOTAutograd's post-compile steps on compiled graphs ``fw`` (forward or inference) and ``bw``
     (None: inference), in the order AOTAutograd applies them, for a graph without tensor subclasses,
-    input deduplication or synthetic bases; returns the boxed callable (``args`` list). The compile
+    input deduplication, synthetic bases or parameters of its own (the cache bypasses those); returns the
+    boxed callable (``args`` list). The compile
     spec of ``AOTDispatchAutograd.post_compile`` is an object from torch 2.13 on, positional before."""
     import dataclasses
     from torch._functorch._aot_autograd import runtime_wrappers as rw
     from torch._functorch._aot_autograd.schemas import AOTConfig
     wanted = dict(fw_compiler=None, bw_compiler=None, inference_compiler=None, partition_fn=None, decompositions={},
-                  num_params_buffers=n_params, aot_id=next(torch._functorch.aot_autograd.AOT_COUNTER),
+                  num_params_buffers=0, aot_id=next(torch._functorch.aot_autograd.AOT_COUNTER),
                   keep_inference_input_mutations=True, dynamic_shapes=False, aot_autograd_arg_pos_to_source=None,
                   is_export=False, no_tangents=False, enable_log=False)
     names = {f.name for f in dataclasses.fields(AOTConfig)}

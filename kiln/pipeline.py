@@ -47,14 +47,15 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list, opts: Options):
             write_repro(trace, gm, example_inputs, opts)
         registered = passes.snapshot()   # the backward, compiled later, runs these too
         target = resolve_target(opts, example_inputs)
+        freezing = opts.freezing and not torch.is_grad_enabled()
         session = cache.open_graph(gm, example_inputs, opts, cache_key(opts, registered), target,
-                                   frozen=opts.freezing and not torch.is_grad_enabled(), registered=registered)
+                                   frozen=freezing, registered=registered)
         hit = session.load() if session is not None else None
         if hit is not None:
             return hit
         trace.stage("pre_grad", passes.pre_grad, gm, opts, registered)
         region = None
-        if opts.freezing and not torch.is_grad_enabled():
+        if freezing:
             region = freeze.module_region(gm, example_inputs)
             if region is None:
                 log(1, "freeze: no parameters or buffers in this graph; compiling without freezing")

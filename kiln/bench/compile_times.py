@@ -14,8 +14,8 @@ caches, Triton's, kiln's compile cache and kernel directory, all under one tempo
 
 Times are the first call's seconds less one step's (the fastest of three later calls of the same
 checked step), measured inside the child: what compiling cost; ``process`` is the child's whole life,
-imports included. Children run with Python's bytecode cache on, as users do. ``--repeat`` runs the pair of processes several times (each
-with fresh caches) and keeps the median.
+imports included. Children run with Python's bytecode cache on, as users do. ``--repeat`` runs the pair
+of processes several times (each with fresh caches) and keeps the median.
 """
 from __future__ import annotations
 

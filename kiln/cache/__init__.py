@@ -26,11 +26,6 @@ from kiln.debug import counters, log
 _WARNED: set = set()
 
 
-def root_of(opts) -> str:
-    """The cache directory of ``opts`` (made 0700 if missing; ``store.CacheDirError`` if unsafe)."""
-    return store.directory(opts.cache_dir)
-
-
 def open_graph(gm, inputs, opts, options_key: str, target: str, frozen: bool = False, registered=()):
     """A ``Session`` for this graph, or None when the cache is off or the graph is not cacheable."""
     if not opts.cache:
@@ -41,7 +36,7 @@ def open_graph(gm, inputs, opts, options_key: str, target: str, frozen: bool = F
         log(2, f"cache: not cached ({why})")
         return None
     try:
-        root = root_of(opts)
+        root = store.directory(opts.cache_dir)
     except (OSError, store.CacheDirError) as e:
         if str(e) not in _WARNED:
             _WARNED.add(str(e))

@@ -83,7 +83,7 @@ def _mutated_in_graph():
     return MutationType.MUTATED_IN_GRAPH
 
 
-def rebuild(entry: dict, forward, backward, inference, n_params: int = 0):
+def rebuild(entry: dict, forward, backward, inference):
     """The callable AOTAutograd would have returned, from stored ``entry`` and the graphs loaded
     again (``runtime.load.Compiled``); non-boxed, as ``aot_module_simplified``'s."""
     meta = entry["meta"]
@@ -92,10 +92,9 @@ def rebuild(entry: dict, forward, backward, inference, n_params: int = 0):
     fn = compat.aot_runtime_wrappers(
         forward if training else inference, backward if training else None, meta,
         n_saved=counts.get("n_saved"), n_symints=counts.get("n_symints", 0),
-        detach=counts.get("detach", []), n_params=n_params)
+        detach=counts.get("detach", []))
 
     def forward_call(*args):
         return fn(list(args))
-    forward_call._kiln_cached = True
     log(2, f"cache: rebuilt AOTAutograd's wrappers ({'training' if training else 'inference'})")
     return torch._dynamo.disable(forward_call, reason="kiln: a graph loaded from the compile cache")

@@ -15,6 +15,7 @@ subclasses, aliased inputs or module-held parameters; freezing and CUDA graphs k
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import importlib.metadata
@@ -24,6 +25,7 @@ import platform
 
 import torch
 
+from kiln.options import HOOK, Options
 from kiln.runtime import cpp_build
 
 KILN_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -90,8 +92,7 @@ def graph_key(gm: torch.fx.GraphModule, inputs, opts, options_key: str, target: 
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
 
-HOOKS = ("pre_grad_custom_pass", "joint_custom_pre_pass", "joint_custom_post_pass", "post_grad_custom_pre_pass",
-         "post_grad_custom_post_pass")
+HOOKS = tuple(f.name for f in dataclasses.fields(Options) if f.metadata.get("choices") is HOOK)   # custom passes
 
 
 def unkeyed_pass(fn) -> str:

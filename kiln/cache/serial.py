@@ -70,10 +70,6 @@ def _fallback(data: bytes):
     return StoredFallback(data)
 
 
-def _graph_module_bytes(gm) -> bytes:
-    return dumps(gm)
-
-
 class _Pickler(pickle.Pickler):
     def reducer_override(self, obj):
         if isinstance(obj, torch._ops.OpOverload):
@@ -88,7 +84,7 @@ class _Pickler(pickle.Pickler):
         if isinstance(obj, StoredFallback):
             return _fallback, (obj._data,)
         if isinstance(obj, Fallback):
-            return _fallback, (_graph_module_bytes(obj.module),)
+            return _fallback, (dumps(obj.module),)
         if isinstance(obj, torch.Tensor):
             if type(obj) not in (torch.Tensor, torch.nn.Parameter) or obj.device.type == "meta":
                 raise NotCacheable(f"a constant of type {type(obj).__name__} on {obj.device}")
@@ -116,7 +112,7 @@ def pack(compiled: Compiled, units=()) -> dict:
     fallback = compiled.fallback
     return {"name": w.name, "source": w.source, "globals": globals_, "handles": sorted(w.handles),
             "known_outputs": list(w.known_outputs),
-            "fallback": None if fallback is None else StoredFallback(_graph_module_bytes(fallback)),
+            "fallback": None if fallback is None else StoredFallback(dumps(fallback)),
             "units": [(u.source, tuple(u.functions), _binary(u)) for u in units]}
 
 

@@ -148,17 +148,12 @@ def kernel_for(text: str, kind: str, interpret: bool, n_outputs: int, reuse=()) 
     """The cached Kernel for module ``text`` (whose kernel is named ``PLACEHOLDER``)."""
     digest = hashlib.sha256(text.encode()).hexdigest()[:12]
     name = f"kiln_{'red' if kind == 'reduction' else ('scatter' if kind == 'scatter' else 'pw')}_{digest}"
-    with _LOCK:
-        k = _CACHE.get(name)
-        if k is None:
-            k = Kernel(name, text.replace(PLACEHOLDER, name), interpret, n_outputs, reuse)
-            _CACHE[name] = k
-    return k
+    return kernel_named(name, text.replace(PLACEHOLDER, name), interpret, n_outputs, reuse)
 
 
 def kernel_named(name: str, source: str, interpret: bool, n_outputs: int, reuse=()) -> Kernel:
-    """The cached Kernel ``name`` whose module text (its name filled in) is ``source``: a kernel the
-    compile cache stored (``kernel_for`` made it, in this process or an earlier one)."""
+    """The cached Kernel ``name`` whose module text (its name filled in) is ``source`` (``kernel_for``'s,
+    or one the compile cache stored)."""
     with _LOCK:
         k = _CACHE.get(name)
         if k is None or k.source != source:

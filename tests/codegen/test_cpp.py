@@ -22,10 +22,11 @@ from tests.codegen.util import assert_close, decompositions, kernels
 pytestmark = pytest.mark.skipif(not cpp_build.find_compiler(current()), reason="no C++ compiler (g++, clang++, $CXX)")
 
 
-def fused(fn, *args, **opts):
-    """(graph module with C++ kernels, number of C++ kernels) for ``fn`` traced on ``args``."""
+def fused(fn, *args, build=cpp_build.build, **opts):
+    """(graph module with C++ kernels, number of C++ kernels) for ``fn`` traced on ``args``; ``build``
+    builds each translation unit."""
     gm = make_fx(fn, decomposition_table=decompositions(), tracing_mode="fake")(*args)
-    fuse_graph(gm, list(args), current(codegen="cpp", **opts), load_kernel, strict=True, build=cpp_build.build)
+    fuse_graph(gm, list(args), current(codegen="cpp", **opts), load_kernel, strict=True, build=build)
     ks = kernels(gm)
     assert all("cpp_build" in k.source for k in ks)
     return gm, len(ks)

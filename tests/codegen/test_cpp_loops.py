@@ -6,15 +6,13 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.fx.experimental.proxy_tensor import make_fx
 
-from kiln.codegen.fuse_graph import fuse_graph
 from kiln.codegen.ir.indexing import XINDEX, ModIdx, Ranges, simplify
 from kiln.codegen.to_cpp.emit import XI, XO
 from kiln.options import current
 from kiln.runtime import cpp_build
-from kiln.runtime.kernels import load_kernel
-from tests.codegen.util import assert_close, decompositions
+from tests.codegen.test_cpp import fused
+from tests.codegen.util import assert_close
 
 pytestmark = pytest.mark.skipif(not cpp_build.find_compiler(current()), reason="no C++ compiler (g++, clang++, $CXX)")
 
@@ -26,8 +24,7 @@ def compiled(fn, *args, **tuning):
     def build(unit, opts):
         units.append(unit.source)
         return cpp_build.build(unit, opts)
-    gm = make_fx(fn, decomposition_table=decompositions(), tracing_mode="fake")(*args)
-    fuse_graph(gm, list(args), current(codegen="cpp", tuning=tuning), load_kernel, strict=True, build=build)
+    gm, _ = fused(fn, *args, build=build, tuning=tuning)
     return gm, "\n".join(units)
 
 

@@ -361,8 +361,9 @@ def _check(make_inputs, program, target, train, dynamic, baseline, options, zero
         excused = []
         if problems and _scalar_loops(make_inputs, program, train, got, ref, zero_sign):
             excused, problems = [f"eager's scalar loops agree with kiln: {p}" for p in problems], []
-        if problems and _eager_inconsistent(program):
-            return Result("discard", error=_eager_inconsistent(program))
+        inconsistent = _eager_inconsistent(program) if problems else ""
+        if inconsistent:
+            return Result("discard", error=inconsistent)
         res = Result("wrong" if problems else "pass", problems=problems, fallbacks=fallbacks, excused=excused)
         if fallbacks:
             res.fallback_reasons = _fallback_reasons(make_inputs, program, target, train, dynamic, options)

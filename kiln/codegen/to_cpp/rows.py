@@ -106,12 +106,11 @@ class CppKernel(ExprWriter):
         if plan.dims and not plan.dims[-1][1] and not cols and not outers:
             self._columns(passes, row_stores)
             return
-        if not cols and not outers:
-            self._use_row_split()
         row = Scope()
         post = Scope() if outers else None
         self.row, self.post = row, post
         if not cols and not outers:
+            self._use_row_split()
             self._keep_row_values(passes, row)
         for i in range(n_pass):
             p = passes[i] if i < len(passes) else None
@@ -370,8 +369,15 @@ class CppKernel(ExprWriter):
         return "\n".join(lines + ["}"])
 
 
+def _divides(exprs, subst, ranges, inner) -> bool:
+    """Whether an index of ``exprs`` still divides ``inner`` (a loop variable) once ``subst`` writes the
+    flat index through it."""
+    return any(inner in a.free_symbols for e in exprs
+               for a in simplify(e.xreplace(subst), ranges).atoms(FloorDiv, ModIdx))
+
+
 def _index_exprs(plan) -> list:
-    """Every load, index and store expression of ``plan``'s row members."""
+    """Every load, index and store expression of ``plan``'s row members, simplified in its ranges."""
     out = []
     for m in plan.members:
         for n in m.value.walk():
@@ -381,7 +387,7 @@ def _index_exprs(plan) -> list:
                 out.append(n.args[0])
         if m.index is not None:
             out.append(m.index)
-    return out
+    return [simplify(e, plan.ranges) for e in out]
 
 
 def pointwise_split(plan, min_inner: int):
@@ -392,15 +398,12 @@ def pointwise_split(plan, min_inner: int):
     xs = [s for s, _ in plan.dims]
     if len(xs) < 2:
         return sympy.Integer(1), plan.xnumel
-    exprs = [simplify(e, plan.ranges) for e in _index_exprs(plan)]
+    exprs = _index_exprs(plan)
     for k in range(1, len(xs) - 1):
         outer, inner = prod(xs[:k]), prod(xs[k:])
         if inner.is_Integer and int(inner) < min_inner:
             break
-        ranges = Ranges({XO: outer, XI: inner})
-        subst = {XINDEX: XO * inner + XI}
-        if not any(XI in a.free_symbols for e in exprs
-                   for a in simplify(e.xreplace(subst), ranges).atoms(FloorDiv, ModIdx)):
+        if not _divides(exprs, {XINDEX: XO * inner + XI}, Ranges({XO: outer, XI: inner}), XI):
             return outer, inner
     inner = xs[-1]
     if inner.is_Integer and int(inner) < min_inner:
@@ -417,7 +420,7 @@ def row_split(plan, minimum: int):
     n = sympy.sympify(plan.rnumel)
     if minimum <= 0 or not n.is_Integer:
         return None
-    exprs = [simplify(e, plan.ranges) for e in _index_exprs(plan)]
+    exprs = _index_exprs(plan)
     ks = set()
     for e in exprs:
         for a in e.atoms(FloorDiv, ModIdx):
@@ -434,10 +437,7 @@ def row_split(plan, minimum: int):
     bounds = {s: b for s, b in plan.ranges.bounds.items() if s != RINDEX}
     ranges = Ranges({**bounds, R0: int(n) // int(k), R1: int(k)})
     subst = {RINDEX: R0 * int(k) + R1}
-    for e in exprs:
-        if any(R1 in a.free_symbols for a in simplify(e.xreplace(subst), ranges).atoms(FloorDiv, ModIdx)):
-            return None
-    return int(k), subst, ranges
+    return None if _divides(exprs, subst, ranges, R1) else (int(k), subst, ranges)
 
 
 def _scope_of(lines) -> Scope:
