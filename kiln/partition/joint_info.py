@@ -21,7 +21,10 @@ MAX_DIST = 100
 
 
 def mutated_primals(graph: fx.Graph, primals) -> Optional[set]:
-    """Primals whose data AOTAutograd writes back after the forward (None when it cannot tell)."""
+    """Primals whose data changes during the call: written by the graph itself (AOTAutograd keeps the
+    ``copy_`` of an input that needs no gradient in the graph) or written back by AOTAutograd after the
+    forward (None when it cannot tell). A backward that read one would see the new value."""
+    in_graph = ops.written_placeholders(graph) & set(primals)
     descs = graph.output_node().meta.get("desc")
     if descs is not None:
         idx = {getattr(getattr(d, "mutated_input", None), "idx", None) for d in descs
@@ -31,13 +34,13 @@ def mutated_primals(graph: fx.Graph, primals) -> Optional[set]:
         tc = TracingContext.try_get()
         meta = getattr(tc, "fw_metadata", None) if tc is not None else None
         if meta is None:
-            return None
+            return in_graph or None
         idx = {i for i, info in enumerate(meta.input_info) if info.mutates_data}
     by_index = {}
     for n in primals:
         d = n.meta.get("desc")
         by_index[getattr(d, "idx", None) if d is not None else len(by_index)] = n
-    return {by_index[i] for i in idx if i in by_index}
+    return in_graph | {by_index[i] for i in idx if i in by_index}
 
 
 def _inputs(n: fx.Node):
@@ -202,8 +205,9 @@ class JointInfo(GraphIndex):
 
     def _weights(self) -> np.ndarray:
         """Cost of saving each ``fw`` node: bytes x1.1^dist_from_bw, x2 when every user fuses with it;
-        0 for inputs (alive anyway; x1000 if the runtime mutates them after the forward, so the saved
-        value would be stale), 1 for SymInts, inf for views and non-tensors (never saved)."""
+        0 for inputs (alive anyway; more than all other values together when the call writes to them,
+        so a backward reading one would see the new value), 1 for SymInts, inf for views and
+        non-tensors (never saved)."""
         k = len(self.fw)
         size = np.zeros(k)
         kind = np.zeros(k, dtype=np.int8)  # 0 tensor, 1 placeholder, 2 sym, 3 never
@@ -226,7 +230,8 @@ class JointInfo(GraphIndex):
             inputs = size
         else:
             mutated = np.array([n in self.mutated for n in self.fw], dtype=bool)
-            inputs = np.where(mutated, size * 1000.0, 0.0)
+            rest = float(w[np.isfinite(w) & (kind != 1)].sum())  # a cut that avoids them always costs less
+            inputs = np.where(mutated, np.maximum(size * 1000.0, rest + 1.0), 0.0)
         w = np.where(kind == 1, inputs, w)
         w = np.where(kind == 2, 1.0, w)
         return np.where(kind == 3, np.inf, w)

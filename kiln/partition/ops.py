@@ -165,3 +165,26 @@ def constant_object(node: fx.Node) -> bool:
     ``invoke_quant_packed``, which forward and backward both take: it cannot be saved, and making it
     again in the backward costs nothing (banning it, as not cheap or as materialized, left no finite cut)."""
     return not node.all_input_nodes and not isinstance(node.meta.get("val"), (torch.Tensor, tuple, list))
+
+
+def written_placeholders(graph: fx.Graph) -> set:
+    """Placeholders of ``graph`` that its ops write to (through views as well)."""
+    out = set()
+    for n in graph.nodes:
+        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+            continue
+        for i, a in enumerate(n.target._schema.arguments):
+            if a.alias_info is None or not a.alias_info.is_write:
+                continue
+            v = n.args[i] if i < len(n.args) else n.kwargs.get(a.name)
+            while isinstance(v, fx.Node) and v.op != "placeholder" and is_view(v) and v.args:
+                v = v.args[0]
+            if isinstance(v, fx.Node) and v.op == "placeholder":
+                out.add(v)
+    return out
+
+
+def mutated_inputs(gm: fx.GraphModule) -> set:
+    """Positions of the placeholders that ops in ``gm`` write to (through views as well)."""
+    written = written_placeholders(gm.graph)
+    return {i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder") if n in written}

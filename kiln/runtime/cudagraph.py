@@ -80,22 +80,7 @@ def device_pool(index: Optional[int] = None) -> Pool:
     return _POOLS[index]
 
 
-def mutated_inputs(gm: fx.GraphModule) -> set:
-    """Positions of placeholders that ops in ``gm`` write to (through views as well)."""
-    pos = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
-    out = set()
-    for n in gm.graph.nodes:
-        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
-            continue
-        for i, a in enumerate(n.target._schema.arguments):
-            if a.alias_info is None or not a.alias_info.is_write:
-                continue
-            v = n.args[i] if i < len(n.args) else n.kwargs.get(a.name)
-            while isinstance(v, fx.Node) and v not in pos and ops.is_view(v) and v.args:
-                v = v.args[0]
-            if isinstance(v, fx.Node) and v in pos:
-                out.add(pos[v])
-    return out
+mutated_inputs = ops.mutated_inputs  # positions of the placeholders a graph writes to
 
 
 def refusal(sources, example_inputs) -> Optional[str]:
