@@ -68,7 +68,14 @@ def test_compare_rules():
 def test_watch_records_the_precision_of_each_value():
     x = torch.tensor([[-1.25, 3.0]], requires_grad=True)
     run = harness.execute(lambda a: (torch.linalg.vector_norm(a.half(), dim=1), a * 2), [x], True, track=True)
-    assert run.low == {"outs": [torch.float16, None], "grads": [torch.float16], "inputs": [None]}
+    assert run.low == {"outs": [torch.float16, torch.float32], "grads": [torch.float16], "inputs": [None]}
+    # a float64 value computed through float32 (seed 10 #5401: cos of an integer tensor is float32)
+    i = torch.tensor([3, -7])
+    run = harness.execute(lambda a: (torch.cos(a).double() ** 200 * 1e3, a.double() * 3), [i], False, track=True)
+    assert run.low["outs"] == [torch.float32, None]
+    e = run.outs[0]
+    k = torch.cos(i.double()) ** 200 * 1e3   # without cos's float32 rounding: about 5e-7 apart
+    assert compare_tensor(e, k)[0] == "value" and compare_tensor(e, k, low=torch.float32) is None
 
 
 def test_make_input_layouts_and_arbiter():

@@ -6,7 +6,7 @@
   statement checked against eager as it is drawn; ``program_for(seed, i)`` is program ``i`` of a run;
 - ``harness``: run eagerly, in float64 (the arbiter) and with kiln (``check_program``, what reproducers
   call); ``compare``: outputs, gradients and mutated inputs against eager and the arbiter; ``watch``: how
-  eager computed (writes through memory that overlaps itself: discarded; 16-bit precision on the way);
+  eager computed (writes through memory that overlaps itself: discarded; less precise floats on the way);
 - ``child``: run a program in this process; ``reduce``: shrink a failing program;
 - ``runner`` (``python -m kiln.bench.fuzz``): child processes, crash and hang attribution, shrinking,
   the reproducers and summary that ``report`` writes.

@@ -1,7 +1,7 @@
 """Comparing kiln's run of a fuzz program with eager's and the float64 arbiter's (``harness.Run``s).
 
 Shapes and dtypes equal; integers and bools exactly; NaN positions equal; values within a dtype's
-tolerance of eager's (the looser of the value's dtype and a 16-bit float dtype it was computed through:
+tolerance of eager's (the looser of the value's dtype and a less precise float dtype it was computed through:
 ``precision``), or no more than ``WORSE`` times as far from the arbiter as eager's; zeros' signs
 equal where eager and the arbiter agree on them (outputs and mutated inputs of real dtypes only).
 """
@@ -37,7 +37,7 @@ def _floats(t):
 
 def compare_tensor(e, k, r=None, zero_sign=True, low=None) -> tuple | None:
     """(what, detail) if kiln's ``k`` is wrong against eager's ``e`` (``r``: the arbiter's or None);
-    ``zero_sign``: check the signs of zeros too; ``low``: a 16-bit float dtype the value went through
+    ``zero_sign``: check the signs of zeros too; ``low``: a less precise float dtype the value went through
     (``precision.Precision``), whose tolerance then applies if it is the looser one."""
     if not isinstance(e, torch.Tensor):
         return None if (e == k if not isinstance(k, torch.Tensor) else False) else ("meta", f"{k!r} != {e!r}")

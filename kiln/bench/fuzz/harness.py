@@ -115,7 +115,7 @@ class Run:
     grads: list          # one per input: a tensor, or None (no grad asked or none flowed)
     inputs: list
     overlap: list = field(default_factory=list)   # ops that wrote through overlapping memory (``Watch``)
-    low: dict = field(default_factory=dict)       # 'outs'/'grads'/'inputs' -> a 16-bit dtype (or None) each
+    low: dict = field(default_factory=dict)       # 'outs'/'grads'/'inputs' -> a less precise float dtype (or None) each
 
 
 def execute(fn, inputs, train: bool, strided: bool = False, track: bool = False) -> Run:

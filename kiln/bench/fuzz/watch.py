@@ -2,9 +2,11 @@
 to know about how eager computed.
 
 - Precision: a float32 value can pass through float16 or bfloat16 on its way (``x.half().norm()``'s
-  gradient with respect to a float32 ``x``): it then holds that dtype's rounding, which kiln need not
-  repeat step by step (kiln rounded once, eager at each step: one half-precision ulp apart), and the
-  float64 arbiter cannot settle it, since the program's own casts take it through the same dtype.
+  gradient with respect to a float32 ``x``), a float64 one through float32 (``cos`` of an integer
+  tensor is float32): it then holds that dtype's rounding, which kiln need not repeat step by step
+  (kiln rounded once, eager at each step: one half-precision ulp apart; its cos and eager's may differ
+  by an ulp), and the float64 arbiter cannot settle it, since the program's own casts and type
+  promotion take it through the same dtype.
   ``compare`` checks such a value at the tolerance of the least precise float dtype it went through.
 - Writes through memory that overlaps itself: an op writing a tensor two of whose elements share a
   location (``masked_fill_`` of an expanded view, ``select_scatter`` of an overlapping input, which
@@ -19,12 +21,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-LOW = (torch.bfloat16, torch.float16)   # least precise first
+LOW = (torch.bfloat16, torch.float16, torch.float32)   # least precise first
 
 
 def least(dtypes) -> torch.dtype | None:
-    """The least precise of ``dtypes`` among ``LOW``, or None."""
-    found = [d for d in dtypes if d in LOW]
+    """The least precise of ``dtypes`` among ``LOW`` (a complex dtype counts as its real part's), or None."""
+    real = [d.to_real() if isinstance(d, torch.dtype) and d.is_complex else d for d in dtypes]
+    found = [d for d in real if d in LOW]
     return min(found, key=LOW.index) if found else None
 
 
@@ -39,7 +42,7 @@ def overlaps(t) -> bool:
 
 
 class Watch(TorchDispatchMode):
-    """Records, per tensor an op writes, the least precise 16-bit float dtype among the op's tensors and
+    """Records, per tensor an op writes, the least precise float dtype among the op's tensors and
     the precisions its inputs were computed in (``of(t)``: None when none); and ``overlapping``: the ops
     that wrote a tensor whose elements share memory (an in-place op's operand, a new output; not a view)."""
 
