@@ -30,6 +30,7 @@ FUSION_EXTRA = [
     aten.nll_loss_backward, aten._native_batch_norm_legit_functional,
     aten.native_batch_norm_backward,
     aten.native_group_norm, aten.native_group_norm_backward, aten.mean, aten.var_mean, aten.addcmul,
+    aten.linalg_vector_norm,   # wrapped by _vector_norm
 ]
 
 # native_batch_norm is left out on purpose: on torch 2.11 its decomposition goes through the mutating
@@ -66,6 +67,20 @@ def _broadcast_in_dim(a, shape, broadcast_dimensions):
     if not all(statically_known_true(s == t) for s, t in zip(out.shape, shape)):
         out = aten.expand.default(out, list(shape))
     return out
+
+
+def _vector_norm(decomposition):
+    """torch's decomposition of ``linalg_vector_norm``, with the shape eager gives: torch 2.11's (and
+    its meta) keeps the reduced dims when they all have size 1 (``abs(x)``; fuzz seed 10 #5563)."""
+    def decompose(x, ord=2, dim=None, keepdim=False, *, dtype=None):
+        out = decomposition(x, ord, dim, keepdim, dtype=dtype)
+        if keepdim or out.dim() != x.dim() or x.dim() == 0:
+            return out
+        dims = range(x.dim()) if dim is None or (isinstance(dim, (list, tuple)) and not dim) else \
+            [dim] if isinstance(dim, int) else dim
+        gone = {d % x.dim() for d in dims}
+        return out.reshape([s for i, s in enumerate(x.shape) if i not in gone])
+    return decompose
 
 
 def _pair(v, default=None):
@@ -163,6 +178,7 @@ def _table(target: str):
     if target == "triton":
         table[aten._native_batch_norm_legit_no_training.default] = _batch_norm_eval
         table[aten.max_pool2d_with_indices.default] = _max_pool2d_with_indices
+        table[aten.linalg_vector_norm.default] = _vector_norm(table[aten.linalg_vector_norm.default])
         table = {op: _real_only(fn, DECLINE.get(op)) for op, fn in table.items()}
     table[prims.broadcast_in_dim.default] = _broadcast_in_dim   # the references of keepdim reductions call it
     # before the table's own decomposition, if it has one (complex inputs too: not wrapped by _real_only)

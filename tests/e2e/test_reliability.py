@@ -368,6 +368,24 @@ def test_empty_tensors_stay_aten(codegen):
     assert kiln.counters["codegen"]["runtime_fallback"] == 0
 
 
+@pytest.mark.parametrize("codegen", ["aten", "triton", "cpp"])
+def test_vector_norm_over_dims_of_size_one(codegen):
+    """torch 2.11's decomposition and meta of ``linalg_vector_norm`` keep the reduced dims when all have
+    size 1 (fuzz seed 10 #5563, #7886: kiln's outputs had an extra dim); the fusing targets decompose it
+    with eager's shape."""
+    from kiln.capture.decomp import decomposition_table
+    decomp = decomposition_table("triton")[torch.ops.aten.linalg_vector_norm.default]
+    x = torch.tensor([[3.0], [-4.0]])
+    assert decomp(x, 2, [-1]).shape == (2,) and decomp(x, 2, [-1], True).shape == (2, 1)
+    fn = lambda a, b: (torch.stack([torch.linalg.vector_norm(a, dim=(-1,))] * 2, -1),  # noqa: E731
+                       torch.linalg.vector_norm(b, dim=-2) * 2, torch.linalg.vector_norm(b, 1, dim=(0, 1)))
+    a, b = torch.tensor([3.0]), torch.randn(3, 1, 4)
+    for dynamic in (False, True):
+        torch._dynamo.reset()
+        for e, k in zip(fn(a, b), compiled(fn, codegen, dynamic=dynamic)(a, b)):
+            same(e, k)
+
+
 def test_index_fill_of_a_strided_tensor_stays_aten():
     """torch 2.11's index_fill decomposition restores a strided input's strides by ``empty_like(x).copy_``,
     which AOTAutograd's functional-graph check rejects (fuzz seed 10 #1135): the fusing targets keep such an
