@@ -14,6 +14,7 @@ import time
 import torch.fx as fx
 
 from kiln import options
+from kiln.options import UserError
 
 counters: "collections.defaultdict[str, collections.Counter]" = collections.defaultdict(collections.Counter)
 
@@ -141,7 +142,7 @@ def graph_text(gm, stage: str, note: str = "") -> str:
     return header + body
 
 
-class VerifyError(RuntimeError):
+class VerifyError(RuntimeError, UserError):
     """A stage produced an ill-formed graph (use before definition, dangling node). The message names
     the stage; rerun with KILN_DEBUG=2 to see the graph it produced."""
 

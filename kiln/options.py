@@ -25,7 +25,13 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 
-class OptionError(ValueError):
+class UserError(Exception):
+    """Base of the errors that name a mistake in what the user asked for (an option, a pass, a pattern, a
+    memory limit): they always propagate. Any other error while a graph compiles makes kiln run that
+    graph as eager does, with a warning (``on_error='eager'``, the default)."""
+
+
+class OptionError(ValueError, UserError):
     """An option name or value is not valid; the message lists what is."""
 
 
@@ -268,6 +274,9 @@ class Options:
     cache_size_mb: int = _opt(2048, "the compile cache's size limit in MB: the entries used longest ago go first",
                               cache=False, check="pos")
     # debugging
+    on_error: str = _opt("eager", "when compiling a graph raises (in AOTAutograd or in kiln): 'eager' (run that graph "
+                                  "as eager does, with a warning naming the error) or 'raise'", ("eager", "raise"),
+                         cache=False)
     debug: int = _opt(0, "0..5: stage names, graphs, remat decisions, kernels, rules", cache=False)
     dump_dir: Optional[str] = _opt(None, "write every stage's graph, kernels and a repro here", cache=False)
     verify: bool = _opt(False, "run graph lint after every stage", cache=False)

@@ -15,6 +15,9 @@ AOTAutograd set-up (``aot_compilers``), used by ``compile_graph`` (Dynamo's grap
 from __future__ import annotations
 
 import hashlib
+import traceback
+import types
+import warnings
 
 import torch
 import torch.fx as fx
@@ -25,7 +28,7 @@ from kiln.capture.decomp import decomposition_table
 from kiln.codegen.fuse_graph import UNFUSED, fuse_graph, triton_available
 from kiln.codegen.wrapper import emit_wrapper
 from kiln.debug import Trace, log
-from kiln.options import Options, using
+from kiln.options import Options, UserError, using
 from kiln.passes import freeze
 from kiln.passes.channels_last import to_channels_last
 from kiln.passes.conv_bias import split_conv_bias
@@ -37,34 +40,61 @@ from kiln.runtime.load import load
 
 
 def compile_graph(gm: fx.GraphModule, example_inputs: list, opts: Options):
-    """Compile one Dynamo graph; returns a callable taking the same inputs."""
+    """Compile one Dynamo graph; returns a callable taking the same inputs. When compiling raises
+    (AOTAutograd, kiln), the graph runs as eager does, with a warning (``on_error='eager'``), unless the
+    error names a mistake of the user's (``UserError``), is Dynamo's, or ``on_error='raise'``."""
+    as_captured = types.MethodType(type(gm).forward, gm)   # the passes rewrite gm in place
     with using(opts):
-        trace = Trace(opts)
-        if opts.cpp_wrapper:
-            log(1, "cpp_wrapper=True: kiln has no C++ wrapper; running the Python wrapper")
-        trace.show("capture", gm)
-        if opts.dump_dir:
-            write_repro(trace, gm, example_inputs, opts)
-        registered = passes.snapshot()   # the backward, compiled later, runs these too
-        target = resolve_target(opts, example_inputs)
-        freezing = opts.freezing and not torch.is_grad_enabled()
-        session = cache.open_graph(gm, example_inputs, opts, cache_key(opts, registered), target,
-                                   frozen=freezing, registered=registered)
-        hit = session.load() if session is not None else None
-        if hit is not None:
-            return hit
-        trace.stage("pre_grad", passes.pre_grad, gm, opts, registered)
-        region = None
-        if freezing:
-            region = freeze.module_region(gm, example_inputs)
-            if region is None:
-                log(1, "freeze: no parameters or buffers in this graph; compiling without freezing")
-        compiled = aot_autograd(**aot_compilers(opts, target, trace, region, registered, session))(gm, example_inputs)
-        if region is not None:
-            freeze.finish(region, opts)
-        if session is not None:
-            session.traced()
-        return compiled
+        try:
+            return _compile_graph(gm, example_inputs, opts)
+        except Exception as e:
+            # Dynamo's own exceptions steer its tracing (restarts, skipped frames): never caught here
+            if opts.on_error == "raise" or isinstance(e, (UserError, torch._dynamo.exc.TorchDynamoException)):
+                raise
+            return _eager(as_captured, e)
+
+
+def _eager(forward, error: Exception):
+    """``forward``, Dynamo's graph as captured, after a warning naming ``error`` (the eager fallback of
+    ``compile_graph``)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    ours = [f for f in frames if "/kiln/" in f.filename and not f.filename.endswith("pipeline.py")]
+    where = next((f"{f.filename}:{f.lineno}" for f in reversed(ours or frames)), "?")
+    reason = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:300]} (at {where})"
+    debug.counters["fallback"]["eager_graphs"] += 1
+    warnings.warn(f"kiln could not compile a graph and runs it as eager does: {reason}. "
+                  "on_error='raise' (KILN_ON_ERROR=raise) raises instead.", stacklevel=2)
+    log(1, f"eager fallback: {reason}")
+    return forward
+
+
+def _compile_graph(gm: fx.GraphModule, example_inputs: list, opts: Options):
+    trace = Trace(opts)
+    if opts.cpp_wrapper:
+        log(1, "cpp_wrapper=True: kiln has no C++ wrapper; running the Python wrapper")
+    trace.show("capture", gm)
+    if opts.dump_dir:
+        write_repro(trace, gm, example_inputs, opts)
+    registered = passes.snapshot()   # the backward, compiled later, runs these too
+    target = resolve_target(opts, example_inputs)
+    freezing = opts.freezing and not torch.is_grad_enabled()
+    session = cache.open_graph(gm, example_inputs, opts, cache_key(opts, registered), target,
+                               frozen=freezing, registered=registered)
+    hit = session.load() if session is not None else None
+    if hit is not None:
+        return hit
+    trace.stage("pre_grad", passes.pre_grad, gm, opts, registered)
+    region = None
+    if freezing:
+        region = freeze.module_region(gm, example_inputs)
+        if region is None:
+            log(1, "freeze: no parameters or buffers in this graph; compiling without freezing")
+    compiled = aot_autograd(**aot_compilers(opts, target, trace, region, registered, session))(gm, example_inputs)
+    if region is not None:
+        freeze.finish(region, opts)
+    if session is not None:
+        session.traced()
+    return compiled
 
 
 def aot_compilers(opts: Options, target: str, trace: Trace, region=None, registered=None, session=None) -> dict:

@@ -17,12 +17,13 @@ import stat
 import tempfile
 import threading
 import time
+from kiln.options import UserError
 
 MAGIC = b"kiln-cache-1"
 SUFFIX = ".kiln"
 
 
-class CacheDirError(RuntimeError):
+class CacheDirError(RuntimeError, UserError):
     """The cache directory cannot be used safely (made by another user, writable by others)."""
 
 

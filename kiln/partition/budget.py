@@ -35,7 +35,7 @@ import numpy as np
 import torch.fx as fx
 
 from kiln.debug import counters, level, log
-from kiln.options import current
+from kiln.options import current, UserError
 from kiln.partition import ops
 from kiln.partition.decisions import log_decisions
 from kiln.partition.default import default_saved
@@ -46,7 +46,7 @@ from kiln.partition.mincut import AGGRESSIVE, MORE_AGGRESSIVE, RECOMPUTE_ALL, RU
 _TOL = 1e-9
 
 
-class BudgetError(ValueError):
+class BudgetError(ValueError, UserError):
     """The knapsack solver failed (scipy missing or HiGHS reported an error); install scipy>=1.9 or use
     activation_memory_budget=1.0."""
 

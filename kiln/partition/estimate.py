@@ -18,11 +18,12 @@ import torch.fx as fx
 from torch.utils.flop_counter import flop_registry
 
 from kiln import compat
+from kiln.options import UserError
 
 UNBACKED_HINT = 4096  # hint for sizes with no hint (unbacked SymInts)
 
 
-class EstimatorError(ValueError):
+class EstimatorError(ValueError, UserError):
     """``activation_memory_budget_runtime_estimator`` is not 'flops', 'profile' or a callable(node) ->
     float, or the callable returned something that is not a non-negative number."""
 

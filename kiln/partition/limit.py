@@ -10,12 +10,12 @@ from typing import List
 import torch.fx as fx
 
 from kiln.debug import log
-from kiln.options import parse_bytes
+from kiln.options import parse_bytes, UserError
 from kiln.partition.hold import plan_for_budget
 from kiln.partition.peak import model_peak
 
 
-class MemoryLimitError(RuntimeError):
+class MemoryLimitError(RuntimeError, UserError):
     """``activation_memory_limit`` is below the modelled peak even when the backward recomputes every
     op it can (budget 0). Raise the limit, shrink the batch, or shard the model."""
 

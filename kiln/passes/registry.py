@@ -23,11 +23,12 @@ from typing import Callable, List, Optional, Tuple
 import torch.fx as fx
 
 from kiln.debug import log
+from kiln.options import UserError
 
 STAGES = ("pre_grad", "joint_pre", "joint_post", "post_grad_pre", "post_grad_post")
 
 
-class RegistryError(ValueError):
+class RegistryError(ValueError, UserError):
     """A pass was registered for an unknown stage or is not callable; the message lists the stages."""
 
 

@@ -90,3 +90,4 @@ def test_backward_never_reads_an_input_the_graph_wrote(write_first, budget):
     f(w_e, a_e).sum().backward()
     torch.testing.assert_close(w.grad, w_e.grad)
     torch.testing.assert_close(a, a_e)
+

@@ -451,3 +451,31 @@ def test_interpreted_kernels_without_runtime_fallbacks():
     _no_runtime_fallback(lambda x: (x.clamp(min=-0.0),), torch.tensor([[-0.0]]))
     _no_runtime_fallback(lambda x, y: (torch.stack([x.amax(-1), x.amax(-1)]), y * 2), torch.randn(5), torch.randn(6),
                          dynamic=True)
+
+
+def test_a_graph_that_fails_to_compile_runs_as_eager_does():
+    """AOTAutograd cannot write back into an expanded input (``copy_`` into overlapping memory; fuzz seed 10
+    #107, upstream): kiln then runs the graph eagerly with a warning (``on_error='eager'``), or raises
+    (``on_error='raise'``). Errors naming a user's mistake propagate."""
+    import warnings
+
+    def f(a):
+        a[:1].neg_()
+        return a.sum() * 2
+
+    x, xe = torch.full((1,), 3.0).expand(7), torch.full((1,), 3.0).expand(7)
+    before = kiln.counters["fallback"]["eager_graphs"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = compiled(f, "aten", cache=False, on_error="eager")(x)   # the default (tests/conftest.py: raise)
+    torch.testing.assert_close(out, f(xe))
+    torch.testing.assert_close(x, xe)
+    assert kiln.counters["fallback"]["eager_graphs"] == before + 1
+    assert any("runs it as eager does" in str(w.message) for w in caught)
+    with pytest.raises(Exception, match="single memory location"):
+        compiled(f, "aten", cache=False, on_error="raise")(torch.full((1,), 3.0).expand(7))
+    # a mistake of the user's is raised, not hidden by the fallback
+    g = lambda w: (w.sin() * w.cos()).sum()  # noqa: E731
+    w = torch.randn(64, requires_grad=True)
+    with pytest.raises(Exception, match="MemoryLimitError: partition: activation_memory_limit=1 .* unreachable"):
+        compiled(g, "aten", cache=False, activation_memory_limit=1, on_error="eager")(w).backward()

@@ -258,6 +258,7 @@ class Result:
     seconds: dict = field(default_factory=dict)
     upstream: str = ""           # set when aot_eager fails the same way (see ``upstream``)
     excused: list = field(default_factory=list)   # differences not held against kiln, and why
+    eager_fallback: str = ""     # for an exception: 'passes' when kiln's eager fallback (on_error) runs it right
 
     def signature(self) -> tuple:
         """What a shrunk program must keep failing with: the status and the kind of problem or error
@@ -280,9 +281,10 @@ def _error(e: BaseException) -> tuple:
 
 
 def compile_with_kiln(program, target: str, dynamic: bool, options=None):
-    """``program`` compiled for ``target``, without the compile cache (a fuzzer tests compiles, not hits)."""
+    """``program`` compiled for ``target``, without the compile cache (a fuzzer tests compiles, not hits),
+    raising where compiling fails (``check_program`` tries the eager fallback separately)."""
     return torch.compile(program, backend="kiln", dynamic=dynamic,
-                         options={"codegen": target, "cache": False, **(options or {})})
+                         options={"codegen": target, "cache": False, "on_error": "raise", **(options or {})})
 
 
 def _kiln_run(make_inputs, program, target, train, dynamic, options=None):
@@ -309,6 +311,20 @@ def upstream(make_inputs, program, train, dynamic, eager, ref, res, zero_sign=Tr
     if res.status == "wrong" and problems and problems[0].what == res.problems[0].what:
         return f"aot_eager is wrong too: {problems[0]}"
     return ""
+
+
+def _with_eager_fallback(make_inputs, program, target, train, dynamic, options, eager, ref, zero_sign) -> str:
+    """What a user gets from a program whose compile raised: kiln again with ``on_error='eager'`` (the
+    default), compared with eager: 'passes', or what goes wrong."""
+    import warnings
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got, _ = _kiln_run(make_inputs, program, target, train, dynamic, {**(options or {}), "on_error": "eager"})
+    except Exception as e:
+        return f"raises: {_error(e)[1]}"
+    problems = compare(eager, got, ref, zero_sign)
+    return f"wrong: {problems[0]}" if problems else "passes"
 
 
 def _fallback_reasons(make_inputs, program, target, train, dynamic, options=None) -> list:
@@ -407,5 +423,8 @@ def _check(make_inputs, program, target, train, dynamic, baseline, options, zero
         except Exception as e:   # the baseline itself misbehaving says nothing about kiln
             res.upstream = ""
             res.traceback += f"\n(aot_eager baseline raised {type(e).__name__})"
+    if res.status == "exception":
+        res.eager_fallback = _with_eager_fallback(make_inputs, program, target, train, dynamic, options, eager, ref,
+                                                  zero_sign)
     res.seconds = seconds
     return res

@@ -112,6 +112,10 @@ def summarize(records: list, wall: float, workers: int) -> dict:
             "crashes": sum(r["status"] == "crash" for r in kiln_fail),
             "timeouts": sum(r["status"] == "timeout" for r in kiln_fail),
             "upstream": sum(1 for r in rs if r.get("upstream")),
+            "upstream_wrong": sum(1 for r in rs if r.get("upstream") and r["status"] == "wrong"),
+            # compiles that raised, which users never see: kiln's eager fallback (on_error) runs them right
+            "exceptions_fallback_passes": sum(1 for r in rs if r["status"] == "exception"
+                                              and r.get("eager_fallback") == "passes"),
             "harness_errors": counts["harness_error"],
             "programs_with_fallbacks": sum(1 for r in rs if r.get("fallbacks")),   # failures too under --strict
             "fallback_kernels": sum(r.get("fallbacks", 0) for r in rs),
@@ -136,7 +140,8 @@ def write_summary(out_dir: str, records: list, failures: list, wall: float, work
         groups[(f["target"],) + tuple(map(str, key(f))) + (("upstream",) if f.get("upstream") else ())].append(f)
     summary["groups"] = [{"key": list(k), "count": len(v), "programs": [f["index"] for f in v],
                           "repro": v[0].get("repro"), "detail": describe(v[0])[:300],
-                          "upstream": v[0].get("upstream", "")}
+                          "upstream": v[0].get("upstream", ""),
+                          "eager_fallback": sorted({f.get("eager_fallback", "") for f in v} - {""})}
                          for k, v in sorted(groups.items(), key=lambda kv: -len(kv[1]))]
     summary["fallbacks"] = [{"target": r["target"], "index": r["index"], "kernels": r["fallbacks"],
                              "reasons": r.get("fallback_reasons", [])} for r in records if r.get("fallbacks")]
@@ -155,7 +160,8 @@ def write_summary(out_dir: str, records: list, failures: list, wall: float, work
     lines.append("## Failure groups (kiln's first; 'upstream' ones fail with aot_eager too)")
     for g in summary["groups"]:
         lines.append(f"- {' | '.join(g['key'])}: {g['count']} programs {g['programs'][:8]}"
-                     f"{' (upstream)' if g['upstream'] else ''}\n  repro: {g['repro']}\n  {g['detail']}")
+                     f"{' (upstream)' if g['upstream'] else ''}\n  repro: {g['repro']}\n  {g['detail']}"
+                     + (f"\n  eager fallback: {'; '.join(g['eager_fallback'])}" if g["eager_fallback"] else ""))
     lines += ["", f"## Programs with ATen fallbacks at run time or failed C++ builds ({len(summary['fallbacks'])})"]
     lines += [f"- {f['target']} {f['index']}: {f['kernels']} kernels; {f['reasons'][:1]}" for f in summary["fallbacks"]]
     with open(os.path.join(out_dir, "summary.md"), "w") as f:

@@ -89,6 +89,20 @@ def _gpt2(device, dtype, size):
                    call=lambda f, b: f(input_ids=b[0], labels=b[0]))
 
 
+def _llama(device, dtype, size):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    big = _size(device, size) == "gpu"
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=1024 if big else 64, intermediate_size=2816 if big else 128,
+                      num_hidden_layers=8 if big else 2, num_attention_heads=16 if big else 2,
+                      num_key_value_heads=4 if big else 1, max_position_embeddings=2048, use_cache=False)
+    bs, seq = (4, 1024) if big else (2, 64)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(device)
+    ids = torch.randint(0, cfg.vocab_size, (bs, seq), device=device)
+    return _finish(model, (ids,), device, True, lambda out, b: out.loss, _adamw(device),
+                   call=lambda f, b: f(input_ids=b[0], labels=b[0]))
+
+
 def _bert(device, dtype, size):
     from transformers import BertConfig, BertModel
     big = _size(device, size) == "gpu"
@@ -139,6 +153,9 @@ CASES = [
          options={"freezing": True}, about="built-in CNN inference with freezing"),
     Case("gpt2", "models", _gpt2, ("auto",), ("cuda",), True, needs=("transformers",),
          about="HF GPT-2 small train step, bs 8 seq 1024, bf16 autocast, fused AdamW, dropout 0"),
+    Case("llama", "models", _llama, ("auto",), ("cuda",), True, needs=("transformers",),
+         about="HF Llama-style decoder train step (8 layers, d 1024, GQA 16/4 heads, SwiGLU 2816), bs 4 seq 1024, "
+               "bf16 autocast, fused AdamW"),
     Case("bert", "models", _bert, ("auto",), ("cuda",), False, needs=("transformers",),
          about="HF BERT-base inference, bs 16 seq 512, fp16"),
     *_resnet_cases("resnet18", ("cpu", "cuda")),

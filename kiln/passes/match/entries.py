@@ -30,9 +30,10 @@ from kiln.passes.alias import AliasAnalysis, written_args
 from kiln.passes.match.fx_lowerings import LoweringError, inserting
 from kiln.passes.match.nodes import MultiOutputPattern
 from kiln.passes.match.pattern import Match, PatternExpr
+from kiln.options import UserError
 
 
-class DuplicatePatternError(ValueError):
+class DuplicatePatternError(ValueError, UserError):
     """The same pattern was registered twice into one pass. The second copy could never fire (the
     first one rewrites the graph first); drop it or pass ``skip_duplicates=True``."""
 

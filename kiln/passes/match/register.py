@@ -17,9 +17,10 @@ from kiln.passes.match.fx_lowerings import fake_values
 from kiln.passes.match.pattern import PatternExpr
 from kiln.passes.match.to_pattern import fx_to_pattern, gen_pattern, search_inputs
 from kiln.passes.match.trace import PatternTraceError, example_value, joint_fwd_bwd, traced
+from kiln.options import UserError
 
 
-class PatternError(RuntimeError):
+class PatternError(RuntimeError, UserError):
     """A registered pattern is inconsistent with its search function (an argument of the search
     function never reaches the pattern, so a match cannot bind it). Use every argument, or list
     the unused one in ``scalar_workaround``."""
