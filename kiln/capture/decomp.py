@@ -200,6 +200,10 @@ def _bool_scaled_or_empty(x, dim, index, source, *, alpha=1):
     return (x.dtype == torch.bool and alpha != 1) or x.numel() == 0
 
 
+def _empty(x, dim, index, source, *args, **kwargs):
+    return x.numel() == 0 or source.numel() == 0
+
+
 def _not_float(x, *args, **kwargs):
     return not x.is_floating_point()
 
@@ -213,8 +217,11 @@ def _not_contiguous_strides(x, *args, **kwargs):
 # and into an empty tensor its index_put checks indices eager never reads (fuzz seed 10 #1016);
 # softmax of an integer tensor (eager's runs only when it is empty) pads it with an integer -inf;
 # index_fill of a tensor without contiguous strides restores them, in torch 2.11 by ``empty_like(x).copy_``,
-# an in-place write that AOTAutograd's functional-graph check rejects (2.13 uses ``prims.copy_strided``).
-DECLINE = {aten.index_add.default: _bool_scaled_or_empty, aten._softmax.default: _not_float,
+# an in-place write that AOTAutograd's functional-graph check rejects (2.13 uses ``prims.copy_strided``);
+# index_copy into an empty tensor or from an empty source: its index_put checks indices eager never reads
+# (fuzz seed 11 #4177).
+DECLINE = {aten.index_add.default: _bool_scaled_or_empty, aten.index_copy.default: _empty,
+           aten._softmax.default: _not_float,
            aten._log_softmax.default: _not_float,
            aten.index_fill.int_Scalar: _not_contiguous_strides, aten.index_fill.int_Tensor: _not_contiguous_strides}
 

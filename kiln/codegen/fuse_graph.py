@@ -30,6 +30,7 @@ from kiln.codegen.to_cpp.module import write_unit
 from kiln.codegen.to_triton.emit import TritonTarget
 from kiln.codegen.to_triton.module import write_module
 from kiln.debug import counters, log
+from kiln.partition.ops import written_placeholders_of
 
 
 UNFUSED = "kiln_unfused"   # gm.meta key: the ATen graph, kept when some kernel has no fallback of its own
@@ -316,18 +317,43 @@ def _copy(gm) -> torch.fx.GraphModule:
     return torch.fx.GraphModule(gm, graph, class_name="KilnUnfused")
 
 
+def _reads_before_writes(nodes) -> dict:
+    """{node: [writers]}: a node that writes a graph input (AOTAutograd's ``copy_`` of a mutated input)
+    runs after every other node reading that input, since they all mean its value before the write. A
+    fused kernel is placed by its stored buffers and may read the input for a value computed earlier in
+    the graph (fuzz seed 11 #2718: ``a0 - a1`` read ``a1`` after the copy)."""
+    after = {}
+    for w in nodes:
+        for ph in written_placeholders_of(w):
+            later, todo = set(), [w]   # the writer's descendants cannot run before it
+            while todo:
+                for u in todo.pop().users:
+                    if u not in later:
+                        later.add(u)
+                        todo.append(u)
+            for r in ph.users:
+                if r is not w and r not in later:
+                    after.setdefault(r, []).append(w)
+    return after
+
+
 def _stable_toposort(graph, position, priority):
-    """Reorder nodes topologically, keeping the original order where possible."""
+    """Reorder nodes topologically, keeping the original order where possible; writes to graph inputs
+    come after their reads (``_reads_before_writes``)."""
     nodes = list(graph.nodes)
     rank = {n: priority.get(n, position.get(n, len(position))) for n in nodes}
     indeg = {n: len(set(n.all_input_nodes)) for n in nodes}
+    after = _reads_before_writes(nodes)
+    for ws in after.values():
+        for w in ws:
+            indeg[w] += 1
     heap = [(rank[n], i, n) for i, n in enumerate(nodes) if indeg[n] == 0]
     heapq.heapify(heap)
     order, idx = [], {n: i for i, n in enumerate(nodes)}
     while heap:
         _, _, n = heapq.heappop(heap)
         order.append(n)
-        for u in n.users:
+        for u in list(n.users) + after.get(n, []):
             indeg[u] -= 1
             if indeg[u] == 0:
                 heapq.heappush(heap, (rank[u], idx[u], u))

@@ -167,21 +167,25 @@ def constant_object(node: fx.Node) -> bool:
     return not node.all_input_nodes and not isinstance(node.meta.get("val"), (torch.Tensor, tuple, list))
 
 
+def written_placeholders_of(n: fx.Node) -> set:
+    """The placeholders node ``n`` writes to (through views as well)."""
+    out = set()
+    if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+        return out
+    for i, a in enumerate(n.target._schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        v = n.args[i] if i < len(n.args) else n.kwargs.get(a.name)
+        while isinstance(v, fx.Node) and v.op != "placeholder" and is_view(v) and v.args:
+            v = v.args[0]
+        if isinstance(v, fx.Node) and v.op == "placeholder":
+            out.add(v)
+    return out
+
+
 def written_placeholders(graph: fx.Graph) -> set:
     """Placeholders of ``graph`` that its ops write to (through views as well)."""
-    out = set()
-    for n in graph.nodes:
-        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
-            continue
-        for i, a in enumerate(n.target._schema.arguments):
-            if a.alias_info is None or not a.alias_info.is_write:
-                continue
-            v = n.args[i] if i < len(n.args) else n.kwargs.get(a.name)
-            while isinstance(v, fx.Node) and v.op != "placeholder" and is_view(v) and v.args:
-                v = v.args[0]
-            if isinstance(v, fx.Node) and v.op == "placeholder":
-                out.add(v)
-    return out
+    return set().union(*[written_placeholders_of(n) for n in graph.nodes])
 
 
 def mutated_inputs(gm: fx.GraphModule) -> set:

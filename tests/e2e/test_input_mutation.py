@@ -91,3 +91,25 @@ def test_backward_never_reads_an_input_the_graph_wrote(write_first, budget):
     torch.testing.assert_close(w.grad, w_e.grad)
     torch.testing.assert_close(a, a_e)
 
+
+
+@pytest.mark.parametrize("codegen", ["triton", "cpp"])
+def test_a_fused_kernel_reads_an_input_before_its_write(codegen):
+    """``a0 - a1`` is computed before ``a1`` is written, but fused into a kernel stored late (with the
+    select_scatter of ``v0[0] = a3``); the copy into ``a1`` must wait for it (fuzz seed 11 #2718: the
+    kernel read the written a1, -inf + inf = NaN)."""
+    def f(a0, a1, a3):
+        v0 = a0 - a1
+        v1 = v0.unsqueeze(-3)
+        a1[..., :1].add_(float("inf"))
+        v0[0] = a3
+        return (v1,)
+
+    torch._dynamo.reset()
+    a0, a1, a3 = torch.randn(7, 2, 1), torch.randn(7, 1, 1), torch.randn(1, 2, 1)
+    a1[4] = -float("inf")
+    a1_k, a1_e = a1.clone(), a1.clone()
+    out = kiln.compile(f, codegen=codegen, cache=False)(a0, a1_k, a3)[0]
+    ref = f(a0, a1_e, a3)[0]
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(a1_k, a1_e, equal_nan=True)

@@ -399,6 +399,15 @@ def test_vector_norm_over_dims_of_size_one(codegen):
             same(e, k)
 
 
+@pytest.mark.parametrize("codegen", ["triton", "cpp"])
+def test_index_copy_with_nothing_to_copy(codegen):
+    """index_copy into an empty tensor (or from an empty source) reads no index; torch's decomposition
+    (index_put) checked them and raised IndexError (fuzz seed 11 #4177): such calls stay ATen."""
+    fn = lambda x, i, s: torch.index_copy(x, -2, i, s).rsqrt()  # noqa: E731
+    x, i, s = torch.zeros(0, 0), torch.tensor([3]), torch.zeros(1, 0)
+    same(fn(x, i, s), compiled(fn, codegen)(x, i, s))
+
+
 def test_index_fill_of_a_strided_tensor_stays_aten():
     """torch 2.11's index_fill decomposition restores a strided input's strides by ``empty_like(x).copy_``,
     which AOTAutograd's functional-graph check rejects (fuzz seed 10 #1135): the fusing targets keep such an

@@ -60,6 +60,19 @@ def test_compare_rules():
     assert compare_tensor(_t(1, 2, dtype=torch.int64), _t(1, 2, dtype=torch.int32))[0] == "meta"
     z = torch.tensor([1 + 2j], dtype=torch.complex64)
     assert compare_tensor(z, z.conj().resolve_conj())[0] == "value"
+    # eager's float16 prod rounded its partial products to inf and 0 (NaN); kiln gives the arbiter's value
+    # rounded to float16 (seed 11 #9256): fine; another value, or a NaN the arbiter has too, is not
+    h = lambda *v: _t(*v, dtype=torch.float16)  # noqa: E731
+    assert compare_tensor(h(nan, 2.0), h(0.0, 2.0), _t(1e-30, 2.0, dtype=torch.float64)) is None
+    assert compare_tensor(h(nan, 2.0), h(5.0, 2.0), _t(1e-30, 2.0, dtype=torch.float64))[0] == "nan"
+    assert compare_tensor(h(nan, 2.0), h(0.0, 2.0), _t(nan, 2.0, dtype=torch.float64))[0] == "nan"
+    assert compare_tensor(_t(nan), _t(0.0), _t(1e-30, dtype=torch.float64))[0] == "nan"   # float32: no
+    # kiln's NaN or infinity where the arbiter has it too (seed 11 #7896: a bf16 log_softmax rounded to 0)
+    b = lambda *v: _t(*v, dtype=torch.bfloat16)  # noqa: E731
+    assert compare_tensor(b(-inf, 1.0), b(nan, 1.0), _t(nan, 1.0, dtype=torch.float64)) is None
+    assert compare_tensor(b(-inf, 1.0), b(nan, 1.0), _t(-inf, 1.0, dtype=torch.float64))[0] == "nan"
+    assert compare_tensor(b(0.0, 1.0), b(inf, 1.0), _t(inf, 1.0, dtype=torch.float64)) is None
+    assert compare_tensor(b(0.0, 1.0), b(inf, 1.0), _t(0.5, 1.0, dtype=torch.float64))[0] == "value"
     # a float32 value computed through float16 (seed 1 program 155): one half-precision ulp apart is fine
     e, k = _t(-1.1533203125), _t(-1.154296875)
     assert compare_tensor(e, k)[0] == "value" and compare_tensor(e, k, low=torch.float16) is None
