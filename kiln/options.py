@@ -261,6 +261,8 @@ class Options:
     emit_for: str = _opt("auto", "Triton kernels for CPU tensors: 'auto' (run in Triton's interpreter) or 'cuda' "
                                  "(written as for a GPU, to read them on a machine without one; they cannot run)",
                          ("auto", "cuda"))
+    round_low_precision: bool = _opt(True, "fused kernels round each float16/bfloat16 op's result to its dtype, as "
+                                           "eager's ops do (False: keep float32 until the store, inductor's default)")
     max_autotune: bool = _opt(False, "benchmark launch configurations for generated kernels")
     compile_workers: int = _opt(-1, "processes compiling Triton kernels before their first launch: "
                                     "-1 auto (CUDA only), 0 off")

@@ -8,6 +8,8 @@ registered with ``@register(aten.op.overload, ...)``; importing ``kiln.codegen.l
 """
 from __future__ import annotations
 
+import functools
+
 import operator
 
 import sympy
@@ -223,6 +225,8 @@ class Lowering:
         meta = self.meta if is_tensor(self.node.meta.get("val")) else None
         shape = meta.shape if shape is None else shape
         dtype = meta.dtype if dtype is None else dtype
+        if self.opts.round_low_precision and dtype in (torch.float16, torch.bfloat16):
+            return Pointwise(shape, dtype, device or self.device, functools.partial(_rounded, fn, dtype))
         return Pointwise(shape, dtype, device or self.device, fn)
 
     @property
@@ -312,6 +316,14 @@ def broadcast(idx, in_shape, out_shape):
     k = len(out_shape) - len(in_shape)
     return [ZERO if s == 1 and o != 1 else idx[k + i] for i, (s, o) in
             enumerate(zip(in_shape, out_shape[k:]))]
+
+
+def _rounded(fn, dtype, idx):
+    """``fn(idx)`` (computed in float32) rounded to 16-bit ``dtype`` and kept in float32: eager rounds every
+    op's result (``Options.round_low_precision``; fuzz seed 11 #9879: ``cos(x ** 3)`` of bf16 ``x`` took
+    ``x ** 3`` unrounded, 0.04 from eager's)."""
+    e = fn(idx)
+    return e if e.dtype == dtype else ops.cast(ops.cast(e, dtype), e.dtype)
 
 
 def value_at(v, idx, out_shape, dtype):
