@@ -500,3 +500,18 @@ def test_16_bit_results_are_rounded_between_fused_ops(codegen):
     same(f(x), compiled(f, codegen)(x))
     loose = compiled(f, codegen, round_low_precision=False)(x)
     assert (loose.float() - f(x).float()).abs().max() > 0.05
+
+
+@pytest.mark.parametrize("codegen", ["triton", "cpp"])
+def test_slice_scatter_start_below_minus_size(codegen):
+    """``x[:, :, -2:1:3]`` of a size-1 dim starts at 0 (slice clamps -2 + 1); the backward's
+    slice_scatter did not clamp and dropped the gradient (fuzz seed 12 #4827)."""
+    fn = lambda a, b: (a * b)[:, :, -2:1:3]  # noqa: E731
+    a, b = torch.tensor([[[7.5]]]), torch.tensor([-1.25], requires_grad=True)
+    b2 = b.detach().clone().requires_grad_(True)
+    compiled(fn, codegen)(a, b).sum().backward()
+    fn(a, b2).sum().backward()
+    same(b.grad, b2.grad)
+    g = lambda base, src: torch.slice_scatter(base, src, 1, -7, 2, 2) + 1  # noqa: E731
+    base, src = torch.zeros(2, 3), torch.ones(2, 1)
+    same(g(base, src), compiled(g, codegen)(base, src))

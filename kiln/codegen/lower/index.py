@@ -198,6 +198,8 @@ def _slice_scatter(ctx, base, src, dim=0, start=None, end=None, step=1):
     start = sympy.sympify(start)
     if start.is_Integer and start < 0:
         start = start + size
+        if start.is_Integer and start < 0:   # clamped as slice clamps it (fuzz seed 12 #4827: [-2:1:3] of 1)
+            start = sympy.Integer(0)
     length = src.shape[d]
 
     def fn(idx):
