@@ -180,3 +180,24 @@ def build_cnn(size: str = "cpu", device="cpu", seed: int = 0, **overrides):
     x = torch.randn(cfg.batch, 3, cfg.image, cfg.image, device=device)
     y = torch.randint(0, cfg.classes, (cfg.batch,), device=device)
     return model, (x, y)
+
+
+class ResNet18(nn.Module):
+    """torchvision's ResNet-18 (same layers, shapes and parameter count), for machines without torchvision:
+    a 7x7/2 stem with a 3x3/2 max-pool, four stages of two basic blocks (64-512 channels), pool, linear."""
+
+    def __init__(self, classes: int = 1000):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(),
+                                  nn.MaxPool2d(3, 2, 1))
+        layers, cin = [], 64
+        for i, w in enumerate((64, 128, 256, 512)):
+            for j in range(2):
+                layers.append(ResBlock(cin, w, 2 if (i > 0 and j == 0) else 1))
+                cin = w
+        self.layers = nn.Sequential(*layers)
+        self.fc = nn.Linear(512, classes)
+
+    def forward(self, x):
+        x = self.layers(self.stem(x))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))

@@ -8,6 +8,7 @@ The HuggingFace and ResNet-50 cases run on the GPU only (a 2-core CPU would take
 from __future__ import annotations
 
 import functools
+import importlib.util
 
 import torch
 import torch.nn.functional as F
@@ -117,9 +118,12 @@ def _bert(device, dtype, size):
 
 # --- torchvision -------------------------------------------------------------------------------------
 def _resnet(arch, train, device, dtype, size):
-    import torchvision
     torch.manual_seed(0)
-    model = getattr(torchvision.models, arch)().to(device)
+    if arch == "resnet18" and importlib.util.find_spec("torchvision") is None:
+        model = models.ResNet18().to(device)   # the same architecture, written in the bench
+    else:
+        import torchvision
+        model = getattr(torchvision.models, arch)().to(device)
     big = _size(device, size) == "gpu"
     bs, hw = (64, 224) if big else ((8, 224) if size != "tiny" else (2, 64))
     x = torch.randn(bs, 3, hw, hw, device=device)
@@ -130,7 +134,7 @@ def _resnet(arch, train, device, dtype, size):
 
 
 def _resnet_cases(arch, devices_infer):
-    tv = ("torchvision",)
+    tv = () if arch == "resnet18" else ("torchvision",)   # resnet18: models.ResNet18 without torchvision
     train = functools.partial(_resnet, arch, True)
     infer = functools.partial(_resnet, arch, False)
     return [
