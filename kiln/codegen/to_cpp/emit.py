@@ -117,6 +117,9 @@ class ExprWriter:
         self.row_cache, self.pass_no = {}, -1
         # glibc's scalar math functions in every lane (see ``decides``)
         self.scalar_math = not tuning.cpp_vector_math or decides(plan)
+        # a split pointwise kernel: the scope of one outer position, before the vectorized inner loop, and
+        # the variables computed there (values that do not depend on ``xi`` go there)
+        self.xo_scope, self.xo_vars, self.xi_n, self._xi_free_memo = None, set(), None, {}
 
     def tmp(self, prefix="tmp"):
         self.count += 1
@@ -124,12 +127,62 @@ class ExprWriter:
 
     def use_split(self, outer, inner):
         """Write ``xindex`` as ``xo * inner + xi`` (or ``xi`` alone when there is one outer position)."""
+        self.xi_n = inner
         if outer == 1:
             self.subst = {XINDEX: XI}
             self.ranges = Ranges({XI: inner})
         else:
             self.subst = {XINDEX: XO * inner + XI}
             self.ranges = Ranges({XO: outer, XI: inner})
+
+    def _split_index(self, expr):
+        """Index ``expr`` over the split loop variables (``xo``, ``xi``), simplified."""
+        e = simplify(expr, self.plan.ranges)
+        return simplify(e.xreplace(self.subst), self.ranges) if self.subst else e
+
+    def _xi_free(self, e: Expr) -> bool:
+        """Whether ``e`` is the same at every ``xi`` of an outer position (no indirect or random reads)."""
+        hit = self._xi_free_memo.get(e)
+        if hit is None:
+            hit = True
+            for n in e.walk():
+                if n.op in ("load", "index"):
+                    idx, binds = (n.args[1], n.args[2]) if n.op == "load" else (n.args[0], n.args[2])
+                    if binds or XI in sympy.sympify(self._split_index(idx)).free_symbols:
+                        hit = False
+                        break
+                elif n.op in ("rand", "red"):
+                    hit = False
+                    break
+            self._xi_free_memo[e] = hit
+        return hit
+
+    def _keep_bits(self, cond: str) -> str:
+        """A 32-bit mask, all ones where ``cond`` (a variable of the outer position) holds, for ``kiln_pick_f``:
+        g++ vectorizes no loop holding selects on several such conditions."""
+        key = ("keep", cond)
+        hit = self.xo_scope.find(key)
+        if hit is None:
+            hit = self.tmp("keep")
+            self.xo_scope.lines.append(f"const uint32_t {hit} = {cond} ? 0xFFFFFFFFu : 0u;")
+            self.xo_scope.cache[key] = hit
+        return hit
+
+    def _row_pointer(self, buf: str, expr, cond: str):
+        """For a load at ``base(xo) + xi`` under ``cond`` (a variable of the outer position): a pointer, set
+        once per outer position, to the row it reads where ``cond`` holds and to a row of zeros where not,
+        so that the inner loop loads unconditionally. None where that does not apply."""
+        e = sympy.expand(self._split_index(expr))
+        base = e.subs(XI, 0)
+        dtype = self.plan.buffers[buf].dtype
+        n = sympy.sympify(self.xi_n)
+        size = torch.tensor([], dtype=dtype).element_size()
+        if sympy.expand(e - base - XI) != 0 or not n.is_Integer or int(n) * size > 65536:
+            return None
+        name, mem = self.tmp("row"), MEMORY[dtype]
+        self.xo_scope.lines.append(f"const {mem}* {name} = {cond} ? {self.arg_for(buf)} + ({self.pexpr(base)}) : "
+                                   f"(const {mem}*)kiln_zero_bytes;")
+        return name
 
     # -- expressions ----------------------------------------------------------------------------
     def emit(self, e: Expr, scope: Scope, mask=None, row: Scope = None, post: Scope = None) -> str:
@@ -146,6 +199,9 @@ class ExprWriter:
             target = row
         if target is None:
             raise Unsupported("cpp: a value known only after all rows is used inside them")
+        if self.xo_scope is not None and target is scope and (mask is None or mask[0] in self.xo_vars) \
+                and self._xi_free(e):
+            target = self.xo_scope
         key = (e, mask and mask[0])
         hit = target.find(key)
         if hit is not None:
@@ -161,6 +217,8 @@ class ExprWriter:
             code = self._code(e, target, mask, row if target is not post else None, post)
         var = self.tmp()
         target.lines.append(f"const {VALUE[e.dtype]} {var} = {code};")
+        if target is self.xo_scope:
+            self.xo_vars.add(var)
         if kept is not None and self.pass_no == kept[1]:
             target.lines.append(f"{kept[0]}[r] = {var};")
         target.cache[key] = var
@@ -170,6 +228,10 @@ class ExprWriter:
         op, a = e.op, e.args
         sub = lambda v, m=mask: self.emit(v, scope, m, row, post)  # noqa: E731
         if op == "load":
+            if mask is not None and mask[0] in self.xo_vars and scope is not self.xo_scope and not a[2]:
+                row_ptr = self._row_pointer(a[0], a[1], mask[0])
+                if row_ptr is not None:   # a row that does not hold reads zeros: the masked value
+                    return load_code(row_ptr, XI.name, self.plan.buffers[a[0]].dtype)
             ptr = self.arg_for(a[0])
             idx = self.index(a[1], a[2], sub)
             code = load_code(ptr, idx, self.plan.buffers[a[0]].dtype)
@@ -192,6 +254,9 @@ class ExprWriter:
                 return f"(({VALUE[e.dtype]}){wide}((double)({x})))"
             return f"(({VALUE[e.dtype]})({x}))"
         if op == "where":
+            fused = self._nan_extremum(a, sub)
+            if fused is not None:
+                return fused
             c, x, y = (sub(v) for v in a)
             return f"({c} ? {x} : {y})"
         if op == "masked":
@@ -200,6 +265,8 @@ class ExprWriter:
                                                                            else Level.CONST))
             val = self.emit(a[1], scope, inner, row, post)
             other = sub(a[2])
+            if cond in self.xo_vars and scope is not self.xo_scope and e.dtype == torch.float32:
+                return f"kiln_pick_f({self._keep_bits(cond)}, {val}, {other})"
             return f"({cond} ? {val} : {other})"
         if op in ("red", "const"):
             raise AssertionError(op)
@@ -212,6 +279,21 @@ class ExprWriter:
         if self.scalar_math:
             t = scalar_math(t)
         return t.format(*args, f="f" if VALUE[dt] == "float" else "", t=VALUE[dt])
+
+    @staticmethod
+    def _nan_extremum(a, sub):
+        """``where((x > y) | isnan(x), x, y)`` (a running maximum that keeps NaN: the max-pool
+        decomposition's) as ``kiln_max_nan(y, x)``, and ``<`` as ``kiln_min_nan``: the same values, but g++
+        vectorizes no loop holding several ``|`` of bool temporaries feeding selects (a ResNet-18 max-pool
+        kernel ran scalar). None for any other ``where``."""
+        c, x, y = a
+        if c.op not in ("bitwise_or", "logical_or") or not x.dtype.is_floating_point:
+            return None
+        for cmp_, nan in (c.args, c.args[::-1]):
+            is_nan = (nan.op == "ne" and tuple(nan.args) == (x, x)) or (nan.op == "isnan" and tuple(nan.args) == (x,))
+            if cmp_.op in ("gt", "lt") and tuple(cmp_.args) == (x, y) and is_nan:
+                return f"{'kiln_max_nan' if cmp_.op == 'gt' else 'kiln_min_nan'}({sub(y)}, {sub(x)})"
+        return None
 
     def _masked_exp(self, e):
         """``exp(where(m, a, k) - c)`` with ``k`` a constant and ``c`` known per row (a masked softmax's

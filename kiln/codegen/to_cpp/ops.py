@@ -73,6 +73,8 @@ extern "C" {
 static inline float fmod(float a, float b) { return fmodf(a, b); }   // <cmath>'s float overloads
 static inline float floor(float a) { return floorf(a); }
 #define KILN_INLINE static inline __attribute__((always_inline))
+// a masked row that does not hold reads here instead (emit.ExprWriter._row_pointer: loads stay unconditional)
+[[maybe_unused]] alignas(64) static const unsigned char kiln_zero_bytes[65536] = {0};
 KILN_INLINE float kiln_bf16_load(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
 KILN_INLINE uint16_t kiln_bf16_store(float f) {   // round to nearest even; NaN stays a (quiet) NaN
   uint32_t u; memcpy(&u, &f, 4);
@@ -94,10 +96,17 @@ KILN_INLINE int32_t kiln_f2i32(double x) {
   return (x > -2147483649.0 && x < 2147483648.0) ? (int32_t)x : (int32_t)(-2147483647 - 1);
 }
 KILN_INLINE float kiln_round_f16(float f) { return (float)(_Float16)f; }
-template <typename T> KILN_INLINE T kiln_maximum(T a, T b) { return (a >= b || a != a) ? a : b; }
-template <typename T> KILN_INLINE T kiln_minimum(T a, T b) { return (a <= b || a != a) ? a : b; }
-template <typename T> KILN_INLINE T kiln_max_nan(T a, T b) { return (b > a || b != b) ? b : a; }
-template <typename T> KILN_INLINE T kiln_min_nan(T a, T b) { return (b < a || b != b) ? b : a; }
+// ``keep`` (all ones or zero) ? a : b, bitwise: a select on a condition that is the same in every lane of a
+// loop, written so that g++ vectorizes the loop (emit.ExprWriter._code, op "masked")
+KILN_INLINE float kiln_pick_f(uint32_t keep, float a, float b) {
+  uint32_t x, y; memcpy(&x, &a, 4); memcpy(&y, &b, 4); x = (x & keep) | (y & ~keep);
+  float r; memcpy(&r, &x, 4); return r;
+}
+// two selects, not one on ``x || y``: g++ 12 vectorizes no loop holding the latter with more than one load
+template <typename T> KILN_INLINE T kiln_maximum(T a, T b) { const T m = a >= b ? a : b; return a != a ? a : m; }
+template <typename T> KILN_INLINE T kiln_minimum(T a, T b) { const T m = a <= b ? a : b; return a != a ? a : m; }
+template <typename T> KILN_INLINE T kiln_max_nan(T a, T b) { const T m = b > a ? b : a; return b != b ? b : m; }
+template <typename T> KILN_INLINE T kiln_min_nan(T a, T b) { const T m = b < a ? b : a; return b != b ? b : m; }
 template <typename T> KILN_INLINE T kiln_floordiv_i(T a, T b) {
   if (b == 0) return 0;
   if (b == -1) return (T)(0 - a);

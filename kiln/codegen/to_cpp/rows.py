@@ -77,20 +77,22 @@ class CppKernel(ExprWriter):
         plan = self.plan
         outer, inner = pointwise_split(plan, self.tuning.cpp_min_inner)
         self.use_split(outer, inner)
-        scope = Scope()
+        position = Scope()   # per outer position: values that do not vary along xi (masks, row pointers)
+        scope = Scope(position)
+        self.xo_scope = position
         for m in plan.members:
             if m.stored:
                 self._store(m, m.result, scope, None, None)
+        self.xo_scope = None
         b, t = self.tuning.cpp_block, self.idx_t
         head = [f"const {t} xo_n = {self.pexpr(outer)}, xi_n = {self.pexpr(inner)};",
                 f"const {t} nb = (xi_n + {b - 1}) / {b};",
                 self._parallel(" collapse(2)"),
                 f"for ({t} xo = 0; xo < xo_n; xo++)",
                 f"for ({t} xb = 0; xb < nb; xb++) {{",
-                f"  const {t} xe = xb * {b} + {b} < xi_n ? xb * {b} + {b} : xi_n;",
-                "  #pragma omp simd",
-                f"  for ({t} xi = xb * {b}; xi < xe; xi++) {{"]
-        self.body.append((head, scope, ["  }", "}"]))
+                f"  const {t} xe = xb * {b} + {b} < xi_n ? xb * {b} + {b} : xi_n;"]
+        position.lines.append((["#pragma omp simd", f"for ({t} xi = xb * {b}; xi < xe; xi++) {{"], scope, ["}"]))
+        self.body.append((head, position, ["}"]))
 
     # -- reductions -----------------------------------------------------------------------------------
     def _reduction(self):
