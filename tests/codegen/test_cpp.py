@@ -184,6 +184,31 @@ def test_inner_loops_vectorize():
     assert "_ZGV" in asm or not cpp_build.has_libmvec(), "erf is not called through its vector variant"
 
 
+def test_a_channels_last_max_pool_vectorizes():
+    """relu + 3x3/2 max-pool over channels-last data: the window's masks and row pointers are computed once per
+    output position, masked rows read a row of zeros, the masked selects are bitwise and the running maximum
+    is ``kiln_max_nan``, so the channel loop vectorizes (it ran scalar: a ResNet-18 step spent 69 ms there,
+    eager's max-pool 3-5 ms); values, NaN and signed zeros as eager's."""
+    flags = open("/proc/cpuinfo").read() if shutil.os.path.exists("/proc/cpuinfo") else ""
+    x = torch.randn(2, 32, 12, 12)
+    x[0, 3, 4, 5], x[1, 7, 0, 0], x[0, 0, 11, 11] = float("nan"), float("-inf"), float("inf")
+    x[1, 2] = -0.0
+    x = x.to(memory_format=torch.channels_last)
+    fn = lambda a: F.max_pool2d(torch.relu(a), 3, 2, 1)  # noqa: E731
+    gm, _ = fused(fn, x)
+    out, ref = gm(x), fn(x)
+    assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(out.nan_to_num(), ref.nan_to_num())
+    assert torch.equal(out.signbit(), ref.signbit())
+    name = re.search(r"cpp_build\.function\('(\w+)'", kernels(gm)[0].source).group(1)
+    lib = cpp_build.library(name)
+    reg = "zmm" if " avx512f" in flags else "ymm" if " avx2" in flags else None
+    if reg is None or not shutil.which("objdump"):
+        pytest.skip("no AVX2/AVX-512 host or no objdump")
+    asm = subprocess.run(["objdump", "-d", lib], capture_output=True, text=True).stdout
+    vector_ops = re.findall(rf"v(?:maxps|cmpps|blendmps|andps|orps|pand|por|vpternlogd)\s+[^\n]*%{reg}", asm)
+    assert vector_ops, "no vector compare, max or blend in the max-pool kernel's library"
+
+
 def test_failed_build_falls_back_with_a_warning():
     x, b = torch.randn(8, 16), torch.randn(16)
     gm = make_fx(gelu_bias, decomposition_table=decompositions(), tracing_mode="fake")(x, b)
