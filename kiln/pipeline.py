@@ -29,6 +29,7 @@ from kiln.codegen.fuse_graph import UNFUSED, fuse_graph, triton_available
 from kiln.codegen.wrapper import emit_wrapper
 from kiln.debug import Trace, log
 from kiln.options import Options, UserError, using
+from kiln.partition import ops as partition_ops
 from kiln.passes import freeze
 from kiln.passes.channels_last import to_channels_last
 from kiln.passes.conv_bias import split_conv_bias
@@ -166,7 +167,7 @@ def lower(gm: fx.GraphModule, inputs: list, opts: Options, trace: Trace, kind: s
     with using(opts):
         if not graphs:
             return _lower(gm, inputs, opts, trace, kind, target, layout, registered)
-        mutated = cudagraph.mutated_inputs(gm)  # before fusion hides the writes inside kernels
+        mutated = partition_ops.mutated_inputs(gm)  # before fusion hides the writes inside kernels
         compiled = _lower(gm, inputs, opts, trace, kind, target, layout, registered)
         return cudagraph.wrap(compiled, inputs, kind=kind, n_user=n_user, mutated=mutated, positions=positions)
 

@@ -32,10 +32,8 @@ import weakref
 from typing import List, Optional
 
 import torch
-import torch.fx as fx
 
 from kiln.debug import counters, log
-from kiln.partition import ops
 
 _use_count = torch._C._storage_Use_Count
 
@@ -78,9 +76,6 @@ def device_pool(index: Optional[int] = None) -> Pool:
     if index not in _POOLS:
         _POOLS[index] = Pool()
     return _POOLS[index]
-
-
-mutated_inputs = ops.mutated_inputs  # positions of the placeholders a graph writes to
 
 
 def refusal(sources, example_inputs) -> Optional[str]:

@@ -77,17 +77,21 @@ def _cnn(device, dtype, size, train=True):
 
 
 # --- HuggingFace transformers ------------------------------------------------------------------------
+def _causal_lm(model_class, cfg, batch, device):
+    """A seeded HF causal LM train step on random ids of shape ``batch``: the loss against the ids."""
+    torch.manual_seed(0)
+    model = model_class(cfg).to(device)
+    ids = torch.randint(0, cfg.vocab_size, batch, device=device)
+    return _finish(model, (ids,), device, True, lambda out, b: out.loss, _adamw(device),
+                   call=lambda f, b: f(input_ids=b[0], labels=b[0]))
+
+
 def _gpt2(device, dtype, size):
     from transformers import GPT2Config, GPT2LMHeadModel
     big = _size(device, size) == "gpu"
     cfg = GPT2Config(n_layer=12 if big else 2, n_embd=768 if big else 64, n_head=12 if big else 2,
                      n_positions=1024, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
-    bs, seq = (8, 1024) if big else (2, 64)
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(cfg).to(device)
-    ids = torch.randint(0, cfg.vocab_size, (bs, seq), device=device)
-    return _finish(model, (ids,), device, True, lambda out, b: out.loss, _adamw(device),
-                   call=lambda f, b: f(input_ids=b[0], labels=b[0]))
+    return _causal_lm(GPT2LMHeadModel, cfg, (8, 1024) if big else (2, 64), device)
 
 
 def _llama(device, dtype, size):
@@ -96,12 +100,7 @@ def _llama(device, dtype, size):
     cfg = LlamaConfig(vocab_size=32000, hidden_size=1024 if big else 64, intermediate_size=2816 if big else 128,
                       num_hidden_layers=8 if big else 2, num_attention_heads=16 if big else 2,
                       num_key_value_heads=4 if big else 1, max_position_embeddings=2048, use_cache=False)
-    bs, seq = (4, 1024) if big else (2, 64)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).to(device)
-    ids = torch.randint(0, cfg.vocab_size, (bs, seq), device=device)
-    return _finish(model, (ids,), device, True, lambda out, b: out.loss, _adamw(device),
-                   call=lambda f, b: f(input_ids=b[0], labels=b[0]))
+    return _causal_lm(LlamaForCausalLM, cfg, (4, 1024) if big else (2, 64), device)
 
 
 def _bert(device, dtype, size):

@@ -141,6 +141,8 @@ class ops:
             return x
         if x.op == "const":
             return ops.const(x.args[0], dtype)
+        if x.op == "cast" and x.args[0].dtype == dtype and _widens(dtype, x.dtype):
+            return x.args[0]   # a value widened exactly and narrowed back is itself (bf16 -> fp32 -> bf16)
         return Expr("cast", (x,), dtype)
 
     @staticmethod
@@ -168,6 +170,12 @@ class ops:
             if op == "mul" and _is_one(a):
                 return b
         return Expr(op, (a, b), torch.bool if op in COMPARE else a.dtype)
+
+
+def _widens(narrow, wide) -> bool:
+    """Whether every ``narrow`` float is exactly a ``wide`` float."""
+    rank = {torch.float16: 1, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
+    return narrow in rank and wide in rank and rank[wide] > rank[narrow]
 
 
 def _is_one(e) -> bool:

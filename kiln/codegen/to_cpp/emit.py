@@ -16,8 +16,8 @@ from kiln.codegen.ir.loops import Expr, Unsupported, ops
 from kiln.codegen.ir.scope import Scope
 from kiln.codegen.schedule.colpart import XPID
 from kiln.codegen.schedule.plan import KernelPlan, Level
-from kiln.codegen.to_cpp.ops import (DISCRETE, DISCRETE_REDUCE, MEMORY, VALUE, calls_vector_math, literal,
-                                     scalar_math, template)
+from kiln.codegen.to_cpp.ops import (DISCRETE, DISCRETE_REDUCE, MEMORY, VALUE, ZERO_ROW_BYTES, calls_vector_math,
+                                     literal, scalar_math, template)
 from kiln.options import Tuning
 
 XO = sympy.Symbol("xo", integer=True, nonnegative=True)   # a pointwise kernel's outer position
@@ -136,7 +136,7 @@ class ExprWriter:
             self.ranges = Ranges({XO: outer, XI: inner})
 
     def _split_index(self, expr):
-        """Index ``expr`` over the split loop variables (``xo``, ``xi``), simplified."""
+        """Index ``expr`` over the loop variables the kernel writes (``xo``/``xi``, ``r0``/``r1``), simplified."""
         e = simplify(expr, self.plan.ranges)
         return simplify(e.xreplace(self.subst), self.ranges) if self.subst else e
 
@@ -144,16 +144,11 @@ class ExprWriter:
         """Whether ``e`` is the same at every ``xi`` of an outer position (no indirect or random reads)."""
         hit = self._xi_free_memo.get(e)
         if hit is None:
-            hit = True
-            for n in e.walk():
-                if n.op in ("load", "index"):
-                    idx, binds = (n.args[1], n.args[2]) if n.op == "load" else (n.args[0], n.args[2])
-                    if binds or XI in sympy.sympify(self._split_index(idx)).free_symbols:
-                        hit = False
-                        break
-                elif n.op in ("rand", "red"):
-                    hit = False
-                    break
+            if e.op in ("load", "index"):
+                idx, binds = (e.args[1], e.args[2]) if e.op == "load" else (e.args[0], e.args[2])
+                hit = not binds and XI not in sympy.sympify(self._split_index(idx)).free_symbols
+            else:
+                hit = e.op not in ("rand", "red") and all(self._xi_free(c) for c in e.children())
             self._xi_free_memo[e] = hit
         return hit
 
@@ -176,8 +171,7 @@ class ExprWriter:
         base = e.subs(XI, 0)
         dtype = self.plan.buffers[buf].dtype
         n = sympy.sympify(self.xi_n)
-        size = torch.tensor([], dtype=dtype).element_size()
-        if sympy.expand(e - base - XI) != 0 or not n.is_Integer or int(n) * size > 65536:
+        if sympy.expand(e - base - XI) != 0 or not n.is_Integer or int(n) * dtype.itemsize > ZERO_ROW_BYTES:
             return None
         name, mem = self.tmp("row"), MEMORY[dtype]
         self.xo_scope.lines.append(f"const {mem}* {name} = {cond} ? {self.arg_for(buf)} + ({self.pexpr(base)}) : "
@@ -320,10 +314,7 @@ class ExprWriter:
     def index(self, expr, binds, sub) -> str:
         """C++ for index ``expr`` (``binds``: its indirect symbols' Exprs)."""
         values = {s: f"(({self.idx_t}){sub(v)})" for s, v in binds}
-        e = simplify(expr, self.plan.ranges)
-        if self.subst:
-            e = simplify(e.xreplace(self.subst), self.ranges)
-        return self.pexpr(e, values)
+        return self.pexpr(self._split_index(expr), values)
 
     def size_arg(self, sym):
         if sym not in self.sizes:

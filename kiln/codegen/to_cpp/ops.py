@@ -59,6 +59,8 @@ def _scalar_aliases() -> str:
                    f"double {SCALAR_PREFIX}{f}(double) __asm__(\"{f}\");\n" for f in VECTOR_MATH)
 
 
+ZERO_ROW_BYTES = 65536   # the preamble's row of zeros: the longest inner loop a masked row pointer serves
+
 PREAMBLE = r"""// kiln generated C++ (no torch headers: raw pointers, sizes, the C ABI; no <math.h>: see SCALAR_MATH)
 #include <stdint.h>
 #include <string.h>
@@ -74,7 +76,7 @@ static inline float fmod(float a, float b) { return fmodf(a, b); }   // <cmath>'
 static inline float floor(float a) { return floorf(a); }
 #define KILN_INLINE static inline __attribute__((always_inline))
 // a masked row that does not hold reads here instead (emit.ExprWriter._row_pointer: loads stay unconditional)
-[[maybe_unused]] alignas(64) static const unsigned char kiln_zero_bytes[65536] = {0};
+[[maybe_unused]] alignas(64) static const unsigned char kiln_zero_bytes[""" + str(ZERO_ROW_BYTES) + r"""] = {0};
 KILN_INLINE float kiln_bf16_load(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
 KILN_INLINE uint16_t kiln_bf16_store(float f) {   // round to nearest even; NaN stays a (quiet) NaN
   uint32_t u; memcpy(&u, &f, 4);
@@ -233,5 +235,5 @@ def combine(kind: str, acc: str, v: str, floating: bool) -> str:
     raise Unsupported(f"cpp: no reduction {kind}")
 
 
-__all__ = ["VALUE", "MEMORY", "VECTOR_MATH", "PREAMBLE", "DISCRETE", "DISCRETE_REDUCE", "SCALAR_PREFIX", "template",
-           "calls_vector_math", "scalar_math", "literal", "neutral", "combine"]
+__all__ = ["VALUE", "MEMORY", "VECTOR_MATH", "PREAMBLE", "ZERO_ROW_BYTES", "DISCRETE", "DISCRETE_REDUCE",
+           "SCALAR_PREFIX", "template", "calls_vector_math", "scalar_math", "literal", "neutral", "combine"]
