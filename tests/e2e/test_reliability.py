@@ -504,6 +504,21 @@ def test_16_bit_results_are_rounded_between_fused_ops(codegen):
 
 
 @pytest.mark.parametrize("codegen", ["triton", "cpp"])
+def test_16_bit_copies_keep_nan_bits(codegen):
+    """A selection of bf16 values (select_scatter, where) is a bf16 value already: rounding it
+    again would make a NaN +NaN as eager's conversion does, but eager copies the bits, so ``signbit`` of a
+    NaN with its sign bit set stays True (fuzz seed 12 #7722)."""
+    bits = torch.tensor([-1, -64, 0x7FC0, 16416, -16768, 0x7F80, -128], dtype=torch.int16)   # -NaN, -NaN, NaN, ...
+    x = bits.view(torch.bfloat16).reshape(7, 1).expand(7, 5).contiguous()
+    src = torch.tensor([-1.0, 2.0, -0.0, 3.0, 1.0], dtype=torch.bfloat16)
+    fns = [lambda a, b: torch.signbit(torch.select_scatter(a, b, 0, 3)),
+           lambda a, b: torch.signbit(torch.where(a > 0, b, a)),
+           lambda a, b: torch.where(a < 0, b, a).view(torch.int16)]
+    for f in fns:
+        same(f(x, src), compiled(f, codegen)(x, src))
+
+
+@pytest.mark.parametrize("codegen", ["triton", "cpp"])
 def test_slice_scatter_start_below_minus_size(codegen):
     """``x[:, :, -2:1:3]`` of a size-1 dim starts at 0 (slice clamps -2 + 1); the backward's
     slice_scatter did not clamp and dropped the gradient (fuzz seed 12 #4827)."""

@@ -141,8 +141,10 @@ class ops:
             return x
         if x.op == "const":
             return ops.const(x.args[0], dtype)
-        if x.op == "cast" and x.args[0].dtype == dtype and _widens(dtype, x.dtype):
-            return x.args[0]   # a value widened exactly and narrowed back is itself (bf16 -> fp32 -> bf16)
+        if _widens(dtype, x.dtype):
+            narrow = _narrowed(x, dtype)
+            if narrow is not None:
+                return narrow
         return Expr("cast", (x,), dtype)
 
     @staticmethod
@@ -176,6 +178,18 @@ def _widens(narrow, wide) -> bool:
     """Whether every ``narrow`` float is exactly a ``wide`` float."""
     rank = {torch.float16: 1, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
     return narrow in rank and wide in rank and rank[wide] > rank[narrow]
+
+
+def _narrowed(x, dtype):
+    """``x`` as a ``dtype`` expression with no conversion, if ``x`` is a widened ``dtype`` value or a
+    selection between such values (None otherwise): a value widened exactly and narrowed back is itself
+    (bf16 -> fp32 -> bf16), and a copy keeps a NaN's bits where a conversion would not (fuzz seed 12 #7722)."""
+    if x.op == "cast" and x.args[0].dtype == dtype:
+        return x.args[0]
+    if x.op == "where":
+        a, b = _narrowed(x.args[1], dtype), _narrowed(x.args[2], dtype)
+        return None if a is None or b is None else Expr("where", (x.args[0], a, b), dtype)
+    return None
 
 
 def _is_one(e) -> bool:

@@ -323,7 +323,26 @@ def _rounded(fn, dtype, idx):
     op's result (``Options.round_low_precision``; fuzz seed 11 #9879: ``cos(x ** 3)`` of bf16 ``x`` took
     ``x ** 3`` unrounded, 0.04 from eager's)."""
     e = fn(idx)
-    return e if e.dtype == dtype else ops.cast(ops.cast(e, dtype), e.dtype)
+    if e.dtype == dtype or _exact_in(e, dtype):
+        return e
+    return ops.cast(ops.cast(e, dtype), e.dtype)
+
+
+_SELECTS = {"where": (1, 2), "masked": (1, 2), "neg": (0,), "abs": (0,), "maximum": (0, 1), "minimum": (0, 1)}
+
+
+def _exact_in(e, dtype) -> bool:
+    """Whether float32 ``e`` is already a ``dtype`` value: a widened ``dtype`` value, a constant ``dtype``
+    holds, or a selection, negation or absolute value of such values. Rounding it again changes nothing but
+    the bits of a NaN (eager's conversion makes every NaN +NaN; a copy keeps its sign: fuzz seed 12 #7722,
+    ``signbit(select_scatter(x, ...))``)."""
+    if e.op == "cast":
+        return e.args[0].dtype == dtype
+    if e.op == "const":
+        v = e.args[0]
+        return isinstance(v, (bool, int, float)) and (v != v or float(torch.tensor(float(v), dtype=dtype)) == v)
+    slots = _SELECTS.get(e.op)
+    return slots is not None and all(_exact_in(e.args[i], dtype) for i in slots)
 
 
 def value_at(v, idx, out_shape, dtype):
