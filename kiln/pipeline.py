@@ -25,6 +25,7 @@ from torch._dynamo.backends.common import aot_autograd
 
 from kiln import cache, compat, debug, partition, passes
 from kiln.capture.decomp import decomposition_table
+from kiln.capture.hazards import upstream_hazard
 from kiln.codegen.fuse_graph import UNFUSED, fuse_graph, triton_available
 from kiln.codegen.wrapper import emit_wrapper
 from kiln.debug import Trace, log
@@ -45,6 +46,12 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list, opts: Options):
     (AOTAutograd, kiln), the graph runs as eager does, with a warning (``on_error='eager'``), unless the
     error names a mistake of the user's (``UserError``), is Dynamo's, or ``on_error='raise'``."""
     as_captured = types.MethodType(type(gm).forward, gm)   # the passes rewrite gm in place
+    hazard = upstream_hazard(gm)
+    if hazard:   # torch's capture would compute it wrongly: not an error of kiln's, so on_error does not apply
+        debug.counters["fallback"]["eager_graphs"] += 1
+        warnings.warn(f"kiln runs a graph as eager does: {hazard}", stacklevel=2)
+        log(1, f"eager fallback: {hazard}")
+        return as_captured
     with using(opts):
         try:
             return _compile_graph(gm, example_inputs, opts)

@@ -519,6 +519,19 @@ def test_16_bit_copies_keep_nan_bits(codegen):
 
 
 @pytest.mark.parametrize("codegen", ["triton", "cpp"])
+def test_float_to_int_to_float_is_plus_zero(codegen):
+    """``x.to(int32)`` of x in (-1, 0] is 0, and 0 converts to +0.0; g++ folded the two conversions into a
+    truncation that keeps -0.0 (fuzz seed 21 #223)."""
+    x = torch.tensor([-0.5, -0.0, 0.0, 0.7, -1.5, -0.99] * 8)
+    for f in (lambda x: torch.stack([x.to(torch.int32), x.half()], -1),
+              lambda x: x.to(torch.int64).to(torch.bfloat16) * 1,
+              lambda x: torch.signbit(x.to(torch.int32).double() + x * 0)):
+        want, got = f(x), compiled(f, codegen)(x)
+        same(want, got)
+        assert torch.equal(torch.signbit(want), torch.signbit(got))
+
+
+@pytest.mark.parametrize("codegen", ["triton", "cpp"])
 def test_slice_scatter_start_below_minus_size(codegen):
     """``x[:, :, -2:1:3]`` of a size-1 dim starts at 0 (slice clamps -2 + 1); the backward's
     slice_scatter did not clamp and dropped the gradient (fuzz seed 12 #4827)."""

@@ -237,6 +237,9 @@ class ExprWriter:
             raise Unsupported("cpp: random numbers (the kernel runs as ATen)")
         if op == "cast":
             x = sub(a[0])
+            if e.dtype.is_floating_point and _truncated(a[0]):   # g++ folds float -> int -> float into a
+                w = "double" if e.dtype == torch.float64 else "float"   # trunc that keeps -0.0 (x in (-1, 0]);
+                x = f"(({x}) == 0 ? ({w})0 : ({w})({x}))"            # eager's int 0 converts to +0.0
             if e.dtype == torch.bool:
                 return f"({x} != 0)"
             if e.dtype == torch.bfloat16:
@@ -337,3 +340,9 @@ class ExprWriter:
 
 
 __all__ = ["Scope", "ExprWriter", "render", "load_code", "store_code", "XO", "XI", "R0", "R1"]
+
+
+def _truncated(e) -> bool:
+    """Whether ``e`` is an integer made from a float (fuzz seed 21 #223: ``x.to(int32)`` stacked with floats)."""
+    return e.op == "cast" and e.dtype not in (torch.bool,) and not e.dtype.is_floating_point \
+        and e.args[0].dtype.is_floating_point

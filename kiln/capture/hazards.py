@@ -1,0 +1,55 @@
+"""Dynamo graphs that torch's own capture gets wrong: kiln runs them as eager does.
+
+AOTAutograd functionalizes a write through a view by writing the mutated view back into its base with the
+view's inverse. For ``unfold`` that inverse is ``unfold_backward``, a gradient formula: it zeroes the
+elements no window covers (step > size) instead of keeping them, so ``x.unfold(0, 1, 2).diagonal().mul_(3)``
+zeroes every other row of ``x`` (torch 2.11 and 2.13, ``backend="aot_eager"`` alike; fuzz seed 10 #4399).
+"""
+from __future__ import annotations
+
+import operator
+
+import torch.fx as fx
+
+# methods and functions whose result shares its input's memory (first argument)
+_VIEWS = {"view", "view_as", "reshape", "reshape_as", "t", "transpose", "permute", "select", "narrow", "diagonal",
+          "squeeze", "unsqueeze", "expand", "expand_as", "flatten", "unflatten", "unfold", "as_strided", "movedim",
+          "swapaxes", "swapdims", "unbind", "split", "chunk", "real", "imag", "view_as_real", "view_as_complex",
+          "__getitem__", "getitem", "contiguous", "detach", "T", "mT", "mH", "H"}
+_INPLACE_OPS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+                operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift,
+                operator.irshift, operator.setitem}
+
+
+def _name(n: fx.Node) -> str:
+    if n.op == "call_method":
+        return n.target
+    if n.op == "call_function":
+        return getattr(n.target, "__name__", "")
+    return ""
+
+
+def _writes(n: fx.Node) -> bool:
+    """Whether ``n`` writes into its first argument."""
+    if n.op == "call_function" and n.target in _INPLACE_OPS:
+        return True
+    name = _name(n)
+    if name.endswith("_") and not name.endswith("__") and name != "requires_grad_":
+        return True
+    return n.kwargs.get("inplace") is True or "out" in n.kwargs
+
+
+def upstream_hazard(gm: fx.GraphModule) -> str:
+    """Why AOTAutograd would compute ``gm`` wrongly ('' when no known hazard is there)."""
+    unfolded = set()   # nodes viewing the result of an unfold
+    for n in gm.graph.nodes:
+        if n.op not in ("call_method", "call_function") or not n.args or not isinstance(n.args[0], fx.Node):
+            continue
+        base, name = n.args[0], _name(n)
+        if name == "unfold" or (name in _VIEWS and base in unfolded):
+            unfolded.add(n)
+        elif _writes(n) and base in unfolded:
+            return (f"an in-place write ({name} at node {n.name}) through a view of unfold: AOTAutograd writes "
+                    "it back with unfold_backward, which drops the elements no window covers (a torch bug)")
+    return ""
+
