@@ -46,7 +46,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list, opts: Options):
     (AOTAutograd, kiln), the graph runs as eager does, with a warning (``on_error='eager'``), unless the
     error names a mistake of the user's (``UserError``), is Dynamo's, or ``on_error='raise'``."""
     as_captured = types.MethodType(type(gm).forward, gm)   # the passes rewrite gm in place
-    hazard = upstream_hazard(gm)
+    hazard = upstream_hazard(gm, example_inputs)
     if hazard:   # torch's capture would compute it wrongly: not an error of kiln's, so on_error does not apply
         debug.counters["fallback"]["eager_graphs"] += 1
         warnings.warn(f"kiln runs a graph as eager does: {hazard}", stacklevel=2)

@@ -4,12 +4,19 @@ AOTAutograd functionalizes a write through a view by writing the mutated view ba
 view's inverse. For ``unfold`` that inverse is ``unfold_backward``, a gradient formula: it zeroes the
 elements no window covers (step > size) instead of keeping them, so ``x.unfold(0, 1, 2).diagonal().mul_(3)``
 zeroes every other row of ``x`` (torch 2.11 and 2.13, ``backend="aot_eager"`` alike; fuzz seed 10 #4399).
+
+Writes into a graph input that shares its memory with another input take AOTAutograd's "synthetic base"
+path, which returned outputs of the wrong shape (``a0.sub_(a1)`` returned beside ``a0[::2]``: a flat
+``int64[100]`` for ``[2, 5, 5, 2]``, fuzz seed 13 #3204) and read a stale overlapping input (seed 13 #603).
 """
 from __future__ import annotations
 
 import operator
 
+import torch
+
 import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
 
 # methods and functions whose result shares its input's memory (first argument)
 _VIEWS = {"view", "view_as", "reshape", "reshape_as", "t", "transpose", "permute", "select", "narrow", "diagonal",
@@ -39,17 +46,38 @@ def _writes(n: fx.Node) -> bool:
     return n.kwargs.get("inplace") is True or "out" in n.kwargs
 
 
-def upstream_hazard(gm: fx.GraphModule) -> str:
+def upstream_hazard(gm: fx.GraphModule, example_inputs=()) -> str:
     """Why AOTAutograd would compute ``gm`` wrongly ('' when no known hazard is there)."""
-    unfolded = set()   # nodes viewing the result of an unfold
+    shared = _sharing_inputs(gm, example_inputs)
+    unfolded, root = set(), {}   # nodes viewing the result of an unfold; node -> the input it views
     for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            root[n] = n
         if n.op not in ("call_method", "call_function") or not n.args or not isinstance(n.args[0], fx.Node):
             continue
         base, name = n.args[0], _name(n)
         if name == "unfold" or (name in _VIEWS and base in unfolded):
             unfolded.add(n)
+        if name in _VIEWS and base in root:
+            root[n] = root[base]
         elif _writes(n) and base in unfolded:
             return (f"an in-place write ({name} at node {n.name}) through a view of unfold: AOTAutograd writes "
                     "it back with unfold_backward, which drops the elements no window covers (a torch bug)")
+        elif _writes(n) and root.get(base) in shared:
+            return (f"an in-place write ({name} at node {n.name}) into input {root[base].name}, whose memory "
+                    "other inputs share: AOTAutograd's synthetic bases can return wrong shapes and values")
     return ""
 
+
+def _sharing_inputs(gm: fx.GraphModule, example_inputs) -> set:
+    """The placeholders whose example tensors share storage with another's."""
+    groups = {}
+    holders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for n, x in zip(holders, example_inputs):
+        if isinstance(x, torch.Tensor) and x.layout == torch.strided:
+            try:
+                key = StorageWeakRef(x.untyped_storage())
+            except (NotImplementedError, RuntimeError):   # tensors without a storage (subclasses)
+                continue
+            groups.setdefault(key, []).append(n)
+    return {n for group in groups.values() if len(group) > 1 for n in group}

@@ -38,7 +38,7 @@ from kiln.bench.fuzz.watch import Watch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "bool": torch.bool,
-          "complex64": torch.complex64}
+          "complex64": torch.complex64, "complex128": torch.complex128}
 SPECIAL = (math.nan, math.inf, -math.inf, -0.0, 0.0)
 
 
