@@ -306,3 +306,15 @@ def test_clamp_with_a_nan_bound_is_judged_by_what_this_torch_does():
     assert harness.eager_clamp_ignores_nan_bounds() is (not probe)
     assert bool(harness._eager_inconsistent(program)) is (not probe)
     assert harness._eager_inconsistent(other) == ""
+
+
+def test_zeros_of_matrix_products_and_min_max_are_unsigned():
+    """A zero's sign is the implementation's after min/max and matrix products (fuzz seed 13 #9227: eager's
+    matmul of a K=1 product gave -0.0, the bmm AOTAutograd traces +0.0); other programs check it."""
+    from kiln.bench.fuzz.child import zero_sign
+    prog = lambda text: Program(ops=(Op(text, ("a0", "a1"), "v0"),), returns=("v0",))  # noqa: E731
+    assert not zero_sign(prog("torch.matmul({0}, {1})"))
+    assert not zero_sign(prog("torch.addmm({0}, {0}, {1})"))
+    assert not zero_sign(prog("torch.maximum({0}, {1})"))
+    assert zero_sign(prog("torch.mul({0}, {1})"))
+    assert zero_sign(prog("torch.add({0}, {1})"))

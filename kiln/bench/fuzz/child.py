@@ -51,9 +51,10 @@ def fallback_kind(reasons: list) -> str:
 
 
 def zero_sign(program: Program) -> bool:
-    """Whether ``program``'s zeros have signs eager defines (no ``compare.MINMAX`` op in it)."""
-    from kiln.bench.fuzz.compare import MINMAX
-    return not re.search(MINMAX, " ".join(op.text for op in program.ops))
+    """Whether ``program``'s zeros have signs eager defines (no ``compare.SIGN_FREE`` op in it: min/max
+    and matrix products)."""
+    from kiln.bench.fuzz.compare import SIGN_FREE
+    return not re.search(SIGN_FREE, " ".join(op.text for op in program.ops))
 
 
 def load_hook(spec: str | None):

@@ -21,6 +21,11 @@ WORSE = 3.0   # kiln may be this many times eager's distance from the arbiter (p
 # ops whose zero's sign is the implementation's choice: max(-0.0, 0.0) may be either (relu6(-0.0) is -0.0 in
 # eager, +0.0 in a kernel using a different comparison); programs using them skip the signed-zero check
 MINMAX = r"relu|hardtanh|clamp|maximum|minimum|fmax|fmin|amax|amin|aminmax|\bmax\(|\bmin\(|\.max\b|\.min\b"
+# so is a matrix product's: a sum started at +0.0 (BLAS, bmm) turns a -0.0 product into +0.0, while eager's
+# matmul of a K=1 product may multiply without summing (fuzz seed 13 #9227: (5, 1, 1) @ (1, 16), eager -0.0,
+# the traced bmm +0.0, aot_eager alike)
+PRODUCTS = r"matmul|\bmm\(|bmm\(|addmm|addbmm|baddbmm|addmv|\bmv\(|einsum|tensordot|\blinear\(|\bdot\(|inner\(|outer\(| @ "
+SIGN_FREE = MINMAX + "|" + PRODUCTS
 
 
 @dataclass

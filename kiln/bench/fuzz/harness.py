@@ -346,7 +346,7 @@ def check_program(make_inputs, program, target="triton", train=False, dynamic=Fa
     kiln on ``target``; compare (see the module docstring). ``baseline``: when kiln fails, try the
     aot_eager backend too and say in ``Result.upstream`` if it fails alike (a bug outside kiln).
     ``options``: more kiln options for ``torch.compile(options=...)``; ``zero_sign``: check the signs of
-    zeros (off for programs whose zeros' signs eager leaves to the implementation: ``MINMAX``)."""
+    zeros (off for programs whose zeros' signs eager leaves to the implementation: ``compare.SIGN_FREE``)."""
     res = _check(make_inputs, program, target, train, dynamic, baseline, options, zero_sign)
     if verbose:
         print(f"{res.status}: " + (res.error or "; ".join(map(str, res.problems)) or "ok")
