@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Where a first call's time goes, cold (empty caches) then warm (a new process on the caches the first left):
 # cProfile of `kiln bench-compile`'s child for each case, KILN_DEBUG stage times, and the top functions.
-#   bash benchmarks/compile_profile.sh OUTDIR gpt2 [llama ...] [--device cuda]
+#   [BACKEND=inductor] bash benchmarks/compile_profile.sh OUTDIR gpt2 [llama ...] [--device cuda]
 # Run from the repository root (PYTHONPATH=. on the GPU machine). Build workers' time is not in the profile:
 # the main process's waits for them are.
 set -euo pipefail
@@ -18,7 +18,7 @@ for c in "${cases[@]}"; do
   export KILN_CACHE_DIR=$root/kiln TRITON_CACHE_DIR=$root/triton KILN_KERNEL_DIR=$root/kernels KILN_CACHE=1 \
          TORCHINDUCTOR_CACHE_DIR=$root/inductor
   for phase in cold warm; do
-    KILN_DEBUG=1 $py -m cProfile -o "$out/$c.$phase.prof" -m kiln.bench.compile_times --child "$c" kiln "$device" \
+    KILN_DEBUG=1 $py -m cProfile -o "$out/$c.$phase.prof" -m kiln.bench.compile_times --child "$c" "${BACKEND:-kiln}" "$device" \
       > "$out/$c.$phase.json" 2> "$out/$c.$phase.debug.txt" || echo "$c $phase failed: $(tail -1 "$out/$c.$phase.debug.txt")"
     echo "== $c $phase: $(tail -1 "$out/$c.$phase.json")"
     $py - "$out/$c.$phase.prof" <<'PY' > "$out/$c.$phase.top.txt"

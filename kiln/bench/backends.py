@@ -20,7 +20,7 @@ import tempfile
 
 import torch
 
-BACKENDS = ("eager", "inductor", "kiln", "inductor-cg", "kiln-cg")
+BACKENDS = ("eager", "inductor", "kiln", "inductor-cg", "kiln-cg", "aot_eager")
 FRESH_ROOT = "KILN_BENCH_FRESH_ROOT"   # set by fresh_caches: rows make their own cache dirs under it
 
 
@@ -43,6 +43,8 @@ def compile_model(backend: str, model, options=None, budget=None):
         return model
     if backend == "inductor":
         return torch.compile(model, options=options or None)
+    if backend == "aot_eager":   # Dynamo and AOTAutograd alone: the floor both compilers stand on
+        return torch.compile(model, backend="aot_eager")
     if backend == "inductor-cg":
         return torch.compile(model, mode="reduce-overhead") if not options else \
             torch.compile(model, options={**options, "triton.cudagraphs": True})

@@ -104,18 +104,23 @@ def markdown(meta: dict, rows: list) -> str:
              "empty caches (cold), the same process after `torch._dynamo.reset()` (recompile), a second new "
              f"process on the caches the first left (warm); median of {meta['repeat']}.", "",
              "| case | backend | cold s | warm s | recompile s | step s | warm/cold | process s (warm) | "
-             "cold vs inductor | warm vs inductor |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "cold vs inductor | warm vs inductor | cold above aot_eager's, vs inductor's |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     by = {(r["case"], r["backend"]): r for r in rows}
+    ok = lambda r: r is not None and "error" not in r  # noqa: E731
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['case']} | {r['backend']} | error: {r['error']} | | | | | | | |")
+            lines.append(f"| {r['case']} | {r['backend']} | error: {r['error']} | | | | | | | | |")
             continue
-        ind = by.get((r["case"], "inductor"))
-        rel = (lambda k: f"{r[k] / ind[k]:.2f}" if ind and "error" not in ind and r["backend"] != "inductor" else "")
+        ind, floor = by.get((r["case"], "inductor")), by.get((r["case"], "aot_eager"))
+        rel = (lambda k: f"{r[k] / ind[k]:.2f}" if ok(ind) and r["backend"] != "inductor" else "")
+        # what a compiler adds to Dynamo and AOTAutograd's cold compile (aot_eager's), against inductor's
+        own = f"{(r['cold_s'] - floor['cold_s']) / (ind['cold_s'] - floor['cold_s']):.2f}" \
+            if ok(ind) and ok(floor) and r["backend"] not in ("inductor", "aot_eager") else ""
         lines.append(f"| {r['case']} | {r['backend']} | {r['cold_s']:.2f} | {r['warm_s']:.2f} | "
                      f"{r['recompile_s']:.2f} | {r['step_s']:.3f} | {r['warm_s'] / r['cold_s']:.2f} | "
                      f"{r['warm_process_s']:.1f} | "
-                     f"{rel('cold_s')} | {rel('warm_s')} |")
+                     f"{rel('cold_s')} | {rel('warm_s')} | {own} |")
     return "\n".join(lines) + "\n"
 
 

@@ -15,6 +15,11 @@ def test_rows_and_ratios():
     row = next(ln for ln in md.splitlines() if ln.startswith("| gpt | kiln"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[2:5] == ["5.00", "2.00", "0.50"] and cells[6] == "0.40"   # warm/cold
-    assert cells[-2:] == ["0.12", "0.50"]   # cold and warm against inductor's
+    assert cells[-3:] == ["0.12", "0.50", ""]   # cold and warm against inductor's; no aot_eager row
     assert "| cnn | kiln | error: exit 1: boom" in md
+    floor = {**ind, "cold_s": 3.0, "backend": "aot_eager"}
+    md = C.markdown({"date": "d", "device_name": "cpu", "torch": "t", "threads": "2", "command": "c", "repeat": 3},
+                    [kiln, ind, floor])
+    row = next(ln for ln in md.splitlines() if ln.startswith("| gpt | kiln"))
+    assert row.strip("|").split("|")[-1].strip() == f"{(5.0 - 3.0) / (40.0 - 3.0):.2f}"   # above the floor
     assert C._median_rows([bad]) == bad
