@@ -168,11 +168,16 @@ def test_not_cacheable_graphs_compile_as_usual(tmp_path):
 
 
 _SCRIPT = textwrap.dedent("""
-    import sys, torch, kiln
+    import os, sys, time, torch, kiln
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.GELU(), torch.nn.Linear(32, 4))
     x = torch.randn(8, 16)
     f = kiln.compile(m, codegen="cpp", cache=True, cache_dir=sys.argv[1])
+    gate, n = sys.argv[3], int(sys.argv[4])   # a start barrier: the processes look up the cache together
+    open(os.path.join(gate, str(os.getpid())), "w").close()
+    deadline = time.time() + 120
+    while len(os.listdir(gate)) < n and time.time() < deadline:
+        time.sleep(0.01)
     out = f(x)
     out.sum().backward()
     torch.save([out.detach()] + [p.grad for p in m.parameters()], sys.argv[2])
@@ -193,7 +198,10 @@ def test_processes_fill_one_cache_then_hit(tmp_path):
 
     def start(i):
         env["KILN_KERNEL_DIR"] = str(tmp_path / f"kernels{i // 2}")
-        return subprocess.Popen([sys.executable, str(script), cache, str(tmp_path / f"r{i}.pt")], env=env,
+        gate = tmp_path / f"gate{i // 2}"
+        gate.mkdir(exist_ok=True)
+        return subprocess.Popen([sys.executable, str(script), cache, str(tmp_path / f"r{i}.pt"), str(gate),
+                                 "2" if i < 2 else "1"], env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def finish(p):

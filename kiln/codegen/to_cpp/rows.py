@@ -290,10 +290,11 @@ class CppKernel(ExprWriter):
         self.body += final + [post]
 
     def _keep_row_values(self, passes, row):
-        """Values calling a vector math function (``exp``...) that two loops over a row compute (a
-        softmax's exponentials: summed, then divided by the sum) are computed once: the first loop keeps
-        them in a per-row array (a static row of at most ``tuning.cpp_row_cache`` elements, in L1 or L2),
-        later loops read them back. An exponential costs more than a load from cache on a CPU."""
+        """Values calling a vector math function (``exp``...) or dividing floats that two loops over a row
+        compute (a softmax's exponentials: summed, then divided by the sum; its backward's ``exp(x - m) / s``)
+        are computed once: the first loop keeps them in a per-row array (a static row of at most
+        ``tuning.cpp_row_cache`` elements, in L1 or L2), later loops read them back. An exponential or a
+        division costs more than a load from cache on a CPU."""
         n = sympy.sympify(self.plan.rnumel)
         limit = self.tuning.cpp_row_cache
         if not n.is_Integer or int(n) > limit:
@@ -306,7 +307,7 @@ class CppKernel(ExprWriter):
             seen = set()
             for root in roots:
                 for e in root.walk():
-                    if e in seen or self.level(e) is not Level.ELEMENT or not calls_vector_math(e.op):
+                    if e in seen or self.level(e) is not Level.ELEMENT or not _costly(e):
                         continue
                     seen.add(e)
                     if e in first:
@@ -449,3 +450,8 @@ def _scope_of(lines) -> Scope:
 
 
 __all__ = ["CppKernel", "row_split"]
+
+
+def _costly(e) -> bool:
+    """Whether element value ``e`` costs more to compute again than to read back from a kept row."""
+    return calls_vector_math(e.op) or (e.op == "truediv" and e.dtype.is_floating_point)
