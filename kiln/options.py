@@ -160,6 +160,9 @@ class Tuning:
                           check="pos")
     cpp_min_inner: int = _opt(16, "a C++ pointwise kernel loops over its innermost dim apart (contiguous, no "
                                   "division per element) when it has at least this many elements", check="pos")
+    cpp_interior_min: int = _opt(8, "a C++ pointwise kernel whose innermost dim has bounds checks (a padded "
+                                     "window's edges) runs the span where all hold, if this long, without them; "
+                                     "0: never", check="nonneg")
     cpp_col_block: int = _opt(64, "adjacent columns a C++ reduction over a non-innermost dim reduces at once",
                               check="pos")
     cpp_outer_chunks: int = _opt(64, "chunks of rows whose partials a C++ reduction over all rows combines",

@@ -164,19 +164,21 @@ class ExprWriter:
         return hit
 
     def _row_pointer(self, buf: str, expr, cond: str):
-        """For a load at ``base(xo) + xi`` under ``cond`` (a variable of the outer position): a pointer, set
-        once per outer position, to the row it reads where ``cond`` holds and to a row of zeros where not,
-        so that the inner loop loads unconditionally. None where that does not apply."""
+        """For a load at ``base(xo) + s * xi`` (``s`` a positive constant: 2 in a stride-2 window) under
+        ``cond`` (a variable of the outer position): (a pointer, set once per outer position, to the row it
+        reads where ``cond`` holds and to a row of zeros where not, ``s``), so that the inner loop loads
+        unconditionally. None where that does not apply."""
         e = sympy.expand(self._split_index(expr))
-        base = e.subs(XI, 0)
+        base, step = e.subs(XI, 0), e.coeff(XI, 1)
         dtype = self.plan.buffers[buf].dtype
         n = sympy.sympify(self.xi_n)
-        if sympy.expand(e - base - XI) != 0 or not n.is_Integer or int(n) * dtype.itemsize > ZERO_ROW_BYTES:
+        if not (step.is_Integer and step > 0) or sympy.expand(e - base - step * XI) != 0 or not n.is_Integer \
+                or int(step) * int(n) * dtype.itemsize > ZERO_ROW_BYTES:
             return None
         name, mem = self.tmp("row"), MEMORY[dtype]
         self.xo_scope.lines.append(f"const {mem}* {name} = {cond} ? {self.arg_for(buf)} + ({self.pexpr(base)}) : "
                                    f"(const {mem}*)kiln_zero_bytes;")
-        return name
+        return name, int(step)
 
     # -- expressions ----------------------------------------------------------------------------
     def emit(self, e: Expr, scope: Scope, mask=None, row: Scope = None, post: Scope = None) -> str:
@@ -225,7 +227,8 @@ class ExprWriter:
             if mask is not None and mask[0] in self.xo_vars and scope is not self.xo_scope and not a[2]:
                 row_ptr = self._row_pointer(a[0], a[1], mask[0])
                 if row_ptr is not None:   # a row that does not hold reads zeros: the masked value
-                    return load_code(row_ptr, XI.name, self.plan.buffers[a[0]].dtype)
+                    at = XI.name if row_ptr[1] == 1 else f"{row_ptr[1]}*{XI.name}"
+                    return load_code(row_ptr[0], at, self.plan.buffers[a[0]].dtype)
             ptr = self.arg_for(a[0])
             idx = self.index(a[1], a[2], sub)
             code = load_code(ptr, idx, self.plan.buffers[a[0]].dtype)
@@ -346,3 +349,31 @@ def _truncated(e) -> bool:
     """Whether ``e`` is an integer made from a float (fuzz seed 21 #223: ``x.to(int32)`` stacked with floats)."""
     return e.op == "cast" and e.dtype not in (torch.bool,) and not e.dtype.is_floating_point \
         and e.args[0].dtype.is_floating_point
+
+
+_ANDS = ("logical_and", "bitwise_and")
+
+
+def assume_true(e: Expr, holds: set, memo=None) -> Expr:
+    """``e`` with the boolean Exprs in ``holds`` taken as true, simplified where that decides an ``and``, a
+    ``where`` or a ``masked`` (so a load under ``inside & row_ok`` becomes one under ``row_ok``)."""
+    memo = {} if memo is None else memo
+    hit = memo.get(e)
+    if hit is not None:
+        return hit
+    if e in holds:
+        out = ops.const(True, torch.bool)
+    else:
+        sub = lambda a: assume_true(a, holds, memo) if isinstance(a, Expr) else a  # noqa: E731
+        args = tuple(sub(a) for a in e.args)
+        if e.op in ("load", "index"):
+            args = args[:2] + (tuple((s, sub(x)) for s, x in e.args[2]),)
+        out = e if args == e.args else Expr(e.op, args, e.dtype)
+        true = lambda a: a.op == "const" and a.args[0] is True  # noqa: E731
+        if out.op in _ANDS and out.dtype == torch.bool and any(true(a) for a in out.args):
+            other = [a for a in out.args if not true(a)]
+            out = other[0] if other else out.args[0]
+        elif out.op in ("where", "masked") and true(out.args[0]):
+            out = out.args[1]
+    memo[e] = out
+    return out

@@ -23,7 +23,7 @@ from kiln.codegen.ir.loops import Unsupported, ops
 from kiln.codegen.schedule.domain import Role
 from kiln.codegen.schedule.plan import KernelPlan, Level, reds
 from kiln.codegen.schedule.planner import row_passes
-from kiln.codegen.to_cpp.emit import R0, R1, XI, XO, ExprWriter, Scope, render, store_code
+from kiln.codegen.to_cpp.emit import R0, R1, XI, XO, ExprWriter, Scope, assume_true, render, store_code
 from kiln.codegen.to_cpp.ops import MEMORY, VALUE, calls_vector_math, combine, literal, neutral
 from kiln.options import Tuning
 
@@ -80,9 +80,15 @@ class CppKernel(ExprWriter):
         position = Scope()   # per outer position: values that do not vary along xi (masks, row pointers)
         scope = Scope(position)
         self.xo_scope = position
-        for m in plan.members:
-            if m.stored:
-                self._store(m, m.result, scope, None, None)
+        stored = [m for m in plan.members if m.stored]
+        for m in stored:
+            self._store(m, m.result, scope, None, None)
+        interior = self._interior(stored)
+        if interior is not None:   # the same body where the xi bounds checks hold, with them taken as true
+            lo, hi, holds = interior
+            inside = Scope(position)
+            for m in stored:
+                self._store(m, assume_true(m.result, holds), inside, None, None)
         self.xo_scope = None
         b, t = self.tuning.cpp_block, self.idx_t
         head = [f"const {t} xo_n = {self.pexpr(outer)}, xi_n = {self.pexpr(inner)};",
@@ -91,8 +97,54 @@ class CppKernel(ExprWriter):
                 f"for ({t} xo = 0; xo < xo_n; xo++)",
                 f"for ({t} xb = 0; xb < nb; xb++) {{",
                 f"  const {t} xe = xb * {b} + {b} < xi_n ? xb * {b} + {b} : xi_n;"]
-        position.lines.append((["#pragma omp simd", f"for ({t} xi = xb * {b}; xi < xe; xi++) {{"], scope, ["}"]))
+        if interior is None:
+            position.lines.append((["#pragma omp simd", f"for ({t} xi = xb * {b}; xi < xe; xi++) {{"], scope, ["}"]))
+        else:
+            x0 = f"xb * {b}"
+            for start, end, body in ((x0, f"(xe < {lo} ? xe : {lo})", scope),
+                                     (f"({x0} > {lo} ? {x0} : {lo})", f"(xe < {hi} ? xe : {hi})", inside),
+                                     (f"({x0} > {hi} ? {x0} : {hi})", "xe", scope)):
+                position.lines.append((["#pragma omp simd", f"for ({t} xi = {start}; xi < {end}; xi++) {{"],
+                                       body, ["}"]))
         self.body.append((head, position, ["}"]))
+
+    def _interior(self, stored):
+        """(lo, hi, checks): the xi range ``[lo, hi)`` where every bounds check ``a * xi + b >= k`` (or <,
+        >, <=) of a stored value holds, when that range is most of the row and not all of it (a padded
+        window's loads: a max-pool's edges), and those checks. None otherwise."""
+        n, least = sympy.sympify(self.xi_n), self.tuning.cpp_interior_min
+        if not least or not n.is_Integer or int(n) < 2 * least:
+            return None
+        lo, hi, checks = 0, int(n), set()
+        for m in stored:
+            for e in m.result.walk():
+                bound = self._xi_bound(e) if e not in checks else None
+                if bound is not None:
+                    checks.add(e)
+                    lo, hi = max(lo, bound[0]), min(hi, bound[1])
+        if not checks or hi - lo < least or (lo, hi) == (0, int(n)):
+            return None
+        return lo, hi, checks
+
+    def _xi_bound(self, e):
+        """``[lo, hi)`` of the xi where comparison ``e`` of an affine index in xi with a constant holds."""
+        if e.op not in ("ge", "gt", "le", "lt") or e.args[0].op != "index" or e.args[0].args[2] \
+                or e.args[1].op != "const" or not isinstance(e.args[1].args[0], int) \
+                or isinstance(e.args[1].args[0], bool):
+            return None
+        idx = sympy.expand(self._split_index(e.args[0].args[0]))
+        if idx.free_symbols != {XI}:
+            return None
+        a, b = idx.coeff(XI, 1), idx.subs(XI, 0)
+        if not (a.is_Integer and b.is_Integer) or a == 0 or sympy.expand(idx - a * XI - b) != 0:
+            return None
+        a, b, k = int(a), int(b), e.args[1].args[0]
+        # a * xi + b >= k' with k' an integer: ge k, gt k + 1; <= k'': le k, lt k - 1
+        if e.op in ("ge", "gt"):
+            k2 = k if e.op == "ge" else k + 1
+            return (-((b - k2) // a), 1 << 62) if a > 0 else (0, (k2 - b) // a + 1)
+        k2 = k if e.op == "le" else k - 1
+        return (0, (k2 - b) // a + 1) if a > 0 else (-((b - k2) // a), 1 << 62)
 
     # -- reductions -----------------------------------------------------------------------------------
     def _reduction(self):
