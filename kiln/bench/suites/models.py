@@ -115,6 +115,20 @@ def _bert(device, dtype, size):
     return _finish(model, (ids,), device, False, None, None, call=lambda f, b: f(input_ids=b[0]))
 
 
+def _bert_mlm(device, dtype, size):
+    from transformers import BertConfig, BertForMaskedLM
+    big = _size(device, size) == "gpu"
+    drop = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    cfg = BertConfig(**drop) if big else BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                                    intermediate_size=128, **drop)
+    bs, seq = (16, 512) if big else (2, 64)
+    torch.manual_seed(0)
+    model = BertForMaskedLM(cfg).to(device)
+    ids = torch.randint(0, cfg.vocab_size, (bs, seq), device=device)
+    return _finish(model, (ids,), device, True, lambda out, b: out.loss, _adamw(device),
+                   call=lambda f, b: f(input_ids=b[0], labels=b[0]))
+
+
 # --- torchvision -------------------------------------------------------------------------------------
 def _resnet(arch, train, device, dtype, size):
     torch.manual_seed(0)
@@ -154,11 +168,15 @@ CASES = [
          about="built-in CNN inference"),
     Case("cnn_infer_freezing", "models", functools.partial(_cnn, train=False), ("auto",), train=False,
          options={"freezing": True}, about="built-in CNN inference with freezing"),
-    Case("gpt2", "models", _gpt2, ("auto",), ("cuda",), True, needs=("transformers",),
-         about="HF GPT-2 small train step, bs 8 seq 1024, bf16 autocast, fused AdamW, dropout 0"),
+    Case("gpt2", "models", _gpt2, ("auto",), ("cpu", "cuda"), True, needs=("transformers",),
+         about="HF GPT-2 small train step, bs 8 seq 1024, bf16 autocast, fused AdamW, dropout 0 "
+               "(cpu: 2 layers, d 64, bs 2 x 64, fp32)"),
     Case("llama", "models", _llama, ("auto",), ("cuda",), True, needs=("transformers",),
          about="HF Llama-style decoder train step (8 layers, d 1024, GQA 16/4 heads, SwiGLU 2816), bs 4 seq 1024, "
                "bf16 autocast, fused AdamW"),
+    Case("bert_train", "models", _bert_mlm, ("auto",), ("cpu", "cuda"), True, needs=("transformers",),
+         about="HF BERT masked-LM train step, dropout 0, AdamW; gpu: BERT-base bs 16 x 512, bf16 autocast; "
+               "cpu: 2 layers, d 64, bs 2 x 64, fp32"),
     Case("bert", "models", _bert, ("auto",), ("cuda",), False, needs=("transformers",),
          about="HF BERT-base inference, bs 16 seq 512, fp16"),
     *_resnet_cases("resnet18", ("cpu", "cuda")),
