@@ -238,6 +238,31 @@ def test_nchw_pooling_runs_its_interior_without_bounds_checks(k, stride, pad, di
         assert "? in_ptr" not in middle and re.search(r"row\d+\[(\d\*)?xi\]", middle), middle
 
 
+def test_one_hot_row_sums_need_no_loop():
+    """Cross-entropy's backward sums a one-hot row (``sum_r where(r == t, -w*g, 0)``): the C++ kernel writes
+    it as the row's one match plus the rest, with no loop over the row (BERT's 30522-class rows); values as
+    eager's, ignored targets, out-of-range matches, infinities and NaN included."""
+    import kiln
+    logits = torch.randn(6, 50, requires_grad=True)
+    target = torch.tensor([3, -100, 49, 0, 7, -100])
+    ce = lambda x, t: F.cross_entropy(x, t, ignore_index=-100) * 1.5  # noqa: E731
+    step = lambda f: torch.autograd.grad(f(logits, target), logits)[0]  # noqa: E731
+    got, sources = kiln.run_and_get_code(lambda: step(kiln.compile(ce, codegen="cpp", cache=False)))
+    names = set(re.findall(r"cpp_build\.function\('(\w+)'", "".join(sources)))
+    assert any("hits" in open(cpp_build.library(n)[:-3] + ".cpp").read() for n in names)
+    torch.testing.assert_close(got, step(ce), rtol=1e-6, atol=1e-7)
+
+    def onehot(b, t):
+        r = torch.arange(40)
+        return (torch.where(r == t[:, None], -2.0, 0.0) * b[:, None]).sum(-1)
+    b = torch.tensor([1.0, float("inf"), float("nan"), -0.0, 3.0, -1.0])
+    t = torch.tensor([5, 0, 39, 2, 40, -1])   # the last two match nothing
+    gm, _ = fused(onehot, b, t)
+    out, ref = gm(b, t), onehot(b, t)
+    assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(out.nan_to_num(), ref.nan_to_num())
+    assert torch.equal(out.signbit(), ref.signbit())
+
+
 def test_failed_build_falls_back_with_a_warning():
     x, b = torch.randn(8, 16), torch.randn(16)
     gm = make_fx(gelu_bias, decomposition_table=decompositions(), tracing_mode="fake")(x, b)

@@ -223,6 +223,10 @@ class ExprWriter:
     def _code(self, e, scope, mask, row, post):
         op, a = e.op, e.args
         sub = lambda v, m=mask: self.emit(v, scope, m, row, post)  # noqa: E731
+        if op in ("eq", "ne") and row is not None:
+            narrow = self._row_index_compare(e, row)
+            if narrow is not None:
+                return narrow
         if op == "load":
             if mask is not None and mask[0] in self.xo_vars and scope is not self.xo_scope and not a[2]:
                 row_ptr = self._row_pointer(a[0], a[1], mask[0])
@@ -279,6 +283,27 @@ class ExprWriter:
         if self.scalar_math:
             t = scalar_math(t)
         return t.format(*args, f="f" if VALUE[dt] == "float" else "", t=VALUE[dt])
+
+    def _row_index_compare(self, e, row):
+        """``r == t`` (or ``!=``) with ``t`` a 64-bit integer the same along the row, compared in the loop's
+        own index type: ``t`` is narrowed once per row, to -1 when no ``r`` can equal it, so the vectorized
+        loop compares 16 lanes of 32 bits, not 8 of 64 (cross-entropy's backward over a vocabulary)."""
+        n = sympy.sympify(self.plan.rnumel)
+        if self.idx_t != "int32_t" or not n.is_Integer or self.split is not None:
+            return None
+        for i, j in ((0, 1), (1, 0)):
+            x, t = e.args[i], e.args[j]
+            if x.op == "index" and not x.args[2] and sympy.sympify(x.args[0]) == RINDEX \
+                    and t.dtype in (torch.int64, torch.int32) and self.level(t) is not Level.ELEMENT:
+                tv = self.emit(t, row, None, row, None)
+                key = ("r32", tv)
+                t32 = row.find(key)
+                if t32 is None:
+                    t32 = self.tmp("t")
+                    row.lines.append(f"const int32_t {t32} = ({tv} >= 0 && {tv} < {int(n)}) ? (int32_t)({tv}) : -1;")
+                    row.cache[key] = t32
+                return f"(r {'==' if e.op == 'eq' else '!='} {t32})"
+        return None
 
     @staticmethod
     def _nan_extremum(a, sub):
@@ -355,25 +380,34 @@ _ANDS = ("logical_and", "bitwise_and")
 
 
 def assume_true(e: Expr, holds: set, memo=None) -> Expr:
-    """``e`` with the boolean Exprs in ``holds`` taken as true, simplified where that decides an ``and``, a
-    ``where`` or a ``masked`` (so a load under ``inside & row_ok`` becomes one under ``row_ok``)."""
+    """``e`` with the boolean Exprs in ``holds`` taken as true (``assume``)."""
+    return assume(e, dict.fromkeys(holds, True), memo)
+
+
+def assume(e: Expr, facts: dict, memo=None) -> Expr:
+    """``e`` with each boolean Expr of ``facts`` replaced by its value, simplified where that decides an
+    ``and``, a ``where`` or a ``masked`` (so a load under ``inside & row_ok`` becomes one under ``row_ok``)."""
     memo = {} if memo is None else memo
     hit = memo.get(e)
     if hit is not None:
         return hit
-    if e in holds:
-        out = ops.const(True, torch.bool)
+    if e in facts:
+        out = ops.const(bool(facts[e]), torch.bool)
     else:
-        sub = lambda a: assume_true(a, holds, memo) if isinstance(a, Expr) else a  # noqa: E731
+        sub = lambda a: assume(a, facts, memo) if isinstance(a, Expr) else a  # noqa: E731
         args = tuple(sub(a) for a in e.args)
         if e.op in ("load", "index"):
             args = args[:2] + (tuple((s, sub(x)) for s, x in e.args[2]),)
         out = e if args == e.args else Expr(e.op, args, e.dtype)
-        true = lambda a: a.op == "const" and a.args[0] is True  # noqa: E731
-        if out.op in _ANDS and out.dtype == torch.bool and any(true(a) for a in out.args):
-            other = [a for a in out.args if not true(a)]
+        known = lambda a, v: a.op == "const" and a.args[0] is v  # noqa: E731
+        if out.op in _ANDS and out.dtype == torch.bool and any(known(a, True) for a in out.args):
+            other = [a for a in out.args if not known(a, True)]
             out = other[0] if other else out.args[0]
-        elif out.op in ("where", "masked") and true(out.args[0]):
+        elif out.op in _ANDS and out.dtype == torch.bool and any(known(a, False) for a in out.args):
+            out = ops.const(False, torch.bool)
+        elif out.op in ("where", "masked") and known(out.args[0], True):
             out = out.args[1]
+        elif out.op in ("where", "masked") and known(out.args[0], False):
+            out = out.args[2]
     memo[e] = out
     return out

@@ -23,7 +23,7 @@ from kiln.codegen.ir.loops import Unsupported, ops
 from kiln.codegen.schedule.domain import Role
 from kiln.codegen.schedule.plan import KernelPlan, Level, reds
 from kiln.codegen.schedule.planner import row_passes
-from kiln.codegen.to_cpp.emit import R0, R1, XI, XO, ExprWriter, Scope, assume_true, render, store_code
+from kiln.codegen.to_cpp.emit import R0, R1, XI, XO, ExprWriter, Scope, assume, assume_true, render, store_code
 from kiln.codegen.to_cpp.ops import MEMORY, VALUE, calls_vector_math, combine, literal, neutral
 from kiln.options import Tuning
 
@@ -194,6 +194,10 @@ class CppKernel(ExprWriter):
             kind, acc_t = m.reduce, m.acc
             ct = VALUE[acc_t]
             acc = self.tmp("acc")
+            onehot = self._one_hot(m) if kind == "sum" and acc_t.is_floating_point else None
+            if onehot is not None:   # no loop: the row's one matching element, and the rest
+                finals.append((m, onehot))
+                continue
             v = self._reduce_value(m, loop)
             row.lines.append(f"{ct} {acc} = {neutral(kind.replace('arg', ''), acc_t)};")
             if kind in ("argmax", "argmin"):
@@ -226,8 +230,9 @@ class CppKernel(ExprWriter):
         for m in cols:
             v = self._reduce_value(m, loop)
             loop.lines.append(f"{m.name}_col[r] = {combine(m.reduce, f'{m.name}_col[r]', v, m.acc.is_floating_point)};")
-        head, tail = self._r_loop(("#pragma omp simd " + " ".join(clauses)) if simd else None)
-        row.lines.append((head, loop, tail))
+        if loop.lines:
+            head, tail = self._r_loop(("#pragma omp simd " + " ".join(clauses)) if simd else None)
+            row.lines.append((head, loop, tail))
         for m, code in finals:
             var = self.tmp("red")
             row.lines.append(f"const {VALUE[m.acc] if not m.reduce.startswith('arg') else 'int64_t'} {var} = {code};")
@@ -283,6 +288,30 @@ class CppKernel(ExprWriter):
         head = [self._parallel(), f"for ({t} xb = 0; xb < (xnumel + {xb - 1}) / {xb}; xb++) {{",
                 f"  const {t} x0 = xb * {xb}, xe = x0 + {xb} < xnumel ? x0 + {xb} : xnumel;"]
         self.body.append((head, body, ["}"]))
+
+    def _one_hot(self, m):
+        """A float sum over a row whose elements differ only by ``r == t`` (``t`` the same along the row:
+        cross-entropy's backward sums its one-hot gradient row, 30522 elements a row in a BERT step) as
+        C++ without a loop: ``0 + hit + miss * (n - hits)``, ``hits`` 1 where ``0 <= t < n``. Equal to the
+        loop's sum where ``miss`` is a zero (a select's 0 times anything finite) or not finite; None where
+        the pattern does not apply."""
+        out, n = None, sympy.sympify(self.plan.rnumel)
+        if self.split is None and n.is_Integer:
+            for c in m.value.walk():
+                t = _row_index_match(c)
+                if t is None or self.level(t) is Level.ELEMENT:
+                    continue
+                hit, miss = assume(m.value, {c: True}), assume(m.value, {c: False})
+                if Level.ELEMENT in (self.level(hit), self.level(miss)):
+                    continue
+                tv, hv, mv = (self.emit(v, self.row, None, self.row, None) for v in (t, hit, miss))
+                ct = VALUE[m.acc]
+                k = self.tmp("hits")
+                self.row.lines.append(f"const int {k} = ({tv} >= 0 && {tv} < {int(n)}) ? 1 : 0;")
+                out = (f"(({ct})0 + ({k} ? ({ct}){hv} : ({ct})0) + "
+                       f"(({int(n)} - {k}) > 0 ? ({ct}){mv} * ({ct})({int(n)} - {k}) : ({ct})0))")
+                break
+        return out
 
     def _reduce_value(self, m, scope):
         v = self.emit(m.value, scope, None, self.row, None)
@@ -507,3 +536,14 @@ __all__ = ["CppKernel", "row_split"]
 def _costly(e) -> bool:
     """Whether element value ``e`` costs more to compute again than to read back from a kept row."""
     return calls_vector_math(e.op) or (e.op == "truediv" and e.dtype.is_floating_point)
+
+
+def _row_index_match(c):
+    """``t`` when ``c`` is ``r == t`` (either side; ``r`` the row's element index), else None."""
+    if c.op != "eq":
+        return None
+    for i, j in ((0, 1), (1, 0)):
+        a = c.args[i]
+        if a.op == "index" and not a.args[2] and sympy.sympify(a.args[0]) == RINDEX:
+            return c.args[j]
+    return None
