@@ -14,7 +14,6 @@ from __future__ import annotations
 import operator
 
 import torch
-
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
