@@ -1,13 +1,35 @@
-"""The ``kiln`` command: ``kiln demo``, ``kiln bench ...``, ``kiln check-ops ...`` (the OpInfo sweep),
-``kiln options``, ``kiln cache info|clear``."""
+"""The ``kiln`` command (also ``python -m kiln``): ``kiln demo``, ``kiln bench ...``, ``kiln check-ops ...``
+(the OpInfo sweep), ``kiln options``, ``kiln cache info|clear``, ``kiln --version``."""
 from __future__ import annotations
 
 import sys
 
 
+USAGE = ("usage: kiln demo | kiln bench [--suite micro|models|all] [...] | kiln check-ops [--ops REGEX] [...]"
+         " | kiln bench-compile [--cases gpt] | kiln options | kiln cache info|clear | kiln --version")
+
+
+def version() -> str:
+    """kiln's version and the versions it runs with."""
+    import platform
+
+    import torch
+
+    from kiln import __version__
+    try:
+        import triton
+        tri = triton.__version__
+    except ImportError:
+        tri = "not installed"
+    return f"kiln {__version__} (torch {torch.__version__}, triton {tri}, Python {platform.python_version()})"
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     cmd = argv.pop(0) if argv else "help"
+    if cmd in ("--version", "-V", "version"):
+        print(version())
+        return 0
     if cmd == "demo":
         from kiln.bench.demo import main as demo
         return demo(argv)
@@ -23,12 +45,18 @@ def main(argv=None) -> int:
     if cmd == "cache":
         return cache_command(argv)
     if cmd == "options":
+        if argv:   # (``kiln options --help`` printed the options)
+            print("usage: kiln options   (every option: default, environment variable, help)")
+            return 0 if argv[0] in ("-h", "--help") else 2
         from kiln.options import describe
         print(describe())
         return 0
-    print("usage: kiln demo | kiln bench [--suite micro|models|all] [...] | kiln check-ops [--ops REGEX] [...]"
-          " | kiln bench-compile [--cases gpt] | kiln options | kiln cache info|clear")
-    return 0 if cmd in ("help", "-h", "--help") else 2
+    if cmd not in ("help", "-h", "--help"):
+        print(f"kiln: unknown command {cmd!r}", file=sys.stderr)
+        print(USAGE, file=sys.stderr)
+        return 2
+    print(USAGE)
+    return 0
 
 
 def cache_command(argv) -> int:
@@ -37,6 +65,9 @@ def cache_command(argv) -> int:
     from kiln.cache import store
     from kiln.options import current
     what = argv[0] if argv else "info"
+    if what in ("-h", "--help"):
+        print("usage: kiln cache info | kiln cache clear")
+        return 0
     if what not in ("info", "clear"):
         print(f"kiln cache: unknown command {what!r}; use 'kiln cache info' or 'kiln cache clear'")
         return 2

@@ -30,7 +30,7 @@ LAYERS = [
     ("runtime", ["kiln.runtime"]),
     ("compile cache", ["kiln.cache"]),
     ("pipeline", ["kiln.pipeline", "kiln.repro", "kiln.mef", "kiln.capture.dynamo", "kiln"]),
-    ("tools", ["kiln.bench", "kiln.cli"]),
+    ("tools", ["kiln.bench", "kiln.cli", "kiln.__main__"]),
 ]
 
 

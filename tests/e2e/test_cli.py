@@ -1,0 +1,29 @@
+"""The ``kiln`` command: versions, ``python -m kiln``, help and unknown commands."""
+import subprocess
+import sys
+
+import torch
+
+from kiln import __version__
+from kiln.cli import main
+
+
+def test_version_names_kiln_and_torch(capsys):
+    assert main(["--version"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"kiln {__version__} (torch {torch.__version__}")
+
+
+def test_python_dash_m_kiln_runs_the_command():
+    res = subprocess.run([sys.executable, "-m", "kiln", "--version"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.startswith("kiln "), res.stderr[-2000:]
+
+
+def test_help_and_unknown_commands(capsys):
+    assert main(["options", "--help"]) == 0
+    assert "usage: kiln options" in capsys.readouterr().out   # not the options themselves
+    assert main(["cache", "--help"]) == 0 and "usage: kiln cache" in capsys.readouterr().out
+    assert main(["frobnicate"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown command 'frobnicate'" in err and "usage: kiln demo" in err
+    assert main(["--help"]) == 0 and "usage:" in capsys.readouterr().out
