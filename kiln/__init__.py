@@ -32,10 +32,12 @@ def compile(model=None, *, dynamic=None, fullgraph: bool = False, mode=None, **o
 def run_and_get_code(fn, *args, **kwargs):
     """Run ``fn(*args)`` and return ``(result, [source of each wrapper and kernel generated meanwhile])``.
 
-    Compilation happens at the first call of a compiled function (the backward at its first
-    ``.backward()``), so call this with a fresh compiled function to see its code.
+    Dynamo is reset first (as inductor's ``run_and_get_code`` does), so a compiled function that already
+    ran compiles again (or loads from kiln's compile cache) and its code is collected. The backward compiles
+    at its first ``.backward()``: call that inside ``fn`` to see it.
     """
     from kiln.runtime.load import collect_sources
+    torch._dynamo.reset()
     with collect_sources() as sources:
         result = fn(*args, **kwargs)
     return result, sources

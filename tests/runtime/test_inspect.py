@@ -16,6 +16,18 @@ def test_run_and_get_code_returns_wrapper_source():
     assert any("def call(args)" in c and "aten_mm_default" in c for c in code)
 
 
+def test_run_and_get_code_of_a_function_that_already_ran():
+    """Dynamo is reset first, as inductor's run_and_get_code does: the sources come back although the
+    compiled function ran before (they were empty), from a compile-cache hit too."""
+    f = lambda x: torch.relu(x) * 2  # noqa: E731
+    x = torch.randn(64)
+    for opts in ({"cache": False}, {"cache": True}):
+        compiled = kiln.compile(f, **opts)
+        compiled(x)
+        out, sources = kiln.run_and_get_code(compiled, x)
+        assert torch.equal(out, f(x)) and any("kiln wrapper" in s for s in sources), sources
+
+
 def test_backward_wrapper_is_collected():
     f = kiln.compile(lambda x: (x.sin() * x).sum())
     x = torch.randn(5, requires_grad=True)
