@@ -27,3 +27,19 @@ def test_help_and_unknown_commands(capsys):
     err = capsys.readouterr().err
     assert "unknown command 'frobnicate'" in err and "usage: kiln demo" in err
     assert main(["--help"]) == 0 and "usage:" in capsys.readouterr().out
+
+
+def test_readme_quick_start_runs_as_written(tmp_path):
+    """The README's Quick start block runs as it stands (it named an undefined ``MyModel``)."""
+    import os
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    text = open(os.path.join(root, "README.md")).read()
+    block = text[text.index("## Quick start"):]
+    start = block.index("```python") + len("```python")
+    code = block[start:block.index("```", start)]
+    script = tmp_path / "quick_start.py"
+    script.write_text(code + "\nprint('ok', len(sources), len(stages))\n")
+    env = {**os.environ, "PYTHONPATH": root, "KILN_CACHE_DIR": str(tmp_path / "cache")}
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env,
+                         cwd=tmp_path)
+    assert res.returncode == 0 and res.stdout.startswith("ok"), res.stderr[-3000:]
