@@ -442,8 +442,23 @@ def active() -> Options:
 
 
 def current(**extra) -> Options:
-    """The options in force here: defaults < environment < config.patch scopes < extra."""
-    return _build({**_from_env(), **_OVERRIDES.get(), **_flatten(extra)})
+    """The options in force here: defaults < ``torch._functorch.config.activation_memory_budget`` (when not
+    1.0) < environment < config.patch scopes < extra."""
+    return _build({**_from_functorch(), **_from_env(), **_OVERRIDES.get(), **_flatten(extra)})
+
+
+def _from_functorch() -> dict:
+    """The activation memory budget inductor's users already set (``torch._functorch.config``), taken as
+    kiln's when it is not the default 1.0 and nothing of kiln's sets one."""
+    import torch._functorch.config as fconfig
+    budget = getattr(fconfig, "activation_memory_budget", 1.0)
+    if budget == 1.0:
+        return {}
+    try:
+        _check_value(FIELDS["activation_memory_budget"], budget, "activation_memory_budget")
+    except OptionError as e:
+        raise OptionError(f"torch._functorch.config: {e}") from None
+    return {"activation_memory_budget": budget}
 
 
 class _Patch(contextlib.ContextDecorator):

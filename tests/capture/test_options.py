@@ -53,6 +53,24 @@ def test_env_var(monkeypatch):
     assert current().activation_memory_budget == 0.25
 
 
+def test_functorch_budget_is_honoured(monkeypatch):
+    """``torch._functorch.config.activation_memory_budget``, inductor users' knob, is kiln's budget unless
+    kiln's environment, patches or explicit options set one; a bad value names where it came from."""
+    import torch._functorch.config as fconfig
+    assert current().activation_memory_budget == 1.0
+    with fconfig.patch(activation_memory_budget=0.4):
+        assert current().activation_memory_budget == 0.4
+        assert current(activation_memory_budget=0.7).activation_memory_budget == 0.7
+        with kiln.config.patch(activation_memory_budget=0.2):
+            assert current().activation_memory_budget == 0.2
+        monkeypatch.setenv("KILN_ACTIVATION_MEMORY_BUDGET", "0.3")
+        assert current().activation_memory_budget == 0.3
+        monkeypatch.delenv("KILN_ACTIVATION_MEMORY_BUDGET")
+    with fconfig.patch(activation_memory_budget=1.5):
+        with pytest.raises(OptionError, match="torch._functorch.config: activation_memory_budget=1.5"):
+            current()
+
+
 def test_cache_key_changes_with_output_affecting_options():
     a = current().cache_key()
     assert current(debug=3).cache_key() == a
