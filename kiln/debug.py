@@ -125,6 +125,7 @@ def _dump_dir(root: str, kind: str):
                 os.mkdir(path)
             except FileExistsError:
                 continue
+            print(f"[kiln] KILN_DUMP: writing {kind} stages to {os.path.abspath(path)}", file=sys.stderr)
             return path
     except OSError as e:
         log(1, f"KILN_DUMP: cannot write under {root} ({e}); compiling without dumps")

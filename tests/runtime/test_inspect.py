@@ -53,11 +53,12 @@ def test_explain_lists_stages():
     assert names[0] == "capture" and "partition_fw" in names
 
 
-def test_dump_and_repro(tmp_path):
+def test_dump_and_repro(tmp_path, capfd):
     f = kiln.compile(lambda x, w: (x @ w).tanh().sum(), dump_dir=str(tmp_path))
     x, w = torch.randn(4, 3, requires_grad=True), torch.randn(3, 2, requires_grad=True)
     f(x, w).backward()
     (region,) = [d for d in tmp_path.iterdir() if d.is_dir()]
+    assert f"KILN_DUMP: writing graph stages to {region}" in capfd.readouterr().err   # says where it writes
     files = sorted(p.name for p in region.iterdir())
     assert "repro.py" in files and any(n.endswith("wrapper_forward.py") for n in files)
     assert any(n.endswith("wrapper_backward.py") for n in files)
