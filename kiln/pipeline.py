@@ -48,10 +48,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list, opts: Options):
     as_captured = types.MethodType(type(gm).forward, gm)   # the passes rewrite gm in place
     hazard = upstream_hazard(gm, example_inputs)
     if hazard:   # torch's capture would compute it wrongly: not an error of kiln's, so on_error does not apply
-        debug.counters["fallback"]["eager_graphs"] += 1
-        warnings.warn(f"kiln runs a graph as eager does: {hazard}", stacklevel=2)
-        log(1, f"eager fallback: {hazard}")
-        return as_captured
+        return _as_captured(as_captured, f"kiln runs a graph as eager does: {hazard}", hazard)
     with using(opts):
         try:
             return _compile_graph(gm, example_inputs, opts)
@@ -69,9 +66,14 @@ def _eager(forward, error: Exception):
     ours = [f for f in frames if "/kiln/" in f.filename and not f.filename.endswith("pipeline.py")]
     where = next((f"{f.filename}:{f.lineno}" for f in reversed(ours or frames)), "?")
     reason = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:300]} (at {where})"
+    return _as_captured(forward, f"kiln could not compile a graph and runs it as eager does: {reason}. "
+                                 "on_error='raise' (KILN_ON_ERROR=raise) raises instead.", reason)
+
+
+def _as_captured(forward, warning: str, reason: str):
+    """``forward`` (Dynamo's graph as captured), counted, warned about and logged: kiln's eager fallback."""
     debug.counters["fallback"]["eager_graphs"] += 1
-    warnings.warn(f"kiln could not compile a graph and runs it as eager does: {reason}. "
-                  "on_error='raise' (KILN_ON_ERROR=raise) raises instead.", stacklevel=2)
+    warnings.warn(warning, stacklevel=3)
     log(1, f"eager fallback: {reason}")
     return forward
 

@@ -288,22 +288,18 @@ class ExprWriter:
         """``r == t`` (or ``!=``) with ``t`` a 64-bit integer the same along the row, compared in the loop's
         own index type: ``t`` is narrowed once per row, to -1 when no ``r`` can equal it, so the vectorized
         loop compares 16 lanes of 32 bits, not 8 of 64 (cross-entropy's backward over a vocabulary)."""
-        n = sympy.sympify(self.plan.rnumel)
-        if self.idx_t != "int32_t" or not n.is_Integer or self.split is not None:
+        n, t = sympy.sympify(self.plan.rnumel), row_index_other(e)
+        if self.idx_t != "int32_t" or not n.is_Integer or self.split is not None or t is None \
+                or t.dtype not in (torch.int64, torch.int32) or self.level(t) is Level.ELEMENT:
             return None
-        for i, j in ((0, 1), (1, 0)):
-            x, t = e.args[i], e.args[j]
-            if x.op == "index" and not x.args[2] and sympy.sympify(x.args[0]) == RINDEX \
-                    and t.dtype in (torch.int64, torch.int32) and self.level(t) is not Level.ELEMENT:
-                tv = self.emit(t, row, None, row, None)
-                key = ("r32", tv)
-                t32 = row.find(key)
-                if t32 is None:
-                    t32 = self.tmp("t")
-                    row.lines.append(f"const int32_t {t32} = ({tv} >= 0 && {tv} < {int(n)}) ? (int32_t)({tv}) : -1;")
-                    row.cache[key] = t32
-                return f"(r {'==' if e.op == 'eq' else '!='} {t32})"
-        return None
+        tv = self.emit(t, row, None, row, None)
+        key = ("r32", tv)
+        t32 = row.find(key)
+        if t32 is None:
+            t32 = self.tmp("t")
+            row.lines.append(f"const int32_t {t32} = ({tv} >= 0 && {tv} < {int(n)}) ? (int32_t)({tv}) : -1;")
+            row.cache[key] = t32
+        return f"(r {'==' if e.op == 'eq' else '!='} {t32})"
 
     @staticmethod
     def _nan_extremum(a, sub):
@@ -367,21 +363,28 @@ class ExprWriter:
         return index_source(sympy.sympify(e), leaf, integer, div="/", what="cpp index")
 
 
-__all__ = ["Scope", "ExprWriter", "render", "load_code", "store_code", "XO", "XI", "R0", "R1"]
+__all__ = ["Scope", "ExprWriter", "render", "load_code", "store_code", "assume", "row_index_other", "XO", "XI",
+           "R0", "R1"]
 
 
 def _truncated(e) -> bool:
     """Whether ``e`` is an integer made from a float (fuzz seed 21 #223: ``x.to(int32)`` stacked with floats)."""
-    return e.op == "cast" and e.dtype not in (torch.bool,) and not e.dtype.is_floating_point \
+    return e.op == "cast" and e.dtype != torch.bool and not e.dtype.is_floating_point \
         and e.args[0].dtype.is_floating_point
 
 
+def row_index_other(c):
+    """``t`` when ``c`` is ``r == t`` or ``r != t`` (either side; ``r`` a row's element index), else None."""
+    if c.op not in ("eq", "ne"):
+        return None
+    for i, j in ((0, 1), (1, 0)):
+        a = c.args[i]
+        if a.op == "index" and not a.args[2] and sympy.sympify(a.args[0]) == RINDEX:
+            return c.args[j]
+    return None
+
+
 _ANDS = ("logical_and", "bitwise_and")
-
-
-def assume_true(e: Expr, holds: set, memo=None) -> Expr:
-    """``e`` with the boolean Exprs in ``holds`` taken as true (``assume``)."""
-    return assume(e, dict.fromkeys(holds, True), memo)
 
 
 def assume(e: Expr, facts: dict, memo=None) -> Expr:

@@ -23,7 +23,8 @@ from kiln.codegen.ir.loops import Unsupported, ops
 from kiln.codegen.schedule.domain import Role
 from kiln.codegen.schedule.plan import KernelPlan, Level, reds
 from kiln.codegen.schedule.planner import row_passes
-from kiln.codegen.to_cpp.emit import R0, R1, XI, XO, ExprWriter, Scope, assume, assume_true, render, store_code
+from kiln.codegen.to_cpp.emit import (R0, R1, XI, XO, ExprWriter, Scope, assume, render, row_index_other,
+                                      store_code)
 from kiln.codegen.to_cpp.ops import MEMORY, VALUE, calls_vector_math, combine, literal, neutral
 from kiln.options import Tuning
 
@@ -86,9 +87,9 @@ class CppKernel(ExprWriter):
         interior = self._interior(stored)
         if interior is not None:   # the same body where the xi bounds checks hold, with them taken as true
             lo, hi, holds = interior
-            inside = Scope(position)
+            inside, facts, memo = Scope(position), dict.fromkeys(holds, True), {}
             for m in stored:
-                self._store(m, assume_true(m.result, holds), inside, None, None)
+                self._store(m, assume(m.result, facts, memo), inside, None, None)
         self.xo_scope = None
         b, t = self.tuning.cpp_block, self.idx_t
         head = [f"const {t} xo_n = {self.pexpr(outer)}, xi_n = {self.pexpr(inner)};",
@@ -192,12 +193,12 @@ class CppKernel(ExprWriter):
         for name in (p.reduce if p is not None else ()):
             m = plan.member(name)
             kind, acc_t = m.reduce, m.acc
-            ct = VALUE[acc_t]
-            acc = self.tmp("acc")
             onehot = self._one_hot(m) if kind == "sum" and acc_t.is_floating_point else None
             if onehot is not None:   # no loop: the row's one matching element, and the rest
                 finals.append((m, onehot))
                 continue
+            ct = VALUE[acc_t]
+            acc = self.tmp("acc")
             v = self._reduce_value(m, loop)
             row.lines.append(f"{ct} {acc} = {neutral(kind.replace('arg', ''), acc_t)};")
             if kind in ("argmax", "argmin"):
@@ -298,7 +299,7 @@ class CppKernel(ExprWriter):
         out, n = None, sympy.sympify(self.plan.rnumel)
         if self.split is None and n.is_Integer:
             for c in m.value.walk():
-                t = _row_index_match(c)
+                t = row_index_other(c) if c.op == "eq" else None
                 if t is None or self.level(t) is Level.ELEMENT:
                     continue
                 hit, miss = assume(m.value, {c: True}), assume(m.value, {c: False})
@@ -537,13 +538,3 @@ def _costly(e) -> bool:
     """Whether element value ``e`` costs more to compute again than to read back from a kept row."""
     return calls_vector_math(e.op) or (e.op == "truediv" and e.dtype.is_floating_point)
 
-
-def _row_index_match(c):
-    """``t`` when ``c`` is ``r == t`` (either side; ``r`` the row's element index), else None."""
-    if c.op != "eq":
-        return None
-    for i, j in ((0, 1), (1, 0)):
-        a = c.args[i]
-        if a.op == "index" and not a.args[2] and sympy.sympify(a.args[0]) == RINDEX:
-            return c.args[j]
-    return None
