@@ -143,6 +143,9 @@ class JointInfo(GraphIndex):
         N = len(self.nodes)
         must_rec, big_red, mat = [False] * N, [False] * N, [False] * N
         rnd_l, red_l = random_.tolist(), reduction.tolist()
+        # the forward writes what it returns anyway: recomputing it in the backward only trades time for
+        # memory the caller usually holds (softmax's output: its backward would redo every exp)
+        returned = {self.index[o] for o in self.fwd_out if isinstance(o, fx.Node) and o in self.index}
         self._fus, self._cat, self._view_l = self.fusible_op.tolist(), self.is_cat.tolist(), self.view.tolist()
         self._tang_l, self._req_l = self.is_tang.tolist(), self.fwd_required.tolist()
         for i in self.fw_ids.tolist():
@@ -159,7 +162,8 @@ class JointInfo(GraphIndex):
             if red_l[i]:
                 big_red[i] = ops.is_big_reduction(n, lambda x: self.size.get(x) or size_bytes(x))
             # a number (size arithmetic) is never a buffer: a SymFloat that cannot be saved is recomputed
-            mat[i] = self._materialized(i) and not ops.constant_object(n) and not is_sym(n)
+            mat[i] = ((i in returned or self._materialized(i)) and not ops.constant_object(n)
+                      and not is_sym(n))
         self.must_recompute = np.array(must_rec, dtype=bool)
         self.big_reduction = np.array(big_red, dtype=bool)
         self.materialized = np.array(mat, dtype=bool)

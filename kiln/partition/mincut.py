@@ -32,7 +32,7 @@ class Policy:
     """Which nodes must not be recomputed. Random and impure nodes and primals are always banned."""
     ban_heavy: bool = True           # matmul/conv/attention
     allowlist: bool = True           # ban ops outside the cheap-to-recompute list
-    ban_materialized: bool = True    # ban nodes whose backward user (through views) does not fuse
+    ban_materialized: bool = True    # ban nodes the forward returns or whose backward user (through views) does not fuse
     ban_reductions: bool = True      # ban reductions that shrink their input more than 4x
     dont_ban: FrozenSet[fx.Node] = field(default_factory=frozenset)  # lift the optional bans for these
 
@@ -83,6 +83,8 @@ def ban_reason(info: JointInfo, n: fx.Node, policy: Policy) -> Optional[str]:
         return "not on the recompute list"
     if policy.ban_reductions and info.big_reduction[i]:
         return "reduction shrinks its input >4x"
+    if n in info.fwd_out:
+        return "returned by the forward"
     return "backward user does not fuse"
 
 

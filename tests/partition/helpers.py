@@ -26,7 +26,7 @@ class Capture:
         return make_boxed_func(gm.forward)
 
 
-def aot(fn, *, dynamic=False, cap=None, **opts):
+def aot(fn, *, dynamic=False, cap=None, decompositions=None, **opts):
     """``fn`` compiled by AOTAutograd with kiln's partitioner under ``opts``; returns (compiled, capture)."""
     cap = cap or Capture()
     o = current(**opts)
@@ -35,16 +35,16 @@ def aot(fn, *, dynamic=False, cap=None, **opts):
         return partition_joint(joint, joint_inputs, opts=o, **kw)
 
     return aot_function(fn, fw_compiler=cap.fw_compiler, bw_compiler=cap.bw_compiler,
-                        partition_fn=part, dynamic=dynamic), cap
+                        partition_fn=part, dynamic=dynamic, decompositions=decompositions), cap
 
 
 def leaves(*tensors):
     return [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors]
 
 
-def check_grads(fn, args, *, dynamic=False, atol=1e-5, rtol=1e-4, **opts):
+def check_grads(fn, args, *, dynamic=False, atol=1e-5, rtol=1e-4, decompositions=None, **opts):
     """Compile ``fn``, run forward+backward, compare outputs and grads with eager. Returns the capture."""
-    compiled, cap = aot(fn, dynamic=dynamic, **opts)
+    compiled, cap = aot(fn, dynamic=dynamic, decompositions=decompositions, **opts)
     ea, ca = leaves(*args), leaves(*args)
     torch.manual_seed(0)
     eo = fn(*ea)

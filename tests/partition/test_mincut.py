@@ -50,6 +50,17 @@ def test_saves_matmul_and_its_materialized_input():
                    for n in cap.bw.graph.nodes), "forward mm must not be recomputed"
 
 
+def test_saves_what_the_forward_returns():
+    """softmax's output is returned, so it is written anyway: the backward reads it rather than saving the
+    row max and sum and computing every exp again (on a CPU the exps cost more than the bytes)."""
+    from torch._decomp import get_decompositions
+    aten = torch.ops.aten
+    cap = check_grads(lambda x: torch.softmax(x, -1), (torch.randn(16, 32, requires_grad=True),),
+                      decompositions=get_decompositions([aten._softmax, aten._softmax_backward_data]))
+    assert not any(n.target is torch.ops.aten.exp.default for n in cap.bw.graph.nodes)
+    assert [n.name for n in _saved(cap) if not n.name.startswith("primals")] == ["div"]
+
+
 @pytest.mark.parametrize("budget", [0.0, 0.5, 1.0])
 def test_dropout_never_recomputed(budget):
     def f(x, w):
