@@ -36,7 +36,8 @@ def _floats(text):
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kiln bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--suite", choices=["micro", "models", "all"], default="micro")
+    p.add_argument("--suite", choices=["micro", "models", "zoo", "all"], default="micro",
+                   help="all: micro and models (the zoo runs on its own)")
     p.add_argument("--cases", type=_csv, default=None, help="comma list of case names or fnmatch patterns")
     p.add_argument("--backends", type=_csv, default=["eager", "inductor", "kiln"])
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")

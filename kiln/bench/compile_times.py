@@ -38,7 +38,7 @@ def _child(case_name: str, backend: str, device: str) -> dict:
     import torch
     from kiln.bench import backends as B, suites
     from kiln.bench.measure import timed
-    cases, _ = suites.select("all", device, [case_name])
+    cases, _ = suites.select("every", device, [case_name])
     case = cases[0]
     torch.manual_seed(0)
     wl = case.build(device, case.dtypes[0], "gpu" if device == "cuda" else "cpu")

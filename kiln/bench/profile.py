@@ -20,7 +20,7 @@ from kiln.bench.suites import all_cases
 
 
 def _case(name):
-    for c in all_cases("all"):
+    for c in all_cases("every"):
         if c.name == name:
             return c
     raise SystemExit(f"unknown case {name!r}")

@@ -163,6 +163,7 @@ def markdown(meta: dict, rows: list) -> str:
         g = geomean(xs)
         if g:
             lines.append(f"- geomean {n}/{d}: **{g:.2f}** over {len([x for x in xs if x])} rows")
+    lines += summary(rows, backends, ratios)
     errors = [r for r in rows if r.get("status") != "ok"]
     for r in errors:
         lines.append(f"- error: {r['case']} {r.get('dtype')} {r['backend']}"
@@ -175,6 +176,42 @@ def markdown(meta: dict, rows: list) -> str:
     for name, why in meta.get("skipped", []):
         lines.append(f"- skipped: {name}: {why}")
     return "\n".join(lines) + "\n"
+
+
+def _passed(row) -> bool:
+    return row.get("status") == "ok" and (row.get("ok") is True or row.get("check") == "ref")
+
+
+def summary(rows, backends, ratios) -> list:
+    """Lines under the geomeans: per-mode geomeans when training and inference rows mix, the pass rate
+    of each compiled backend (no error, values within tolerance of eager or of the fp64 referee), and
+    the rows where kiln's peak memory is above eager's or inductor's."""
+    out = []
+    cells = pivot(rows)
+    modes = {(c.get("kiln") or c.get("eager") or next(iter(c.values()))).get("train") for _, c in cells}
+    if len(modes) > 1:
+        for train in (True, False):
+            for n, d in ratios:
+                xs = [ratio(c.get(n), c.get(d)) for _, c in cells
+                      if (c.get(n) or {}).get("train") is train]
+                g = geomean(xs)
+                if g:
+                    out.append(f"- geomean {n}/{d}, {'training' if train else 'inference'}: **{g:.2f}** over "
+                               f"{len([x for x in xs if x])} rows (max {max(x for x in xs if x):.2f})")
+    for b in backends:
+        if b == "eager":
+            continue
+        mine = [r for r in rows if r["backend"] == b]
+        if mine:
+            out.append(f"- pass rate {b}: {sum(_passed(r) for r in mine)}/{len(mine)}")
+    if "kiln" in backends:
+        for other in ("eager", "inductor"):
+            above = [f"{k[0]} ({c['kiln']['peak_bytes'] / c[other]['peak_bytes']:.2f})" for k, c in cells
+                     if all((c.get(x) or {}).get("peak_bytes") for x in ("kiln", other))
+                     and c["kiln"]["peak_bytes"] > c[other]["peak_bytes"]]
+            if any((c.get(other) or {}).get("peak_bytes") for _, c in cells):
+                out.append(f"- kiln's peak memory above {other}'s: " + (", ".join(above) if above else "none"))
+    return out
 
 
 def _check(row) -> str:

@@ -1,4 +1,4 @@
-"""Benchmark suites: ``micro`` (fused elementwise and normalisation kernels) and ``models``.
+"""Benchmark suites: ``micro`` (fused elementwise and normalisation kernels), ``models`` and ``zoo``.
 
 ``select(suite, device, names)`` returns the cases to run and the ones skipped, with the reason.
 """
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import fnmatch
 
-from kiln.bench.suites import micro, models
+from kiln.bench.suites import micro, models, zoo
 
-SUITES = {"micro": micro.CASES, "models": models.CASES}
+SUITES = {"micro": micro.CASES, "models": models.CASES, "zoo": zoo.CASES}
 
 
 class UnknownCaseError(ValueError):
@@ -16,9 +16,9 @@ class UnknownCaseError(ValueError):
 
 
 def all_cases(suite: str = "all") -> list:
-    """Every case of ``suite`` ('micro', 'models' or 'all')."""
-    if suite == "all":
-        return [c for cases in SUITES.values() for c in cases]
+    """Every case of ``suite`` ('micro', 'models', 'zoo', 'all': micro and models, or 'every')."""
+    if suite in ("all", "every"):
+        return [c for name, cases in SUITES.items() if suite == "every" or name != "zoo" for c in cases]
     return list(SUITES[suite])
 
 
