@@ -1,8 +1,6 @@
 """kiln: a small PyTorch compiler. ``torch.compile(model, backend="kiln")`` or ``kiln.compile(model)``."""
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from kiln import config  # noqa: F401  (kiln.config.patch)
@@ -19,11 +17,11 @@ def compile(model=None, *, dynamic=None, fullgraph: bool = False, mode=None, **o
     apply on top of any ``kiln.config.patch`` scope in force when the graph is traced.
     """
     from kiln.options import current
-    from kiln.capture.dynamo import backend
+    from kiln.capture.dynamo import Bound
     if mode is not None:
         options["mode"] = mode
     current(**options)  # validate eagerly
-    be = functools.partial(backend, options=options) if options else backend
+    be = Bound(options)
     if model is None:
         return lambda m: torch.compile(m, backend=be, dynamic=dynamic, fullgraph=fullgraph)
     return torch.compile(model, backend=be, dynamic=dynamic, fullgraph=fullgraph)
