@@ -39,7 +39,12 @@ class Bound:
 
 
 def register() -> None:
-    """Register "kiln" with Dynamo unless its entry point is being loaded (that path registers it)."""
+    """Register "kiln" with Dynamo. Where kiln's entry point is installed and Dynamo is not imported yet,
+    Dynamo finds kiln there at its first lookup, so ``import kiln`` need not import Dynamo (a second)."""
+    import sys
+    from importlib.metadata import entry_points
+    if "torch._dynamo" not in sys.modules and entry_points(group="torch_dynamo_backends", name="kiln"):
+        return
     from torch._dynamo.backends import registry
     if "kiln" in registry._COMPILER_FNS or registry._BACKENDS.get("kiln") is not None:
         return
