@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln import config  # noqa: F401  (kiln.config.patch)
+from kiln import compat, config  # noqa: F401  (kiln.config.patch)
 from kiln.debug import counters  # noqa: F401
 from kiln.options import OptionError, Options  # noqa: F401
 
@@ -79,4 +79,5 @@ def _register():
     register()
 
 
+compat.check_torch_version()
 _register()
