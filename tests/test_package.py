@@ -22,6 +22,61 @@ def _python(code: str, timeout=300) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
+# -- metadata ----------------------------------------------------------------------------------------
+def test_project_metadata():
+    assert PROJECT["license"] == "MIT" and PROJECT["license-files"] == ["LICENSE"]
+    assert open(os.path.join(ROOT, "LICENSE")).read().startswith("MIT License")
+    assert PROJECT["authors"] == [{"name": "kiln developers"}]
+    assert {"Homepage", "Repository"} <= set(PROJECT["urls"])
+    assert any(c.startswith("Topic ::") for c in PROJECT["classifiers"])
+    assert PROJECT["version"] == kiln.__version__
+
+
+def test_torch_range_and_bench_extra():
+    (a, b), (c, d) = compat.SUPPORTED_TORCH
+    deps = PROJECT["dependencies"]
+    assert f"torch>={a}.{b},<{c}.{d}" in deps and {"numpy", "scipy"} <= set(deps)
+    assert not {"rich", "matplotlib"} & set(deps)
+    assert set(PROJECT["optional-dependencies"]["bench"]) == {"rich", "matplotlib"}
+    install = [ln for ln in open(os.path.join(ROOT, "Makefile")) if "pip install" in ln and "numpy" in ln]
+    assert install and "rich" in install[0] and "matplotlib" in install[0], "make test installs the bench extra"
+
+
+def test_rich_and_matplotlib_are_imported_only_inside_functions():
+    import ast
+    found = []
+    for d, _, files in os.walk(os.path.join(ROOT, "kiln")):
+        for f in (f for f in files if f.endswith(".py")):
+            tree = ast.parse(open(os.path.join(d, f)).read())
+            for node in tree.body:   # module level only: imports inside functions run when a tool is used
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                    [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+                found += [f"{f}: {n}" for n in names if n.split(".")[0] in ("rich", "matplotlib")]
+    assert not found, found
+
+
+def test_compile_works_without_the_bench_extra():
+    r = _python("import sys\n"
+                "sys.modules['rich'] = None; sys.modules['matplotlib'] = None\n"
+                "import torch, kiln\n"
+                "x = torch.randn(8, requires_grad=True)\n"
+                "f = kiln.compile(lambda x: (x.sin() * 2).sum())\n"
+                "f(x).backward()\n"
+                "assert torch.allclose(x.grad, x.detach().cos() * 2)\n"
+                "from kiln.partition.report import plot_sweep\n"
+                "try:\n"
+                "    plot_sweep([(1.0, 1, 1)], 'x.png')\n"
+                "except ModuleNotFoundError as e:\n"
+                "    assert \"pip install 'kiln[bench]'\" in str(e), e\n"
+                "else:\n"
+                "    raise AssertionError('drew without matplotlib')\n"
+                "from kiln.cli import main\n"
+                "assert main(['bench', '--from-json', 'none.json']) == 1\n"
+                "print('ok')\n")
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+    assert "kiln: this command needs rich: pip install 'kiln[bench]'" in r.stderr
+
+
 # -- the supported torch range -----------------------------------------------------------------------
 @pytest.mark.parametrize("version,ok", [("2.10.2", False), ("2.11.0", True), ("2.13.0+cpu", True),
                                         ("2.14.1+cu128", True), ("2.14.0a0+gitabc", True),
