@@ -1,13 +1,20 @@
-"""kiln: a small PyTorch compiler. ``torch.compile(model, backend="kiln")`` or ``kiln.compile(model)``."""
+"""kiln: a small PyTorch compiler. ``torch.compile(model, backend="kiln")`` or ``kiln.compile(model)``.
+
+The public names are ``__all__``; ``__version__`` is kiln's version (as in pyproject.toml).
+"""
 from __future__ import annotations
 
 import torch
 
-from kiln import compat, config  # noqa: F401  (kiln.config.patch)
-from kiln.debug import counters  # noqa: F401
-from kiln.options import OptionError, Options  # noqa: F401
+from kiln import compat, config
+from kiln.capture.dynamo import register as _register
+from kiln.debug import counters
+from kiln.options import OptionError, Options, OptionTypeError, UserError
 
 __version__ = "0.1.0"
+__all__ = ["compile", "config", "Options", "OptionError", "OptionTypeError", "UserError", "counters",
+           "run_and_get_code", "explain", "explain_memory", "resume", "memory_efficient_fusion", "passes",
+           "fx_graph_cse", "pattern_matcher", "lowerings", "__version__"]
 
 
 def compile(model=None, *, dynamic=None, fullgraph: bool = False, mode=None, **options):
@@ -72,11 +79,6 @@ def __getattr__(name):
     mod_name, attr = lazy[name]
     mod = importlib.import_module(mod_name)
     return getattr(mod, attr) if attr else mod
-
-
-def _register():
-    from kiln.capture.dynamo import register
-    register()
 
 
 compat.check_torch_version()

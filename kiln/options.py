@@ -221,6 +221,8 @@ class Tuning:
 
 @dataclass(frozen=True)
 class Options:
+    """Every option of a compile (frozen): a default, one line of help and a ``KILN_<NAME>`` variable each;
+    ``kiln options`` lists them. ``kiln.config.current()`` gives the ones in force."""
     # graph passes
     pattern_matcher: bool = _opt(True, "run kiln's built-in pattern rewrites (user hooks always run)")
     cse: bool = _opt(True, "common-subexpression elimination on the joint and inference graphs")

@@ -122,3 +122,25 @@ def test_import_kiln_takes_under_0_3_s_after_torch():
         assert dynamo == "False", "import kiln imported torch._dynamo (about a second)"
         runs.append(float(seconds))
     assert min(runs) < 0.3, runs
+
+
+# -- the public API ----------------------------------------------------------------------------------
+def test_every_public_name_exists_and_is_documented():
+    assert len(set(kiln.__all__)) == len(kiln.__all__)
+    for name in kiln.__all__:
+        obj = getattr(kiln, name)
+        if name == "__version__":
+            assert isinstance(obj, str) and obj == PROJECT["version"]
+            continue
+        doc = obj.__doc__
+        # a value's docstring is its type's: only a type of kiln's documents it (not a dict's docstring)
+        own = inspect.ismodule(obj) or inspect.isclass(obj) or inspect.isroutine(obj) or \
+            type(obj).__module__.startswith("kiln")
+        generated = inspect.isclass(obj) and doc.startswith(f"{name}(")   # a dataclass's signature
+        assert doc and doc.strip() and own and not generated, f"kiln.{name} has no docstring of its own"
+    defined = [n for n, v in vars(kiln).items() if not n.startswith("_") and inspect.isfunction(v)
+               and v.__module__ == "kiln"]
+    assert defined and set(defined) <= set(kiln.__all__), set(defined) - set(kiln.__all__)
+    namespace = {}
+    exec("from kiln import *", namespace)
+    assert set(kiln.__all__) - {"__version__"} <= set(namespace)
