@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 
 from kiln import compat, config
-from kiln.capture.dynamo import register as _register
+from kiln.capture.dynamo import Bound as _Bound, register as _register
 from kiln.debug import counters
-from kiln.options import OptionError, Options, OptionTypeError, UserError
+from kiln.options import OptionError, Options, OptionTypeError, UserError, current as _current
 
 __version__ = "0.1.0"
 __all__ = ["compile", "config", "Options", "OptionError", "OptionTypeError", "UserError", "counters",
@@ -23,12 +23,10 @@ def compile(model=None, *, dynamic=None, fullgraph: bool = False, mode=None, **o
     Options are checked now (an unknown name or bad value raises OptionError listing what is valid) and
     apply on top of any ``kiln.config.patch`` scope in force when the graph is traced.
     """
-    from kiln.options import current
-    from kiln.capture.dynamo import Bound
     if mode is not None:
         options["mode"] = mode
-    current(**options)  # validate eagerly
-    be = Bound(options)
+    _current(**options)  # validate eagerly
+    be = _Bound(options)
     if model is None:
         return lambda m: torch.compile(m, backend=be, dynamic=dynamic, fullgraph=fullgraph)
     return torch.compile(model, backend=be, dynamic=dynamic, fullgraph=fullgraph)
