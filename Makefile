@@ -11,6 +11,7 @@ TRITON ?= triton==3.6.0
 
 install: $(STAMP)
 
+# rich and matplotlib are kiln's bench extra (pip install 'kiln[bench]'): kiln demo and the bench tests use them
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip

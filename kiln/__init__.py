@@ -1,15 +1,20 @@
-"""kiln: a small PyTorch compiler. ``torch.compile(model, backend="kiln")`` or ``kiln.compile(model)``."""
-from __future__ import annotations
+"""kiln: a small PyTorch compiler. ``torch.compile(model, backend="kiln")`` or ``kiln.compile(model)``.
 
-import functools
+The public names are ``__all__``; ``__version__`` is kiln's version (as in pyproject.toml).
+"""
+from __future__ import annotations
 
 import torch
 
-from kiln import config  # noqa: F401  (kiln.config.patch)
-from kiln.debug import counters  # noqa: F401
-from kiln.options import OptionError, Options  # noqa: F401
+from kiln import compat, config
+from kiln.capture.dynamo import Bound as _Bound, register as _register
+from kiln.debug import counters
+from kiln.options import OptionError, Options, OptionTypeError, UserError, current as _current
 
 __version__ = "0.1.0"
+__all__ = ["compile", "config", "Options", "OptionError", "OptionTypeError", "UserError", "counters",
+           "run_and_get_code", "explain", "explain_memory", "resume", "memory_efficient_fusion", "passes",
+           "fx_graph_cse", "pattern_matcher", "lowerings", "__version__"]
 
 
 def compile(model=None, *, dynamic=None, fullgraph: bool = False, mode=None, **options):
@@ -18,12 +23,10 @@ def compile(model=None, *, dynamic=None, fullgraph: bool = False, mode=None, **o
     Options are checked now (an unknown name or bad value raises OptionError listing what is valid) and
     apply on top of any ``kiln.config.patch`` scope in force when the graph is traced.
     """
-    from kiln.options import current
-    from kiln.capture.dynamo import backend
     if mode is not None:
         options["mode"] = mode
-    current(**options)  # validate eagerly
-    be = functools.partial(backend, options=options) if options else backend
+    _current(**options)  # validate eagerly
+    be = _Bound(options)
     if model is None:
         return lambda m: torch.compile(m, backend=be, dynamic=dynamic, fullgraph=fullgraph)
     return torch.compile(model, backend=be, dynamic=dynamic, fullgraph=fullgraph)
@@ -76,9 +79,5 @@ def __getattr__(name):
     return getattr(mod, attr) if attr else mod
 
 
-def _register():
-    from kiln.capture.dynamo import register
-    register()
-
-
+compat.check_torch_version()
 _register()

@@ -25,6 +25,18 @@ def version() -> str:
 
 
 def main(argv=None) -> int:
+    """Run a ``kiln`` command; one that draws tables or plots without the bench extra says how to get it."""
+    try:
+        return _main(argv)
+    except ModuleNotFoundError as e:
+        top = (e.name or "").split(".")[0]
+        if top not in ("rich", "matplotlib"):
+            raise
+        print(f"kiln: this command needs {top}: pip install 'kiln[bench]'", file=sys.stderr)
+        return 1
+
+
+def _main(argv) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     cmd = argv.pop(0) if argv else "help"
     if cmd in ("--version", "-V", "version"):

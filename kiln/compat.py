@@ -1,9 +1,32 @@
 """Every difference between the torch versions kiln supports (2.11 to 2.14) is guarded here."""
 from __future__ import annotations
 
+import re
+import warnings
+
 import torch
 
-TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+SUPPORTED_TORCH = ((2, 11), (2, 15))   # the torch versions kiln supports: from the first, up to the second
+
+
+def major_minor(version: str) -> tuple:
+    """'2.13.0+cpu' -> (2, 13)."""
+    return tuple(int(p) for p in re.match(r"(\d+)\.(\d+)", version).groups())
+
+
+TORCH_VERSION = major_minor(torch.__version__)
+
+
+def check_torch_version(version: str = torch.__version__) -> bool:
+    """Whether kiln supports torch ``version``; if not, warn (UserWarning) naming it and the supported range.
+    ``import kiln`` calls it once."""
+    (a, b), (c, d) = SUPPORTED_TORCH
+    if SUPPORTED_TORCH[0] <= major_minor(version) < SUPPORTED_TORCH[1]:
+        return True
+    wanted = f"torch>={a}.{b},<{c}.{d}"
+    warnings.warn(f"kiln supports {wanted} ({a}.{b} to {c}.{d - 1}); this is torch {version}: compiles may fail "
+                  f"or differ from eager. Install a supported torch: pip install '{wanted}'", UserWarning, stacklevel=3)
+    return False
 
 
 def size_hint(s) -> int:

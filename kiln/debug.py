@@ -16,7 +16,13 @@ import torch.fx as fx
 from kiln import options
 from kiln.options import UserError
 
-counters: "collections.defaultdict[str, collections.Counter]" = collections.defaultdict(collections.Counter)
+
+class Counters(collections.defaultdict):
+    """``kiln.counters[group][name]``: how often something happened, e.g. ``['fallback']['eager_graphs']``
+    (graphs run as captured). ``kiln.counters.clear()`` starts over."""
+
+
+counters = Counters(collections.Counter)
 
 
 def level() -> int:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import difflib
 import hashlib
 import inspect
 import math
@@ -35,66 +34,60 @@ class OptionError(ValueError, UserError):
     """An option name or value is not valid; the message lists what is."""
 
 
+class OptionTypeError(OptionError, TypeError):
+    """An option's value has the wrong type (a str where a number goes): the message names the type the
+    option expects and the one it got."""
+
+
 def _opt(default, help, choices=None, env=True, cache=True, check=None):
     """A field: ``choices`` lists the valid values; ``check`` is 'pos' (>= 1), 'nonneg' (>= 0),
-    'pow2' (a power of two) or 'warps' (a power of two up to 32) for numbers; ``cache``: whether
-    the value changes what a compile produces (part of ``cache_key``)."""
+    'pow2' (a power of two), 'warps' (a power of two up to 32) or a range (lo, hi) for numbers, 'path'
+    for a directory; ``cache``: whether the value changes what a compile produces (part of ``cache_key``)."""
     return field(default=default, metadata={"help": help, "choices": choices, "env": env, "cache": cache,
                                             "check": check})
 
 
 HOOK = (type(None), "callable")
 TUNING = "tuning"
+# a field's declared type -> (the types its values may have, how a message names it)
+_TYPES = {"bool": ((bool,), "True or False"), "int": ((int,), "an integer"), "str": ((str,), "a str"),
+          "float": ((int, float), "a number (float)"), "Optional[str]": ((str, type(None)), "a str or None"),
+          "path": ((str, os.PathLike, type(None)), "a directory path (a str) or None")}
 
 
 def _check_value(f, value, name):
-    choices = f.metadata.get("choices")
-    if name == "activation_memory_budget":
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise OptionError(f"activation_memory_budget={value!r} must be a number in [0, 1]")
-        if not 0.0 <= value <= 1.0:
-            raise OptionError(f"activation_memory_budget={value!r} is outside the valid range [0, 1]")
-        return
+    """Check ``value``'s type against ``f``'s declared type (OptionTypeError), then its choices and range."""
+    choices, check = f.metadata.get("choices"), f.metadata.get("check")
     if name == "activation_memory_limit":
         if value is not None:
             parse_bytes(value)
         return
-    if name in ("dump_dir", "cache_dir"):
-        if value is not None and not isinstance(value, (str, os.PathLike)):
-            raise OptionError(f"{name}={value!r} must be a directory path (a str) or None")
-        return
     if name == TUNING:
         if not isinstance(value, Tuning):
-            raise OptionError(f"tuning={value!r} must be a kiln.options.Tuning (or a dict of its fields in "
-                              f"Options.replace / config.patch)")
+            raise OptionTypeError(f"tuning={value!r} must be a kiln.options.Tuning (or a dict of its fields in "
+                                  f"Options.replace / config.patch), got {type(value).__name__}")
         return
     if choices is HOOK:
-        if value is not None and not callable(value):
-            raise OptionError(f"{name}={value!r} must be None or a callable taking a torch.fx.Graph")
-        return
-    if choices is not None:
-        ok = value in choices or ("callable" in choices and callable(value))
-        if not ok:
-            raise OptionError(f"{name}={value!r} is not valid; choose one of {list(choices)}")
-        return
-    default = f.default
-    if isinstance(default, bool):
-        if not isinstance(value, bool):
-            raise OptionError(f"{name}={value!r} must be True or False")
-        return
-    if name == "debug" and not (isinstance(value, int) and 0 <= value <= 5):
-        raise OptionError(f"debug={value!r} must be an integer in 0..5")
-    if isinstance(default, int) and (isinstance(value, bool) or not isinstance(value, int)):
-        raise OptionError(f"{name}={value!r} must be an integer")
-    if isinstance(default, float) and (isinstance(value, bool) or not isinstance(value, (int, float))):
-        raise OptionError(f"{name}={value!r} must be a number")
+        ok, kind = value is None or callable(value), "None or a callable taking a torch.fx.Graph"
+    elif choices is not None and "callable" in choices:
+        ok, kind = isinstance(value, str) or callable(value), f"one of {list(choices[:-1])} or a callable"
+    else:
+        types, kind = _TYPES["path" if check == "path" else f.type]
+        ok = isinstance(value, types) and (bool in types or not isinstance(value, bool))
+        kind += f" (one of {list(choices)})" if choices else ""
+    if not ok:
+        raise OptionTypeError(f"{name}={value!r} must be {kind}, got {type(value).__name__}")
+    if choices not in (None, HOOK) and value not in choices and not callable(value):
+        raise OptionError(f"{name}={value!r} is not valid; choose one of {list(choices)}")
     if name == "compile_workers" and value < -1:
         raise OptionError(f"compile_workers={value!r}: use -1 (as many as suit the machine), 0 (off) or a "
                           f"number of processes")
-    _check_range(name, value, f.metadata.get("check"))
+    _check_range(name, value, check)
 
 
 def _check_range(name, value, check):
+    if isinstance(check, tuple) and not check[0] <= value <= check[1]:
+        raise OptionError(f"{name}={value!r} is outside the valid range [{check[0]}, {check[1]}]")
     if check == "nonneg" and value < 0:
         raise OptionError(f"{name}={value!r} must be at least 0")
     if check == "pos" and value < 1:
@@ -124,8 +117,9 @@ def parse_bytes(value) -> int:
                 amount = None
             if amount is not None and math.isfinite(amount) and amount >= 0:
                 return int(amount)
-    raise OptionError(f"activation_memory_limit={value!r} is not a byte count; use a non-negative int or a "
-                      f"string like '4GiB' or '512MB' (units: {sorted(k for k in _UNITS if k)})")
+    raise (OptionError if type(value) in (int, str) else OptionTypeError)(
+        f"activation_memory_limit={value!r} is not a byte count; use a non-negative int or a string like '4GiB' "
+        f"or '512MB' (units: {sorted(k for k in _UNITS if k)}), got {type(value).__name__}")
 
 
 @dataclass(frozen=True)
@@ -227,6 +221,8 @@ class Tuning:
 
 @dataclass(frozen=True)
 class Options:
+    """Every option of a compile (frozen): a default, one line of help and a ``KILN_<NAME>`` variable each;
+    ``kiln options`` lists them. ``kiln.config.current()`` gives the ones in force."""
     # graph passes
     pattern_matcher: bool = _opt(True, "run kiln's built-in pattern rewrites (user hooks always run)")
     cse: bool = _opt(True, "common-subexpression elimination on the joint and inference graphs")
@@ -246,7 +242,8 @@ class Options:
     keep_output_stride: bool = _opt(True, "user-visible outputs keep eager strides")
     cpp_wrapper: bool = _opt(False, "accepted for compatibility; kiln runs its Python wrapper")
     # partitioner
-    activation_memory_budget: float = _opt(1.0, "fraction of the runtime-optimal saved bytes to keep, in [0, 1]")
+    activation_memory_budget: float = _opt(1.0, "fraction of the runtime-optimal saved bytes to keep, in [0, 1]",
+                                           check=(0, 1))
     activation_memory_budget_runtime_estimator: Any = _opt(
         "flops", "how recompute cost is estimated: 'flops', 'profile' or callable(node)",
         ("flops", "profile", "callable"))
@@ -275,15 +272,16 @@ class Options:
     # the compile cache (kiln/cache): compiled graphs kept on disk for later processes
     cache: bool = _opt(True, "reuse graphs compiled by earlier processes (and keep new ones) in cache_dir", cache=False)
     cache_dir: Optional[str] = _opt(None, "the compile cache's directory (made 0700); None: $XDG_CACHE_HOME/kiln or "
-                                          "~/.cache/kiln", cache=False)
+                                          "~/.cache/kiln", cache=False, check="path")
     cache_size_mb: int = _opt(2048, "the compile cache's size limit in MB: the entries used longest ago go first",
                               cache=False, check="pos")
     # debugging
     on_error: str = _opt("eager", "when compiling a graph raises (in AOTAutograd or in kiln): 'eager' (run that graph "
                                   "as eager does, with a warning naming the error) or 'raise'", ("eager", "raise"),
                          cache=False)
-    debug: int = _opt(0, "0..5: stage names, graphs, remat decisions, kernels, rules", cache=False)
-    dump_dir: Optional[str] = _opt(None, "write every stage's graph, kernels and a repro here", cache=False)
+    debug: int = _opt(0, "0..5: stage names, graphs, remat decisions, kernels, rules", cache=False, check=(0, 5))
+    dump_dir: Optional[str] = _opt(None, "write every stage's graph, kernels and a repro here", cache=False,
+                                   check="path")
     verify: bool = _opt(False, "run graph lint after every stage", cache=False)
 
     def __post_init__(self):
@@ -330,7 +328,7 @@ def _flatten(overrides: dict) -> dict:
             if isinstance(value, Tuning):
                 value = {f.name: getattr(value, f.name) for f in dataclasses.fields(Tuning)}
             if not isinstance(value, dict):
-                raise OptionError(f"tuning={value!r} must be a dict of tuning fields or a kiln.options.Tuning")
+                raise OptionTypeError(f"tuning={value!r} must be a dict of tuning fields or a kiln.options.Tuning")
             out.update({f"{TUNING}.{k}": v for k, v in value.items()})
         else:
             out[name] = value
@@ -354,13 +352,36 @@ def _build(flat: dict) -> Options:
 def _check_names(overrides):
     for name in overrides:
         if name not in FIELDS:
-            near = difflib.get_close_matches(name, list(FIELDS), n=3, cutoff=0.6)
-            if not near:
-                near = [v for v in FIELDS if name.split("_")[0] in v.split(".")[-1]][:5]
+            near = suggest(name)
             listed = sorted(n for n in FIELDS if not n.startswith(TUNING + "."))
-            raise OptionError(f"unknown kiln option {name!r}"
-                              + (f"; did you mean {' or '.join(repr(n) for n in near)}?" if near else "")
-                              + f"; valid options: {listed} and the tuning.* fields (`kiln options`)")
+            raise OptionError(f"unknown kiln option {name!r}; " + (
+                f"did you mean {' or '.join(near)}? (`kiln options` lists them all)" if near else
+                f"valid options: {listed} and the tuning.* fields (`kiln options`)"))
+
+
+def suggest(name: str) -> list:
+    """The option names closest to ``name`` by edit distance over the whole name (``tuning.`` names also by
+    their last part), else those containing all of its words."""
+    dist = {n: min(_distance(name, n), _distance(name, n.split(".")[-1])) for n in FIELDS}
+    best = min(dist.values())
+    if best <= max(2, len(name) // 4):
+        return [n for n in FIELDS if dist[n] == best]
+    words = set(name.replace(".", "_").split("_"))
+    return [n for n in FIELDS if words <= set(n.replace(".", "_").split("_"))][:5]
+
+
+def _distance(a: str, b: str) -> int:
+    """Edits (insert, delete, replace, swap two adjacent letters) that turn ``a`` into ``b``."""
+    before, row = None, list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        new = [i]
+        for j, cb in enumerate(b, 1):
+            d = min(row[j] + 1, new[j - 1] + 1, row[j - 1] + (ca != cb))
+            if before and j > 1 and ca == b[j - 2] and a[i - 2] == cb:
+                d = min(d, before[j - 2] + 1)
+            new.append(d)
+        before, row = row, new
+    return row[-1]
 
 
 # -- values -----------------------------------------------------------------------------------------------
@@ -382,40 +403,31 @@ def _stable_repr(value) -> str:
 
 def parse_value(name: str, raw: str):
     """Option ``name``'s value from text (an environment variable, a command line): read as the type
-    of its default (bools accept 1/true/yes/on, and 0/false/no/off)."""
+    of its default (bools accept 1/true/yes/on, and 0/false/no/off), then checked."""
     _check_names([name])
-    default = FIELDS[name].default
+    f = FIELDS[name]
+    kind = type(f.default)
+    low = raw.strip().lower()
     try:
-        if isinstance(default, bool):
-            low = raw.strip().lower()
-            if low in ("1", "true", "yes", "on"):
-                return True
-            if low in ("0", "false", "no", "off", ""):
-                return False
+        if kind is bool and low not in ("1", "true", "yes", "on", "0", "false", "no", "off", ""):
             raise ValueError(raw)
-        if isinstance(default, int):
-            return int(raw)
-        if isinstance(default, float):
-            return float(raw)
+        value = (low in ("1", "true", "yes", "on")) if kind is bool else kind(raw) if kind in (int, float) else raw
     except ValueError:
-        kind = type(default).__name__
-        raise OptionError(f"{name}: cannot read {raw!r} as {'a' if kind != 'int' else 'an'} {kind}") from None
-    return raw
+        raise OptionTypeError(f"{name} must be {_TYPES[f.type][1]}; cannot read {raw!r} as one") from None
+    _check_value(f, value, name)
+    return value
 
 
 def _from_env() -> dict:
     out = {}
     for name, f in FIELDS.items():
-        if not f.metadata.get("env"):
-            continue
         var = ENV_NAMES[name]
-        raw = os.environ.get(var)
-        if raw is None or raw == "":
-            continue
-        try:
-            out[name] = parse_value(name, raw)
-        except OptionError as e:
-            raise OptionError(f"environment variable {var}: {e}") from None
+        raw = os.environ.get(var) if f.metadata.get("env") else None
+        if raw:
+            try:
+                out[name] = parse_value(name, raw)
+            except OptionError as e:
+                raise type(e)(f"environment variable {var}={raw!r}: {e}") from None
     return out
 
 

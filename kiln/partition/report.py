@@ -116,8 +116,12 @@ def _recomputed(gm, saved, info) -> List[fx.Node]:
 
 def plot_sweep(sweep, path: str) -> str:
     """Write budget -> (peak MiB, recompute GFLOPs) as a PNG; returns the path."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ModuleNotFoundError as e:
+        raise ModuleNotFoundError("explain_memory(png=...) draws with matplotlib: pip install 'kiln[bench]'",
+                                  name=e.name) from e
     b = [s[0] for s in sweep]
     fig = Figure(figsize=(6, 4))
     FigureCanvasAgg(fig)  # Agg canvas, without touching the global pyplot backend

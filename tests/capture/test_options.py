@@ -139,7 +139,7 @@ def test_tuning_from_the_environment(monkeypatch):
     t = current().tuning
     assert t.persistent_max == 2048 and t.online_softmax is False
     monkeypatch.setenv("KILN_TUNING_FOLD", "maybe")
-    with pytest.raises(OptionError, match="KILN_TUNING_FOLD: tuning.fold: cannot read 'maybe'"):
+    with pytest.raises(OptionError, match="KILN_TUNING_FOLD='maybe': tuning.fold must be True or False; cannot read"):
         current()
 
 
