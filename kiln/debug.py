@@ -4,7 +4,7 @@ Levels: 1 stage names and times, 2 the graph after each stage, 3 remat decisions
 4 generated kernels and wrappers, 5 every rule that fired. Messages go through torch's logging
 (``kiln.logs``: ``TORCH_LOGS=+kiln``, the ``output_code``, ``kiln_plans`` and ``kiln_remat`` artifacts);
 KILN_DEBUG prints those torch's settings do not show. ``Trace`` also writes each stage's graph, the kernels
-and the stage times to a structured trace (``TORCH_TRACE``, tlparse).
+and the stage times to a structured trace (``TORCH_TRACE``, tlparse) and a failing stage's error to the dump.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 import time
+import traceback
 
 import torch.fx as fx
 
@@ -77,7 +78,8 @@ def notify(event: str, **data) -> None:
 
 class Trace:
     """Per compiled region: numbers, times, prints and verifies stages, dumps them under KILN_DUMP, writes
-    them to the structured trace, feeds explain; reports where the compile's time went (``report``)."""
+    them to the structured trace, feeds explain; records a failing stage's error (``fail``) and reports
+    where the compile's time went (``report``)."""
     _count = 0
 
     def __init__(self, opts, kind: str = "graph"):
@@ -92,13 +94,18 @@ class Trace:
         self.stages: list = []            # (phase, stage, seconds) in order
         self.clock: collections.Counter = collections.Counter()   # seconds, see ``timed``
         self._open: set = set()
+        self.error = None                 # the exception ``fail`` recorded
         self.cid = logs.compile_id()      # Dynamo's compile id, for entries written after the compile
         self.frames = len(compat.dynamo_frame_times())   # Dynamo frame compiles finished before this one
 
     def stage(self, name: str, fn, *args, **kwargs):
-        """Run one pipeline stage, time it, and show / verify / dump its result."""
+        """Run one pipeline stage, time it, and show / verify / dump its result (its error if it raises)."""
         t0, c0 = time.perf_counter(), time.process_time()
-        result = fn(*args, **kwargs)
+        try:
+            result = fn(*args, **kwargs)
+        except Exception as e:
+            self.fail(e, name)
+            raise
         s, cpu = time.perf_counter() - t0, (time.process_time() - c0) * 1e3
         self.stages.append((self.phase, name, s))
         counters["stage_ms"][name] += s * 1e3
@@ -132,17 +139,21 @@ class Trace:
         """A structured-trace entry ``name`` under this region's compile (tlparse lists it there)."""
         logs.trace(name, lambda: text, cid=self.cid)
 
-    def dump(self, filename: str, text: str) -> None:
+    def dump(self, filename: str, text: str, numbered: bool = True):
+        """Write ``text`` to the dump folder as ``NN_filename`` (``filename`` when not ``numbered``);
+        returns the path, None when not dumping."""
         if self.dir is None:
-            return
-        path = os.path.join(self.dir, f"{self.step:02d}_{filename}")
-        self.step += 1
+            return None
+        path = os.path.join(self.dir, f"{self.step:02d}_{filename}" if numbered else filename)
+        self.step += numbered
         try:
             with open(path, "w") as f:
                 f.write(text)
         except OSError as e:   # a debugging aid never stops a compile
             log(1, f"KILN_DUMP: cannot write {path} ({e}); dumping stops for this region")
             self.dir = None
+            return None
+        return path
 
     @contextlib.contextmanager
     def timed(self, key: str):
@@ -159,6 +170,20 @@ class Trace:
             self.clock[key] += dt
             if key in ("kiln", "backward") and "aot" in self._open:
                 self.clock["kiln_in_aot"] += dt
+
+    def fail(self, error: BaseException, stage: str | None = None) -> None:
+        """Record that compiling the region raised ``error`` (in ``stage``), once: ``error.txt`` in the dump
+        folder (the stage, the error, its traceback; ``repro.py`` reads it), a ``kiln_error`` trace entry."""
+        if _same_error(error, self.error):
+            return
+        self.error = error
+        where = f"in stage {stage}" if stage else "outside kiln's stages"
+        text = (f"kiln: {self.name} failed {where} ({self.phase} compile)\n{type(error).__name__}: {error}\n\n"
+                + "".join(traceback.format_exception(error)))
+        self.trace("kiln_error", text)
+        path = self.dump("error.txt", text, numbered=False)
+        if path:
+            log(1, f"{self.name}: compiling failed {where}; the error is in {path}")
 
     def on_first_call(self, fn):
         """``fn``, reporting the compile's times (``report``) at its first call (when Dynamo has finished
@@ -209,6 +234,16 @@ def _stage_list(stages, kiln: float) -> str:
     done = sum(s for _, s in stages)
     parts = ", ".join(f"{n} {s * 1e3:.1f} ms" for n, s in stages)
     return f"stages {done:.2f} s: {parts or 'none'}; other kiln work {max(kiln - done, 0.0):.2f} s"
+
+
+def _same_error(error, recorded) -> bool:
+    """Whether ``error`` is ``recorded`` or was raised from it (a wrapper of the same failure)."""
+    seen = 0
+    while error is not None and seen < 20:
+        if error is recorded:
+            return True
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return False
 
 
 def _dump_dir(root: str, kind: str):

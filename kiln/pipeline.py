@@ -56,7 +56,10 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list, opts: Options):
                 compiled = _compile_graph(gm, example_inputs, opts, trace)
         except Exception as e:
             # Dynamo's own exceptions steer its tracing (restarts, skipped frames): never caught here
-            if opts.on_error == "raise" or isinstance(e, (UserError, torch._dynamo.exc.TorchDynamoException)):
+            if isinstance(e, torch._dynamo.exc.TorchDynamoException):
+                raise
+            trace.fail(e)
+            if opts.on_error == "raise" or isinstance(e, UserError):
                 raise
             return _eager(as_captured, e)
         return trace.on_first_call(compiled)
@@ -85,9 +88,9 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list, opts: Options, trac
     if opts.cpp_wrapper:
         log(1, "cpp_wrapper=True: kiln has no C++ wrapper; running the Python wrapper")
     trace.show("capture", gm)
-    if opts.dump_dir:
-        write_repro(trace, gm, example_inputs, opts)
     registered = passes.snapshot()   # the backward, compiled later, runs these too
+    if trace.dir is not None:
+        write_repro(trace, gm, example_inputs, opts, registered)
     target = resolve_target(opts, example_inputs)
     freezing = opts.freezing and not torch.is_grad_enabled()
     session = cache.open_graph(gm, example_inputs, opts, cache_key(opts, registered), target,
@@ -134,10 +137,14 @@ def aot_compilers(opts: Options, target: str, trace: Trace, region=None, registe
     def bw_compiler(g, inputs):  # runs lazily at the first backward, maybe on another thread
         trace.phase = "backward"
         with using(opts), trace.timed("backward"):
-            if session is not None:
-                session.recorder.backward_graph(g)
-            compiled = _record(session, "backward", lower(g, inputs, opts, trace, "backward", target, graphs,
-                                                          layout=layout, registered=registered))
+            try:
+                if session is not None:
+                    session.recorder.backward_graph(g)
+                compiled = _record(session, "backward", lower(g, inputs, opts, trace, "backward", target, graphs,
+                                                              layout=layout, registered=registered))
+            except Exception as e:   # a forward that compiled does not fall back: the error goes to the dump
+                trace.fail(e)
+                raise
         with using(opts):
             trace.report_backward()
         return compiled

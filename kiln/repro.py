@@ -2,7 +2,9 @@
 
 For each compiled region kiln writes ``graph.pt`` (Dynamo's GraphModule), ``inputs.pt`` (the real
 example inputs, SymInts as ints) and ``repro.py``, which reruns the region in eager mode and through kiln
-and compares values and gradients. ``python repro.py`` exits non-zero on a mismatch.
+(with ``on_error='raise'``: a compile that fails raises) and compares values and gradients. ``python
+repro.py`` exits non-zero on a mismatch, raises where the compile raises, and exits non-zero when the
+original compile failed (``error.txt`` in the folder, written by ``Trace.fail``) but this run did not.
 """
 from __future__ import annotations
 
@@ -51,6 +53,9 @@ def main():
                     if not torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-5):
                         ok = False
                         print("gradient mismatch: max abs diff", (a.grad - b.grad).abs().max().item())
+    if ok and os.path.exists(os.path.join(here, "error.txt")):
+        print("repro NOT REPRODUCED: the original compile failed (error.txt) but this run did not")
+        return 2
     print("repro", "OK" if ok else "MISMATCH")
     return 0 if ok else 1
 
@@ -70,7 +75,7 @@ def _concrete(x):
     return x
 
 
-def write_repro(trace, gm: fx.GraphModule, example_inputs, opts) -> None:
+def write_repro(trace, gm: fx.GraphModule, example_inputs, opts, registered=()) -> None:
     """Write graph.pt, inputs.pt and repro.py into the trace's dump folder (best effort, logged)."""
     if trace.dir is None:
         return
@@ -80,9 +85,10 @@ def write_repro(trace, gm: fx.GraphModule, example_inputs, opts) -> None:
     except Exception as e:  # a graph holding unpicklable objects still gets its stage dumps
         log(1, f"repro: could not save graph {trace.id}: {type(e).__name__}: {e}")
         return
-    keep = {k: v for k, v in _plain_options(opts).items()}
+    keep = _plain_options(opts)
+    keep["on_error"] = "raise"   # a compile that fails raises in the repro, not falls back
     with open(os.path.join(trace.dir, "repro.py"), "w") as f:
-        f.write(REPRO.format(name=f"{trace.kind}_{trace.id}", options=keep))
+        f.write(REPRO.format(name=trace.name, options=keep))
 
 
 def _plain_options(opts) -> dict:
