@@ -1,5 +1,5 @@
 """Dumps you can hand to someone (kiln/repro.py, ``Trace.fail``): a failing compile's dump holds the stages
-before the failure, the error and a repro that fails the same way.
+before the failure, the error and a repro that fails the same way; what a repro cannot carry is named.
 (One folder per compile, never reused: tests/e2e/test_reliability.py::test_dumps_of_two_processes_never_share_a_folder.)"""
 import runpy
 import warnings
@@ -41,8 +41,28 @@ def test_a_failing_compile_dumps_its_stages_its_error_and_a_repro_that_fails(tmp
     assert "repro OK" not in capsys.readouterr().out
 
 
+def _no_op_pass(graph):
+    return None
+
+
 def _failing_pass(graph):
     raise ZeroDivisionError("a custom pass failed")
+
+
+def test_the_repro_names_options_and_passes_it_cannot_save(tmp_path, capsys):
+    with kiln.passes.register("joint_post", _no_op_pass):
+        f = kiln.compile(lambda x, w: (x @ w).relu().sum(), dump_dir=str(tmp_path),
+                         post_grad_custom_post_pass=_no_op_pass)
+        f(*_inputs()).backward()
+    region = _region(tmp_path)
+    text = (region / "repro.py").read_text()
+    assert "#   post_grad_custom_post_pass = tests.test_repro._no_op_pass (" in text
+    assert "#   kiln.passes.register('joint_post', _no_op_pass) = tests.test_repro._no_op_pass" in text
+    capsys.readouterr()
+    assert _run_repro(region) == 0
+    out, err = capsys.readouterr()
+    assert "repro OK" in out
+    assert "omits" in err and "post_grad_custom_post_pass" in err and "'joint_post'" in err   # a printed warning
 
 
 def test_a_failure_the_repro_cannot_carry_is_not_reported_as_reproduced(tmp_path, capsys):
@@ -58,5 +78,5 @@ def test_a_failure_the_repro_cannot_carry_is_not_reported_as_reproduced(tmp_path
     assert "failed in stage pre_grad" in error and "ZeroDivisionError: a custom pass failed" in error
     capsys.readouterr()
     assert _run_repro(region) == 2
-    out = capsys.readouterr().out
-    assert "NOT REPRODUCED" in out and "repro OK" not in out
+    out, err = capsys.readouterr()
+    assert "NOT REPRODUCED" in out and "repro OK" not in out and "pre_grad_custom_pass" in err
