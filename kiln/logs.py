@@ -19,7 +19,6 @@ ARTIFACTS = {
     "kiln_plans": "kiln's fused kernel plans (what each generated kernel loads, reduces and stores)",
     "kiln_remat": "kiln's partitioner: which activations are saved and which the backward recomputes",
 }
-OUTPUT_CODE = "output_code"   # torch's own artifact: generated wrappers and kernels
 
 _LOGGERS: dict = {}   # artifact name (None: the kiln log) -> logging.Logger
 
