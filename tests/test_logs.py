@@ -139,3 +139,17 @@ def test_torch_environment_variables_reach_kiln(tmp_path):
     (run,) = (tmp_path / "torch_compile_debug").glob("run_*")   # the run folder Dynamo writes to
     assert (run / "torchdynamo").is_dir() and (run / "kiln" / "graph_001" / "00_capture.py").is_file()
     assert (run / "kiln" / "graph_001" / "repro.py").is_file()
+
+
+def test_a_failing_compile_leaves_a_kiln_error_entry():
+    entries = _Entries()
+    trace_log.addHandler(entries)
+    try:
+        with pytest.raises(Exception, match="activation_memory_limit=1"):
+            _train(activation_memory_limit=1)
+    finally:
+        trace_log.removeHandler(entries)
+    found = entries.artifacts()
+    assert "kiln_joint" in found and "kiln_partition_fw" not in found   # the stages before the failure
+    meta, text = found["kiln_error"]
+    assert "failed in stage partition" in text and "MemoryLimitError" in text and "frame_id" in meta
