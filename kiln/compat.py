@@ -1,6 +1,7 @@
 """Every difference between the torch versions kiln supports (2.11 to 2.14) is guarded here."""
 from __future__ import annotations
 
+import os
 import re
 import warnings
 
@@ -125,3 +126,24 @@ def aot_runtime_wrappers(fw, bw, meta, n_saved, n_symints, detach):
     spec.pop("bw_compiler")
     spec["num_symints_saved_for_bw_"] = spec.pop("num_symints_saved_for_bw")
     return rw.AOTDispatchAutograd.post_compile(**spec)
+
+
+def dynamo_frame_times() -> list:
+    """Seconds of each Dynamo frame compile finished in this process, in order: torch's ``dynamo_timed``
+    record of ``_compile.compile_inner`` (its "entire_frame_compile": tracing, the backend, guards), the
+    same key in 2.11 to 2.14; empty where torch keeps no such record."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics
+    except ImportError:
+        return []
+    return list(compilation_time_metrics.get("_compile.compile_inner", ()))
+
+
+def compile_debug_dir():
+    """torch's debug folder of this process when ``TORCH_COMPILE_DEBUG=1`` (``<debug_dir_root>/run_<time>-
+    pid_<pid>``, ``debug_dir_root`` from ``torch._dynamo.config``: ``./torch_compile_debug`` or under
+    ``TORCH_COMPILE_DEBUG_DIR``), where Dynamo and inductor write their own; None otherwise."""
+    if os.environ.get("TORCH_COMPILE_DEBUG", "0") != "1":
+        return None
+    from torch._dynamo.utils import get_debug_dir
+    return get_debug_dir()

@@ -1,19 +1,24 @@
 """Inspectability: the KILN_DEBUG ladder, counters, and KILN_DUMP.
 
 Levels: 1 stage names and times, 2 the graph after each stage, 3 remat decisions,
-4 generated kernels and wrappers, 5 every rule that fired.
+4 generated kernels and wrappers, 5 every rule that fired. Messages go through torch's logging
+(``kiln.logs``: ``TORCH_LOGS=+kiln``, the ``output_code``, ``kiln_plans`` and ``kiln_remat`` artifacts);
+KILN_DEBUG prints those torch's settings do not show. ``Trace`` also writes each stage's graph, the kernels
+and the stage times to a structured trace (``TORCH_TRACE``, tlparse) and a failing stage's error to the dump.
 """
 from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 import os
 import sys
 import time
+import traceback
 
 import torch.fx as fx
 
-from kiln import options
+from kiln import compat, logs, options
 from kiln.options import UserError
 
 
@@ -33,10 +38,24 @@ def level() -> int:
         return int(os.environ.get("KILN_DEBUG", "0") or 0)
 
 
-def log(lvl: int, msg: str) -> None:
-    """Print ``msg`` to stderr when the debug level is at least ``lvl``."""
-    if level() >= lvl:
+def _py_level(lvl: int) -> int:
+    return logging.INFO if lvl <= 1 else logging.DEBUG
+
+
+def log(lvl: int, msg: str, artifact: str | None = None) -> None:
+    """Hand ``msg`` to the ``kiln`` log (level 1 as INFO, higher levels as DEBUG), or to ``artifact``'s
+    (``kiln_plans``, ``kiln_remat``, ``output_code``); when torch's logging settings do not show it, print
+    it to stderr if the debug level is at least ``lvl``."""
+    py = _py_level(lvl)
+    if logs.enabled(py, artifact):
+        logs.logger(artifact).log(py, msg, stacklevel=2)   # the caller's file and line
+    elif level() >= lvl:
         print(f"[kiln] {msg}", file=sys.stderr)
+
+
+def wanted(lvl: int, artifact: str | None = None) -> bool:
+    """Whether ``log(lvl, ..., artifact)`` would show anything (to skip building costly messages)."""
+    return level() >= lvl or logs.enabled(_py_level(lvl), artifact)
 
 
 # -- stages ------------------------------------------------------------------------------------
@@ -64,24 +83,39 @@ def notify(event: str, **data) -> None:
 
 
 class Trace:
-    """Per compiled region: numbers stages, prints them, dumps them under KILN_DUMP, feeds explain."""
+    """Per compiled region: numbers, times, prints and verifies stages, dumps them under KILN_DUMP, writes
+    them to the structured trace, feeds explain; records a failing stage's error (``fail``) and reports
+    where the compile's time went (``report``)."""
     _count = 0
 
     def __init__(self, opts, kind: str = "graph"):
         Trace._count += 1
         self.id = Trace._count
+        self.name = f"{kind}_{self.id}"
         self.opts = opts
         self.kind = kind
         self.step = 0
         self.dir = _dump_dir(os.fspath(opts.dump_dir), kind) if opts.dump_dir else None
+        self.phase = "forward"            # "backward" while the backward compiles
+        self.stages: list = []            # (phase, stage, seconds) in order
+        self.clock: collections.Counter = collections.Counter()   # seconds, see ``timed``
+        self._open: set = set()
+        self.error = None                 # the exception ``fail`` recorded
+        self.cid = logs.compile_id()      # Dynamo's compile id, for entries written after the compile
+        self.frames = len(compat.dynamo_frame_times())   # Dynamo frame compiles finished before this one
 
     def stage(self, name: str, fn, *args, **kwargs):
-        """Run one pipeline stage, time it, and show / verify / dump its result."""
+        """Run one pipeline stage, time it, and show / verify / dump its result (its error if it raises)."""
         t0, c0 = time.perf_counter(), time.process_time()
-        result = fn(*args, **kwargs)
-        ms, cpu = (time.perf_counter() - t0) * 1e3, (time.process_time() - c0) * 1e3
-        counters["stage_ms"][name] += ms
-        log(1, f"{self.kind}_{self.id} stage {name}: {ms:.1f} ms (cpu {cpu:.1f} ms)")
+        try:
+            result = fn(*args, **kwargs)
+        except Exception as e:
+            self.fail(e, name)
+            raise
+        s, cpu = time.perf_counter() - t0, (time.process_time() - c0) * 1e3
+        self.stages.append((self.phase, name, s))
+        counters["stage_ms"][name] += s * 1e3
+        log(1, f"{self.name} stage {name}: {s * 1e3:.1f} ms (cpu {cpu:.1f} ms)")
         if isinstance(result, int) and args:  # an in-place pass returns its change count
             self.show(name, args[0], note=f"{result} changed")
         else:
@@ -95,28 +129,127 @@ class Trace:
             label = name if len(gms) == 1 else f"{name}_{'fw' if i == 0 else 'bw'}"
             if _OBSERVERS:
                 notify("graph", trace=self, stage=label, gm=gm)
-            lvl = level()
-            if self.opts.verify or lvl >= 1:
+            if self.opts.verify or level() >= 1:
                 verify(gm, label)
-            if lvl < 2 and not _EXPLAIN_SINKS and self.dir is None:
+            tracing = logs.tracing()
+            if not wanted(2) and not _EXPLAIN_SINKS and self.dir is None and not tracing:
                 continue   # nobody reads the text: printing a large graph costs seconds
             text = graph_text(gm, label, note)
             log(2, text)
             for sink in list(_EXPLAIN_SINKS):
                 sink.append((label, text))
             self.dump(f"{label}.py", text)
+            self.trace(f"kiln_{label}", text)
 
-    def dump(self, filename: str, text: str) -> None:
+    def trace(self, name: str, text: str) -> None:
+        """A structured-trace entry ``name`` under this region's compile (tlparse lists it there)."""
+        logs.trace(name, lambda: text, cid=self.cid)
+
+    def dump(self, filename: str, text: str, numbered: bool = True):
+        """Write ``text`` to the dump folder as ``NN_filename`` (``filename`` when not ``numbered``);
+        returns the path, None when not dumping."""
         if self.dir is None:
-            return
-        path = os.path.join(self.dir, f"{self.step:02d}_{filename}")
-        self.step += 1
+            return None
+        path = os.path.join(self.dir, f"{self.step:02d}_{filename}" if numbered else filename)
+        self.step += numbered
         try:
             with open(path, "w") as f:
                 f.write(text)
         except OSError as e:   # a debugging aid never stops a compile
             log(1, f"KILN_DUMP: cannot write {path} ({e}); dumping stops for this region")
             self.dir = None
+            return None
+        return path
+
+    @contextlib.contextmanager
+    def timed(self, key: str):
+        """Add the block's wall time to ``clock[key]``: ``backend`` (kiln's backend call), ``aot`` (the
+        AOTAutograd call in it), ``kiln`` (kiln's compilers, called by AOTAutograd), ``backward`` (the
+        backward's compiler); ``kiln_in_aot`` gathers the time of the last two spent inside ``aot``."""
+        t0 = time.perf_counter()
+        self._open.add(key)
+        try:
+            yield
+        finally:
+            self._open.discard(key)
+            dt = time.perf_counter() - t0
+            self.clock[key] += dt
+            if key in ("kiln", "backward") and "aot" in self._open:
+                self.clock["kiln_in_aot"] += dt
+
+    def fail(self, error: BaseException, stage: str | None = None) -> None:
+        """Record that compiling the region raised ``error`` (in ``stage``), once: ``error.txt`` in the dump
+        folder (the stage, the error, its traceback; ``repro.py`` reads it), a ``kiln_error`` trace entry."""
+        if _same_error(error, self.error):
+            return
+        self.error = error
+        where = f"in stage {stage}" if stage else "outside kiln's stages"
+        text = (f"kiln: {self.name} failed {where} ({self.phase} compile)\n{type(error).__name__}: {error}\n\n"
+                + "".join(traceback.format_exception(error)))
+        self.trace("kiln_error", text)
+        path = self.dump("error.txt", text, numbered=False)
+        if path:
+            log(1, f"{self.name}: compiling failed {where}; the error is in {path}")
+
+    def on_first_call(self, fn):
+        """``fn``, reporting the compile's times (``report``) at its first call (when Dynamo has finished
+        the frame) if anyone reads them; ``fn`` itself otherwise."""
+        if not (wanted(1) or logs.tracing()):
+            return fn
+        pending = [True]
+
+        def run(*args, **kwargs):
+            if pending:
+                pending.clear()
+                with options.using(self.opts):
+                    self.report()
+            return fn(*args, **kwargs)
+        if getattr(fn, "_boxed_call", False):
+            run._boxed_call = True
+        return run
+
+    def report(self) -> None:
+        """Where the forward compile's time went: Dynamo (its frame compile less kiln's backend call),
+        AOTAutograd (its call less kiln's compilers), kiln (the rest of the backend call: its stages and
+        its other work) and the total; logged at level 1, written to the trace as ``kiln_stage_times``."""
+        frames = compat.dynamo_frame_times()
+        backend = self.clock["backend"]
+        frame = frames[self.frames] if len(frames) > self.frames and frames[self.frames] >= backend else None
+        aot = max(self.clock["aot"] - self.clock["kiln_in_aot"], 0.0)
+        kiln = backend - aot
+        stages = [(n, s) for p, n, s in self.stages if p == "forward"]
+        total = frame if frame is not None else backend
+        dynamo = f"{frame - backend:.2f} s" if frame is not None else "unknown (no frame time from torch)"
+        log(1, f"{self.name} compiled in {total:.2f} s: Dynamo {dynamo}, AOTAutograd {aot:.2f} s, kiln {kiln:.2f} s "
+               f"({_stage_list(stages, kiln)})")
+        logs.trace("kiln_stage_times", lambda: {
+            "region": self.name, "total_s": total, "dynamo_s": None if frame is None else frame - backend,
+            "aot_autograd_s": aot, "kiln_s": kiln, "stages_s": dict(stages)}, "json", cid=self.cid)
+
+    def report_backward(self) -> None:
+        """The backward compile's kiln time and stages (AOTAutograd calls kiln's backward compiler lazily,
+        at the first ``.backward()``)."""
+        kiln = self.clock["backward"]
+        stages = [(n, s) for p, n, s in self.stages if p == "backward"]
+        log(1, f"{self.name} backward compiled by kiln in {kiln:.2f} s ({_stage_list(stages, kiln)})")
+        logs.trace("kiln_stage_times_backward", lambda: {"region": self.name, "kiln_s": kiln,
+                                                         "stages_s": dict(stages)}, "json", cid=self.cid)
+
+
+def _stage_list(stages, kiln: float) -> str:
+    done = sum(s for _, s in stages)
+    parts = ", ".join(f"{n} {s * 1e3:.1f} ms" for n, s in stages)
+    return f"stages {done:.2f} s: {parts or 'none'}; other kiln work {max(kiln - done, 0.0):.2f} s"
+
+
+def _same_error(error, recorded) -> bool:
+    """Whether ``error`` is ``recorded`` or was raised from it (a wrapper of the same failure)."""
+    seen = 0
+    while error is not None and seen < 20:
+        if error is recorded:
+            return True
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return False
 
 
 def _dump_dir(root: str, kind: str):

@@ -23,6 +23,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from kiln import compat
+
 
 class UserError(Exception):
     """Base of the errors that name a mistake in what the user asked for (an option, a pass, a pattern, a
@@ -454,9 +456,10 @@ def active() -> Options:
 
 
 def current(**extra) -> Options:
-    """The options in force here: defaults < ``torch._functorch.config.activation_memory_budget`` (when not
-    1.0) < environment < config.patch scopes < extra."""
-    return _build({**_from_functorch(), **_from_env(), **_OVERRIDES.get(), **_flatten(extra)})
+    """The options in force here: defaults < torch's knobs (``torch._functorch.config.activation_memory_budget``
+    when not 1.0, ``TORCH_COMPILE_DEBUG``) < environment < config.patch scopes < extra."""
+    torch_knobs = {**_from_functorch(), **_from_compile_debug()}
+    return _build({**torch_knobs, **_from_env(), **_OVERRIDES.get(), **_flatten(extra)})
 
 
 def _from_functorch() -> dict:
@@ -471,6 +474,13 @@ def _from_functorch() -> dict:
     except OptionError as e:
         raise OptionError(f"torch._functorch.config: {e}") from None
     return {"activation_memory_budget": budget}
+
+
+def _from_compile_debug() -> dict:
+    """``TORCH_COMPILE_DEBUG=1``: kiln's dumps go to ``kiln/`` in torch's debug folder of this run (where
+    inductor writes its own), unless kiln's own settings name a dump folder."""
+    folder = compat.compile_debug_dir()
+    return {} if folder is None else {"dump_dir": os.path.join(folder, "kiln")}
 
 
 class _Patch(contextlib.ContextDecorator):

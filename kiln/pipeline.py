@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 
-from kiln import cache, compat, debug, partition, passes
+from kiln import cache, compat, debug, logs, partition, passes
 from kiln.capture.decomp import decomposition_table
 from kiln.capture.hazards import upstream_hazard
 from kiln.codegen.fuse_graph import UNFUSED, fuse_graph, triton_available
@@ -50,13 +50,19 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list, opts: Options):
     if hazard:   # torch's capture would compute it wrongly: not an error of kiln's, so on_error does not apply
         return _as_captured(as_captured, f"kiln runs a graph as eager does: {hazard}", hazard)
     with using(opts):
+        trace = Trace(opts)
         try:
-            return _compile_graph(gm, example_inputs, opts)
+            with trace.timed("backend"):
+                compiled = _compile_graph(gm, example_inputs, opts, trace)
         except Exception as e:
             # Dynamo's own exceptions steer its tracing (restarts, skipped frames): never caught here
-            if opts.on_error == "raise" or isinstance(e, (UserError, torch._dynamo.exc.TorchDynamoException)):
+            if isinstance(e, torch._dynamo.exc.TorchDynamoException):
+                raise
+            trace.fail(e)
+            if opts.on_error == "raise" or isinstance(e, UserError):
                 raise
             return _eager(as_captured, e)
+        return trace.on_first_call(compiled)
 
 
 def _eager(forward, error: Exception):
@@ -78,14 +84,13 @@ def _as_captured(forward, warning: str, reason: str):
     return forward
 
 
-def _compile_graph(gm: fx.GraphModule, example_inputs: list, opts: Options):
-    trace = Trace(opts)
+def _compile_graph(gm: fx.GraphModule, example_inputs: list, opts: Options, trace: Trace):
     if opts.cpp_wrapper:
         log(1, "cpp_wrapper=True: kiln has no C++ wrapper; running the Python wrapper")
     trace.show("capture", gm)
-    if opts.dump_dir:
-        write_repro(trace, gm, example_inputs, opts)
     registered = passes.snapshot()   # the backward, compiled later, runs these too
+    if trace.dir is not None:
+        write_repro(trace, gm, example_inputs, opts, registered)
     target = resolve_target(opts, example_inputs)
     freezing = opts.freezing and not torch.is_grad_enabled()
     session = cache.open_graph(gm, example_inputs, opts, cache_key(opts, registered), target,
@@ -99,7 +104,9 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list, opts: Options):
         region = freeze.module_region(gm, example_inputs)
         if region is None:
             log(1, "freeze: no parameters or buffers in this graph; compiling without freezing")
-    compiled = aot_autograd(**aot_compilers(opts, target, trace, region, registered, session))(gm, example_inputs)
+    compilers = aot_compilers(opts, target, trace, region, registered, session)
+    with trace.timed("aot"):   # AOTAutograd's time: this call less kiln's compilers in it
+        compiled = aot_autograd(**compilers)(gm, example_inputs)
     if region is not None:
         freeze.finish(region, opts)
     if session is not None:
@@ -120,19 +127,33 @@ def aot_compilers(opts: Options, target: str, trace: Trace, region=None, registe
     layout: dict = {}   # names of saved values the forward produces with known strides (wrapper views)
 
     def fw_compiler(g, inputs):
-        if session is not None:
-            session.recorder.metadata()
-            session.recorder.forward_graph(g, n_user.get("n", 0))
-        return _record(session, "forward", lower(g, inputs, opts, trace, "forward", target, graphs, n_user.get("n", 0),
-                                                 layout=layout, registered=registered))
+        with trace.timed("kiln"):
+            if session is not None:
+                session.recorder.metadata()
+                session.recorder.forward_graph(g, n_user.get("n", 0))
+            return _record(session, "forward", lower(g, inputs, opts, trace, "forward", target, graphs,
+                                                     n_user.get("n", 0), layout=layout, registered=registered))
 
     def bw_compiler(g, inputs):  # runs lazily at the first backward, maybe on another thread
-        if session is not None:
-            session.recorder.backward_graph(g)
-        return _record(session, "backward", lower(g, inputs, opts, trace, "backward", target, graphs, layout=layout,
-                                                  registered=registered))
+        trace.phase = "backward"
+        with using(opts), trace.timed("backward"):
+            try:
+                if session is not None:
+                    session.recorder.backward_graph(g)
+                compiled = _record(session, "backward", lower(g, inputs, opts, trace, "backward", target, graphs,
+                                                              layout=layout, registered=registered))
+            except Exception as e:   # a forward that compiled does not fall back: the error goes to the dump
+                trace.fail(e)
+                raise
+        with using(opts):
+            trace.report_backward()
+        return compiled
 
     def inference_compiler(g, inputs):
+        with trace.timed("kiln"):
+            return _inference(g, inputs)
+
+    def _inference(g, inputs):
         if region is None:
             if session is not None:
                 session.recorder.metadata()
@@ -145,7 +166,7 @@ def aot_compilers(opts: Options, target: str, trace: Trace, region=None, registe
         return freeze.drop_frozen(compiled, keep)
 
     def partition_fn(joint, joint_inputs, *, num_fwd_outputs, **kw):
-        with using(opts):
+        with using(opts), trace.timed("kiln"):
             n_user["n"] = num_fwd_outputs
             trace.stage("joint", passes.joint, joint, opts, registered)
             if target == "triton" and opts.layout_optimization:
@@ -215,11 +236,13 @@ def _lower(gm: fx.GraphModule, inputs: list, opts: Options, trace: Trace, kind: 
     wrapper = emit_wrapper(gm, f"{kind}_{trace.id}", trusted, opts)
     if names is not None:
         layout["saved"] = frozenset(n for n, ok in zip(names, wrapper.known_outputs) if ok and n)
-    log(4, f"{kind} wrapper:\n{wrapper.source}")
     for k in wrapper.kernels:
-        log(4, f"kernel {k.name}:\n{k.source}")
+        log(4, f"kernel {k.name}:\n{k.source}", artifact="output_code")
         trace.dump(f"kernel_{k.name}.py", k.source)
+        trace.trace(f"kiln_kernel_{k.name.removeprefix('kiln_')}", k.source)
+    log(4, f"{kind} wrapper:\n{wrapper.source}", artifact="output_code")
     trace.dump(f"wrapper_{kind}.py", wrapper.source)
+    trace.trace(f"kiln_wrapper_{kind}", wrapper.source)
     compiled = load(wrapper, fallback)
     compiled.units = units
     return compiled
@@ -227,13 +250,14 @@ def _lower(gm: fx.GraphModule, inputs: list, opts: Options, trace: Trace, kind: 
 
 def _plan_printer(trace: Trace, kind: str):
     """Where kernel plans go: printed at KILN_DEBUG=4, written to the dump (None: nobody reads them)."""
-    if debug.level() < 4 and trace.dir is None:
+    if not debug.wanted(4, "kiln_plans") and trace.dir is None and not logs.tracing():
         return None
 
     def show(plans):
         text = "\n\n".join(p.describe(f"kernel {i}") for i, p in enumerate(plans))
-        log(4, f"{kind} kernel plans:\n{text}")
+        log(4, f"{kind} kernel plans:\n{text}", artifact="kiln_plans")
         trace.dump(f"plans_{kind}.txt", text)
+        trace.trace(f"kiln_plans_{kind}", text)
     return show
 
 
@@ -242,8 +266,9 @@ def _builder(trace: Trace, kind: str, units: list):
     the unit added to ``units`` (the compile cache stores them)."""
     def build(unit, opts):
         units.append(unit)
-        if trace.dir is not None:
-            trace.dump(f"kernels_{kind}.cpp", unit.source)
+        log(4, f"{kind} C++ kernels:\n{unit.source}", artifact="output_code")
+        trace.dump(f"kernels_{kind}.cpp", unit.source)
+        trace.trace(f"kiln_kernels_{kind}_cpp", unit.source)
         return cpp_build.build(unit, opts)
     return build
 

@@ -2,11 +2,17 @@
 
 For each compiled region kiln writes ``graph.pt`` (Dynamo's GraphModule), ``inputs.pt`` (the real
 example inputs, SymInts as ints) and ``repro.py``, which reruns the region in eager mode and through kiln
-and compares values and gradients. ``python repro.py`` exits non-zero on a mismatch.
+(with ``on_error='raise'``: a compile that fails raises) and compares values and gradients. ``python
+repro.py`` exits non-zero on a mismatch, raises where the compile raises, and exits non-zero when the
+original compile failed (``error.txt`` in the folder, written by ``Trace.fail``) but this run did not.
+Options that cannot be written to a file (callables: custom passes; other values without a literal) and
+passes registered through ``kiln.passes.register`` are named in ``repro.py`` and in a warning it prints.
 """
 from __future__ import annotations
 
+import ast
 import builtins
+import inspect
 import os
 
 import torch
@@ -23,9 +29,13 @@ import kiln
 
 here = os.path.dirname(os.path.abspath(__file__))
 options = {options!r}
+{omitted_comment}OMITTED = {omitted!r}
 
 
 def main():
+    if OMITTED:
+        print("kiln repro: warning: this repro omits what the original compile used and cannot be saved: "
+              + "; ".join(f"{{k}} = {{v}}" for k, v in OMITTED.items()), file=sys.stderr)
     gm, inputs = kiln.resume(here, compile=False)
     grad = any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)
     ref_in = [t.detach().clone().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
@@ -51,6 +61,10 @@ def main():
                     if not torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-5):
                         ok = False
                         print("gradient mismatch: max abs diff", (a.grad - b.grad).abs().max().item())
+    if ok and os.path.exists(os.path.join(here, "error.txt")):
+        print("repro NOT REPRODUCED: the original compile failed (error.txt) but this run did not"
+              + (" (the omitted entries above may be why)" if OMITTED else ""))
+        return 2
     print("repro", "OK" if ok else "MISMATCH")
     return 0 if ok else 1
 
@@ -70,8 +84,9 @@ def _concrete(x):
     return x
 
 
-def write_repro(trace, gm: fx.GraphModule, example_inputs, opts) -> None:
-    """Write graph.pt, inputs.pt and repro.py into the trace's dump folder (best effort, logged)."""
+def write_repro(trace, gm: fx.GraphModule, example_inputs, opts, registered=()) -> None:
+    """Write graph.pt, inputs.pt and repro.py into the trace's dump folder (best effort, logged).
+    ``registered``: the passes registered through ``kiln.passes.register`` (named in the repro)."""
     if trace.dir is None:
         return
     try:
@@ -80,20 +95,54 @@ def write_repro(trace, gm: fx.GraphModule, example_inputs, opts) -> None:
     except Exception as e:  # a graph holding unpicklable objects still gets its stage dumps
         log(1, f"repro: could not save graph {trace.id}: {type(e).__name__}: {e}")
         return
-    keep = {k: v for k, v in _plain_options(opts).items()}
+    keep, omitted = _plain_options(opts)
+    keep["on_error"] = "raise"   # a compile that fails raises in the repro, not falls back
+    for h in registered:
+        omitted[f"kiln.passes.register({h.stage!r}, {h.name})"] = _describe(h.fn)
+    if omitted:
+        log(1, f"repro: {trace.name}'s repro.py omits {', '.join(omitted)} (cannot be saved)")
+    comment = "".join(f"#   {k} = {v}\n" for k, v in omitted.items())
+    if comment:
+        comment = "# Left out of this repro (they cannot be written to a file): pass them to kiln.compile yourself.\n" + comment
     with open(os.path.join(trace.dir, "repro.py"), "w") as f:
-        f.write(REPRO.format(name=f"{trace.kind}_{trace.id}", options=keep))
+        f.write(REPRO.format(name=trace.name, options=keep, omitted=omitted, omitted_comment=comment))
 
 
-def _plain_options(opts) -> dict:
-    """The options that differ from their defaults and can be written as literals (tuning fields as
-    ``tuning.<name>``); callables are left out."""
-    out = {}
+def _plain_options(opts) -> tuple:
+    """``(kept, omitted)``: the options that differ from their defaults and can be written as literals
+    (tuning fields as ``tuning.<name>``), and those that cannot (callables, values without a literal),
+    each described."""
+    kept, omitted = {}, {}
     for name, value in flat_options(opts).items():
-        if name in ("dump_dir", "debug") or value == FIELDS[name].default or callable(value):
+        if name in ("dump_dir", "debug") or value == FIELDS[name].default:
             continue
-        out[name] = value
-    return out
+        if _literal(value):
+            kept[name] = value
+        else:
+            omitted[name] = _describe(value)
+    return kept, omitted
+
+
+def _literal(value) -> bool:
+    """Whether ``repr(value)`` reads back as an equal value (what repro.py can hold)."""
+    if callable(value):
+        return False
+    try:
+        return ast.literal_eval(repr(value)) == value
+    except Exception:
+        return False
+
+
+def _describe(value) -> str:
+    """A callable as ``module.qualname (file:line)``; anything else by its (shortened) repr."""
+    if not callable(value):
+        return repr(value)[:200]
+    target = value if inspect.isfunction(value) or inspect.ismethod(value) else type(value)
+    name = f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', repr(target))}"
+    try:
+        return f"{name} ({inspect.getsourcefile(target)}:{inspect.getsourcelines(target)[1]})"
+    except (OSError, TypeError):
+        return name
 
 
 def resume(path: str, compile: bool = True, **options):

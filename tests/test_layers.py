@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # lowest first; a module belongs to the layer of its longest listed prefix and may import only modules
 # of its own layer (without cycles) or of lower ones
 LAYERS = [
-    ("base", ["kiln.compat", "kiln.options", "kiln.config", "kiln.debug"]),
+    ("base", ["kiln.compat", "kiln.options", "kiln.config", "kiln.logs", "kiln.debug"]),
     ("capture", ["kiln.capture.decomp", "kiln.capture"]),
     ("passes", ["kiln.passes", "kiln.pattern_matcher"]),
     ("partition", ["kiln.partition"]),
@@ -119,7 +119,7 @@ def test_small_modules_and_no_switches():
     # (bench, check-ops, the fuzzer, the CLI) are counted apart
     tools = {m for m in lines if LAYERS[_layer(m)][0] == "tools"}
     compiler = sum(n for m, n in lines.items() if m not in tools)
-    assert compiler < 18000, compiler
+    assert compiler < 18400, compiler   # 18000 until #20 put kiln in torch's logging (kiln/logs.py, Trace.fail, report)
     assert sum(lines[m] for m in tools) < 9000, sum(lines[m] for m in tools)
     switches = [f"{m}: {ln.strip()}" for m, p in modules.items() for ln in open(p)
                 if re.match(r"^[A-Z][A-Z0-9_]* = (True|False)\b", ln)]

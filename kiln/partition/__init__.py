@@ -45,5 +45,5 @@ def partition_joint(joint_gm: fx.GraphModule, joint_inputs=None, *, num_fwd_outp
     kept = saved_values(fw, num_fwd_outputs)
     counters["partition"]["graphs"] += 1
     counters["partition"]["saved"] += len(kept)
-    log(3, f"partition ({opts.partitioner}): saved {[n.name for n in kept]}")
+    log(3, f"partition ({opts.partitioner}): saved {[n.name for n in kept]}", artifact="kiln_remat")
     return fw, bw

@@ -34,7 +34,7 @@ from typing import Dict, List, Sequence
 import numpy as np
 import torch.fx as fx
 
-from kiln.debug import counters, level, log
+from kiln.debug import counters, log, wanted
 from kiln.options import current, UserError
 from kiln.partition import ops
 from kiln.partition.decisions import log_decisions
@@ -68,7 +68,7 @@ def saved_for_budget(info: JointInfo, budget: float, opts, optimal=None) -> List
     for name, policy in (("more aggressive", MORE_AGGRESSIVE), ("aggressive", AGGRESSIVE)):
         cut = min_cut(info, policy)
         got = activation_bytes(info, cut)
-        log(3, f"remat: budget {budget}: {name} cut saves {got} of {max_b} B")
+        log(3, f"remat: budget {budget}: {name} cut saves {got} of {max_b} B", artifact="kiln_remat")
         if got <= cap:
             log_decisions(info, cut, policy, f"budget={budget}")
             return cut
@@ -80,9 +80,9 @@ def saved_for_budget(info: JointInfo, budget: float, opts, optimal=None) -> List
     values = [estimate(o) for o in owners]
     keep = knapsack(sizes, values, max(0.0, cap - fixed), opts)
     dont_ban = frozenset(o for i, o in enumerate(owners) if i not in keep)
-    for i, o in enumerate(owners if level() >= 3 else ()):
+    for i, o in enumerate(owners if wanted(3, "kiln_remat") else ()):
         log(3, f"remat: knapsack {'keeps' if i in keep else 'recomputes'} {o.name} "
-               f"({sizes[i]} B, runtime {values[i]:.3g})")
+               f"({sizes[i]} B, runtime {values[i]:.3g})", artifact="kiln_remat")
     policy = AGGRESSIVE.replace(dont_ban=dont_ban)
     saved = min_cut(info, policy)
     log_decisions(info, saved, policy, f"budget={budget}")
@@ -95,7 +95,7 @@ def runtime_optimal_saved(info: JointInfo) -> List[fx.Node]:
     saved = min_cut(info, RUNTIME_OPTIMAL)
     plain = default_saved(info.gm, info.num_fwd_outputs, gi=info)
     if activation_bytes(info, saved) > activation_bytes(info, plain):
-        log(3, "remat: min-cut saves more than the plain partition; keeping the plain one")
+        log(3, "remat: min-cut saves more than the plain partition; keeping the plain one", artifact="kiln_remat")
         return plain
     return saved
 

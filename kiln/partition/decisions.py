@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from kiln.debug import level, log
+from kiln import logs
+from kiln.debug import log, wanted
 from kiln.partition.joint_info import JointInfo
 from kiln.partition.mincut import Policy, ban_reason
+
+
+REMAT = "kiln_remat"   # the artifact (torch's logging) of remat decisions
 
 
 def source_line(n: fx.Node) -> str:
@@ -30,16 +34,18 @@ def source_line(n: fx.Node) -> str:
 
 
 def log_decisions(info: JointInfo, saved, policy: Policy, tag: str) -> None:
-    """KILN_DEBUG=3: what is saved (bytes, why) and what the backward recomputes, with source lines."""
-    if level() < 3:
+    """KILN_DEBUG=3 (the ``kiln_remat`` artifact, a ``kiln_remat`` trace entry): what is saved (bytes, why)
+    and what the backward recomputes, with source lines."""
+    if not wanted(3, REMAT) and not logs.tracing():
         return
     saved_set = set(saved)
-    for n in saved:
-        log(3, f"remat[{tag}]: save {n.name} ({info.size.get(n, 0)} B, {ban_reason(info, n, policy) or 'cheapest cut'})"
-               f"{_at(n)}")
-    for n in info.fw:
-        if n not in saved_set and n.op == "call_function" and _recomputed(info, n, saved_set):
-            log(3, f"remat[{tag}]: recompute {n.name} ({info.size.get(n, 0)} B){_at(n)}")
+    lines = [f"remat[{tag}]: save {n.name} ({info.size.get(n, 0)} B, "
+             f"{ban_reason(info, n, policy) or 'cheapest cut'}){_at(n)}" for n in saved]
+    lines += [f"remat[{tag}]: recompute {n.name} ({info.size.get(n, 0)} B){_at(n)}" for n in info.fw
+              if n not in saved_set and n.op == "call_function" and _recomputed(info, n, saved_set)]
+    for line in lines:
+        log(3, line, artifact=REMAT)
+    logs.trace(f"kiln_remat_{tag}", lambda: "\n".join(lines))
 
 
 def _recomputed(info: JointInfo, n: fx.Node, saved_set: set) -> bool:

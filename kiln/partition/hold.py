@@ -86,10 +86,10 @@ def plan_with_hold(info, saved: List[fx.Node], budget: float, opts) -> Saved:
         cand = Saved.of(saved, hold=hold)
         q = model_peak(info.gm, cand, n, info)
         log(3, f"remat: budget {budget}: hold the budget-{b} set -> modelled peak {q.peak} B "
-               f"(no hold {p.peak} B)")
+               f"(no hold {p.peak} B)", artifact="kiln_remat")
         if (q.peak, q.recompute_flops) < best_key:
             best, best_key = cand, (q.peak, q.recompute_flops)
     if best.hold is not None:
         log(3, f"remat: budget {budget}: the backward rebuilds {len(best.hold)} values first "
-               f"(modelled peak {p.peak} -> {best_key[0]} B)")
+               f"(modelled peak {p.peak} -> {best_key[0]} B)", artifact="kiln_remat")
     return best

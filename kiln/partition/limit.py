@@ -27,7 +27,7 @@ def limit_saved(info, budget: float, opts) -> List[fx.Node]:
     def peak_at(b):
         saved = plan_for_budget(info, b, opts)
         p = model_peak(info.gm, saved, info.num_fwd_outputs, info)
-        log(3, f"remat: limit {limit} B: budget {b:.4f} -> modelled peak {p.peak} B")
+        log(3, f"remat: limit {limit} B: budget {b:.4f} -> modelled peak {p.peak} B", artifact="kiln_remat")
         return saved, p.peak
 
     saved, peak = peak_at(budget)
