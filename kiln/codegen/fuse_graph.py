@@ -26,7 +26,7 @@ from kiln.codegen.schedule.domain import body, loads, scatter_exprs
 from kiln.codegen.schedule.fuse import schedule
 from kiln.codegen.schedule.plan import ScatterPlan
 from kiln.codegen.schedule.planner import numel_summary, plan_group
-from kiln.codegen.to_cpp.module import write_unit
+from kiln.codegen.to_cpp.module import declined, write_unit
 from kiln.codegen.to_triton.emit import TritonTarget
 from kiln.codegen.to_triton.module import write_module
 from kiln.debug import counters, log
@@ -55,8 +55,21 @@ def wants_triton(gm, opts) -> bool:
         return False
     if opts.codegen == "triton":
         return True
-    on_cuda = any(is_tensor(n.meta.get("val")) and n.meta["val"].device.type == "cuda" for n in gm.graph.nodes)
+    on_cuda = _on_cuda(gm)
     return not on_cuda if opts.codegen == "cpp" else on_cuda
+
+
+def _on_cuda(gm) -> bool:
+    return any(is_tensor(n.meta.get("val")) and n.meta["val"].device.type == "cuda" for n in gm.graph.nodes)
+
+
+def interpreted(plan, opts, graph_on_cuda: bool) -> bool:
+    """Whether ``plan``'s Triton kernel would run in Triton's interpreter inside a graph with CUDA
+    values: a computation on CPU tensors there (a Python number a model writes into a tensor becomes a
+    CPU 0-dim constant) costs milliseconds per launch in the interpreter and microseconds as ATen, so
+    such plans are left to ATen; the interpreter serves graphs that are on the CPU throughout."""
+    device = (plan.copy if isinstance(plan, ScatterPlan) else plan).device
+    return graph_on_cuda and device.type != "cuda" and opts.emit_for != "cuda"
 
 
 def fuse_graph(gm: torch.fx.GraphModule, example_inputs, opts, load_kernel, on_plans=None,
@@ -115,7 +128,9 @@ def _generate(gm, opts, build=None):
                 raise CodegenError("codegen: codegen='cpp' needs a build function (runtime.cpp_build.build)")
             build(unit, opts)
     else:
-        sources = [write_module(plan, target_for(plan, opts)) for plan in plans]
+        on_cuda = _on_cuda(gm)
+        sources = [declined(plan) if interpreted(plan, opts, on_cuda) else write_module(plan, target_for(plan, opts))
+                   for plan in plans]
     for plan, src in zip(plans, sources):
         if not src.text:   # declined: its ATen nodes run, reading the graph inputs they need too
             src = _declined(src, lw)

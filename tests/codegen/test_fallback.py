@@ -199,3 +199,19 @@ def test_a_kernel_without_its_own_fallback_falls_back_with_its_graph(monkeypatch
         torch.testing.assert_close(o, r, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-4)
     assert counters["codegen"]["graph_fallback"] == before.get("graph_fallback", 0) + 1
+
+
+def test_cpu_plans_of_a_gpu_graph_are_not_interpreted():
+    """A CPU computation inside a graph with CUDA values (a number written into a CUDA tensor's slice is
+    a CPU 0-dim constant) runs as ATen; graphs on the CPU throughout still use the interpreter, and
+    compiling for CUDA offline (emit_for='cuda') emits real kernels."""
+    from types import SimpleNamespace
+
+    from kiln.codegen.fuse_graph import interpreted
+    from kiln.options import current
+    cpu, cuda = SimpleNamespace(device=torch.device("cpu")), SimpleNamespace(device=torch.device("cuda", 0))
+    opts = current(codegen="triton")
+    assert interpreted(cpu, opts, graph_on_cuda=True)
+    assert not interpreted(cpu, opts, graph_on_cuda=False)
+    assert not interpreted(cuda, opts, graph_on_cuda=True)
+    assert not interpreted(cpu, current(codegen="triton", emit_for="cuda"), graph_on_cuda=True)
