@@ -238,6 +238,8 @@ class Options:
     # freezing and layout
     freezing: bool = _opt(False, "inference: turn parameters into constants and fold them")
     freezing_discard_parameters: bool = _opt(False, "with freezing: drop the eager module's parameters")
+    fold_constants: bool = _opt(True, "fold subgraphs that read no input (e.g. a mask built from Python numbers) "
+                                      "into constants, with or without freezing")
     layout_optimization: bool = _opt(True, "pick channels-last for convolution nets")
     layout_devices: str = _opt("cuda", "where layout_optimization acts: 'cuda' (where channels-last pays) or 'any' "
                                        "(CPU graphs too, e.g. to test it)", ("cuda", "any"))

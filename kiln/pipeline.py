@@ -33,6 +33,7 @@ from kiln.options import Options, UserError, using
 from kiln.partition import ops as partition_ops
 from kiln.passes import freeze
 from kiln.passes.channels_last import to_channels_last
+from kiln.passes.constant_fold import fold_constants
 from kiln.passes.conv_bias import split_conv_bias
 from kiln.passes.registry import cache_key as registered_passes_key
 from kiln.repro import write_repro
@@ -222,6 +223,8 @@ def _lower(gm: fx.GraphModule, inputs: list, opts: Options, trace: Trace, kind: 
         names = [getattr(o, "name", None) for o in (out if isinstance(out, (tuple, list)) else (out,))]
     if kind == "inference" and target == "triton" and opts.layout_optimization:
         trace.stage("channels_last", to_channels_last, gm, opts)
+    if opts.fold_constants and target in ("triton", "cpp"):
+        trace.stage(f"fold_{kind}", fold_constants, gm)
     trace.stage(f"post_grad_{kind}", passes.post_grad, gm, opts, registered)
     if target in ("triton", "cpp"):
         if target == "triton":   # cuDNN adds a bias in a pass of its own; oneDNN adds it in the convolution

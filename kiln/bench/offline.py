@@ -98,7 +98,10 @@ def main(argv=None):
         call = lambda f, b: (wl._loss(f) if wl.train else wl.call(f, b))  # noqa: E731
     else:                      # a micro case: a function of leaf inputs
         call = lambda f, b: f(*b)  # noqa: E731
-    graphs, _ = capture(wl.model, call, wl.inputs, autocast)
+    grad = contextlib.nullcontext() if getattr(wl, "train", True) else torch.no_grad()   # inference: no backward
+    with grad:
+        graphs, _ = capture(wl.model, call, wl.inputs, autocast)
+    grad = contextlib.nullcontext() if getattr(wl, "train", True) else torch.no_grad()
     opts = {"debug": a.debug}
     if a.dump:
         os.makedirs(a.dump, exist_ok=True)
@@ -119,7 +122,7 @@ def main(argv=None):
         if prof:
             prof.enable()
         amp = torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext()
-        with amp:   # as torch.compile under CUDA autocast: AOTAutograd traces the casts too
+        with amp, grad:   # as torch.compile under CUDA autocast: AOTAutograd traces the casts too
             for gm, ins in graphs:
                 compile_for_gpu(gm, ins, **opts)
         if prof:

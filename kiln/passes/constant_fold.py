@@ -179,8 +179,9 @@ def _evaluate(n: fx.Node, env: dict):
 def fold_constants(gm: fx.GraphModule, fake_mode=None) -> int:
     """Fold every subgraph whose inputs are all constants; edits ``gm`` in place.
 
-    Returns the number of nodes folded away. Constructors that read no constant (``full``, ``zeros``,
-    ``arange``) are not folded on their own: that would only trade a cheap kernel for stored memory.
+    Returns the number of nodes folded away. Constructors (``full``, ``zeros``, ``arange``) seed folds
+    but are never stored on their own (that would only trade a cheap kernel for memory): a mask made by
+    writing Python numbers into slices of ``zeros`` folds into one constant, a lone ``zeros`` stays.
     """
     fake_mode = fake_mode or fake_mode_of(gm)
     env: dict = {}
@@ -192,14 +193,14 @@ def fold_constants(gm: fx.GraphModule, fake_mode=None) -> int:
             continue
         if n.op != "call_function" or not all(a in env for a in n.all_input_nodes):
             continue
-        if not n.all_input_nodes or refusal(n) is not None:
-            continue  # constructors and refused ops
+        if refusal(n) is not None:
+            continue
         try:
             args, kwargs, out = _evaluate(n, env)
         except Exception as e:  # an op that cannot run eagerly here just stays in the graph
             log(5, f"fold: {n.name} ({n.target}) not folded: {e}")
             continue
-        if _grows_too_much(n, args, kwargs, out):
+        if n.all_input_nodes and _grows_too_much(n, args, kwargs, out):
             log(5, f"fold: {n.name} not folded (result would materialize a large tensor)")
             continue
         env[n] = out
@@ -223,6 +224,8 @@ def _materialize(gm: fx.GraphModule, env: dict, fake_mode) -> int:
                 changed = True
     folded_nodes = [n for n in env if n.op == "call_function"]
     for n in folded_nodes:
+        if not n.all_input_nodes:
+            continue   # a constructor stays a node: its non-folded users keep reading it
         if isinstance(env[n], torch.Tensor) and any(u not in env for u in n.users):
             const = add_constant(gm, env[n], fake_mode)
             n.replace_all_uses_with(const)
