@@ -1,7 +1,8 @@
 """Measurements: step times, compile times, memory, and the correctness check against eager.
 
 - Step time: CUDA events around each step on the GPU (synchronised), ``perf_counter`` on the CPU;
-  warm-up steps are excluded. ``summarize`` gives median, p25/p75, min and max in ms.
+  warm-up steps are excluded. ``summarize`` gives median, p25/p75, min and max in ms; ``steady_times``
+  measures in batches until the spread (half the IQR over the median) is small or a time cap is reached.
 - Memory on the GPU: ``torch.cuda.max_memory_allocated`` over one step (absolute, and above what
   was allocated when the step began).
 - Saved bytes (every device): the distinct storages saved for backward during one forward, seen
@@ -132,6 +133,23 @@ def _measure(step, device, times, min_iters, max_iters, min_time):
             step()
             times.append((time.perf_counter() - t0) * 1e3)
     return times
+
+
+def steady_times(step, device: str, batch: int = 10, target: float = 0.05, max_seconds: float = 3.0,
+                 warmup: int = 1) -> list:
+    """Milliseconds of each measured step, taken ``batch`` steps at a time until the spread (half the
+    interquartile range over the median, see ``spread``) is below ``target`` or ``max_seconds`` have
+    passed (warm-up included); always at least one batch."""
+    t0 = time.perf_counter()
+    times = step_times(step, device, warmup=warmup, min_iters=batch, max_iters=batch, min_time=0.0)
+    while spread(summarize(times)) >= target and time.perf_counter() - t0 < max_seconds:
+        times += step_times(step, device, warmup=0, min_iters=batch, max_iters=batch, min_time=0.0)
+    return times
+
+
+def spread(summary: dict) -> float:
+    """Half the interquartile range relative to the median of a ``summarize`` result (0.04 = ±4%)."""
+    return (summary["p75"] - summary["p25"]) / 2 / summary["ms"] if summary["ms"] else 0.0
 
 
 def _quantile(sorted_xs, q):

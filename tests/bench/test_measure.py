@@ -55,6 +55,20 @@ def test_step_times_excludes_warmup_and_respects_bounds():
     assert len(times) == 3
 
 
+def test_steady_times_stops_at_a_small_spread_or_the_cap():
+    """Batches of steps until half the IQR is under the target; a noisy step runs until the time cap."""
+    import time
+    steady = M.steady_times(lambda: time.sleep(0.01), "cpu", batch=5, target=0.2, max_seconds=5.0)
+    assert len(steady) == 5 and M.spread(M.summarize(steady)) < 0.2
+    delays = iter([0.001, 0.02] * 1000)
+    t0 = time.perf_counter()
+    noisy = M.steady_times(lambda: time.sleep(next(delays)), "cpu", batch=4, target=0.05, max_seconds=0.3,
+                           warmup=0)
+    assert 0.3 <= time.perf_counter() - t0 < 1.0
+    assert len(noisy) % 4 == 0 and len(noisy) > 4 and M.spread(M.summarize(noisy)) > 0.05
+    assert M.spread({"ms": 10.0, "p25": 9.0, "p75": 11.0}) == 0.1
+
+
 def test_compare_float64_referee():
     truth = [torch.tensor([1.0, 2.5, 3.0], dtype=torch.float64)]
     eager_off = [torch.tensor([1.0, 2.0, 3.0])]          # eager rounds badly at one element

@@ -43,6 +43,18 @@ def test_record_appends(tmp_path):
     assert rows[0]["case"] == "gpt" and meta["device"] == "cpu"
 
 
+def test_record_appends_below_a_summary(tmp_path):
+    """A RESULTS.md that opens with a hand-kept summary keeps it first: record only appends, and writes
+    the file's header only when it creates the file."""
+    head = ("# kiln bench results\n\nAppended by `kiln bench` (newest last).\n\n## Summary (current)\n\n"
+            "| what | section |\n|---|---|\n| CPU | old run |\n\n## old run\n\ntext\n")
+    (tmp_path / "RESULTS.md").write_text(head)
+    md, _ = report.record(META, ROWS, str(tmp_path))
+    text = open(md).read()
+    assert text.startswith(head) and text.count("# kiln bench results") == 1
+    assert text.index("## Summary (current)") < text.index("## old run") < text.index("## 2026-01-01")
+
+
 def test_budget_plot(tmp_path):
     paths = plot.plot_budgets(ROWS, str(tmp_path), "cpu", "saved")
     assert [os.path.basename(p) for p in paths] == ["budget_gpt_cpu.png"]
