@@ -179,12 +179,14 @@ def _evaluate(n: fx.Node, env: dict):
 def fold_constants(gm: fx.GraphModule, fake_mode=None) -> int:
     """Fold every subgraph whose inputs are all constants; edits ``gm`` in place.
 
-    Returns the number of nodes folded away. Constructors (``full``, ``zeros``, ``arange``) seed folds
-    but are never stored on their own (that would only trade a cheap kernel for memory): a mask made by
-    writing Python numbers into slices of ``zeros`` folds into one constant, a lone ``zeros`` stays.
+    Returns the number of nodes folded away. Constructors (``full``, ``zeros``, ``arange``) seed folds,
+    but only values that also read a constant are stored (a constructor alone would trade a cheap kernel
+    for memory): a mask made by writing Python numbers (constants) into slices of ``zeros`` folds into
+    one constant; ``zeros`` or ``arange(n).view(1, n)`` stay.
     """
     fake_mode = fake_mode or fake_mode_of(gm)
     env: dict = {}
+    stored: set = set()   # folded values that read a constant: only those may become constants
     for n in gm.graph.nodes:
         if n.op == "get_attr":
             v = constant_value(gm, n)
@@ -204,15 +206,19 @@ def fold_constants(gm: fx.GraphModule, fake_mode=None) -> int:
             log(5, f"fold: {n.name} not folded (result would materialize a large tensor)")
             continue
         env[n] = out
-    folded = _materialize(gm, env, fake_mode)
+        if any(a.op == "get_attr" or a in stored for a in n.all_input_nodes):
+            stored.add(n)
+    folded = _materialize(gm, env, fake_mode, stored)
     if folded:
         drop_unused_constants(gm)
         log(5, f"fold: {folded} nodes folded")
     return folded
 
 
-def _materialize(gm: fx.GraphModule, env: dict, fake_mode) -> int:
-    """Replace each folded tensor read by a non-folded node with a constant; count nodes removed."""
+def _materialize(gm: fx.GraphModule, env: dict, fake_mode, stored: set) -> int:
+    """Replace each folded tensor in ``stored`` read by a non-folded node with a constant; count nodes
+    removed. Values made from constructors alone (``arange(n).view(1, n)``) stay computed: a constant
+    would hide the index arithmetic the code generators read from them (one-hot rows)."""
     changed = True
     while changed:  # a non-tensor value read outside the folded set cannot become a constant: unfold it
         changed = False
@@ -224,8 +230,8 @@ def _materialize(gm: fx.GraphModule, env: dict, fake_mode) -> int:
                 changed = True
     folded_nodes = [n for n in env if n.op == "call_function"]
     for n in folded_nodes:
-        if not n.all_input_nodes:
-            continue   # a constructor stays a node: its non-folded users keep reading it
+        if n not in stored:
+            continue   # constructors and what only they feed stay nodes: their users keep reading them
         if isinstance(env[n], torch.Tensor) and any(u not in env for u in n.users):
             const = add_constant(gm, env[n], fake_mode)
             n.replace_all_uses_with(const)

@@ -42,3 +42,12 @@ def test_a_lone_constructor_is_not_stored():
     def f(x):
         return x + torch.arange(16, dtype=x.dtype)
     assert "_frozen_param" not in _wrapper(f, torch.randn(16), codegen="cpp")
+
+
+def test_values_of_constructors_alone_stay_computed():
+    """``arange(n)[None, :] == t[:, None]`` keeps its arange: a stored constant would hide the row index
+    the C++ emitter's one-hot row sums read (cross-entropy's backward)."""
+    def f(t):
+        r = torch.arange(16).view(1, 16)
+        return (r == t[:, None]).float().sum(-1)
+    assert "_frozen_param" not in _wrapper(f, torch.tensor([1, 3, 20]), codegen="cpp")
