@@ -105,6 +105,9 @@ KILN_INLINE float kiln_pick_f(uint32_t keep, float a, float b) {
   float r; memcpy(&r, &x, 4); return r;
 }
 // two selects, not one on ``x || y``: g++ 12 vectorizes no loop holding the latter with more than one load
+/* the value of v unknown to the optimizer: g++ 12 stopped vectorizing row loops (exp) nested in a loop
+   it could prove runs once */
+#define KILN_OPAQUE(v) __asm__("" : "+r"(v))
 template <typename T> KILN_INLINE T kiln_maximum(T a, T b) { const T m = a >= b ? a : b; return a != a ? a : m; }
 template <typename T> KILN_INLINE T kiln_minimum(T a, T b) { const T m = a <= b ? a : b; return a != a ? a : m; }
 template <typename T> KILN_INLINE T kiln_max_nan(T a, T b) { const T m = b > a ? b : a; return b != b ? b : m; }

@@ -367,7 +367,9 @@ class CppKernel(ExprWriter):
                  f"for ({t} x = x0; x < x1; x++) {{"], row, ["}"])
         body = Scope()
         body.lines = start + [rows] + end
-        self.body += [f"const {t} nch = xnumel < {n} ? xnumel : {n};"] + combine_lines
+        # nch is opaque: with xnumel <= n each chunk is one row, and g++ 12, proving the row loop runs once,
+        # left the row's exp loop scalar (cross-entropy's forward over 64 rows: 94 us, eager's 18)
+        self.body += [f"{t} nch = xnumel < {n} ? xnumel : {n};", "KILN_OPAQUE(nch);"] + combine_lines
         self.body.append(([self._parallel(), f"for ({t} c = 0; c < nch; c++) {{"], body, ["}"]))
         self.body += final + [post]
 
