@@ -28,6 +28,11 @@ def _size(device, size):
     return size or ("gpu" if device == "cuda" else "cpu")
 
 
+def _big(device, size) -> bool:
+    """Whether the case builds its measured GPU size (else the small CPU / test size)."""
+    return _size(device, size) == "gpu"
+
+
 def _adamw(device):
     fused = device == "cuda"
     return functools.partial(torch.optim.AdamW, lr=1e-4, fused=fused) if fused else \
@@ -77,18 +82,23 @@ def _cnn(device, dtype, size, train=True):
 
 
 # --- HuggingFace transformers ------------------------------------------------------------------------
-def _causal_lm(model_class, cfg, batch, device):
-    """A seeded HF causal LM train step on random ids of shape ``batch``: the loss against the ids."""
-    torch.manual_seed(0)
-    model = model_class(cfg).to(device)
-    ids = torch.randint(0, cfg.vocab_size, batch, device=device)
+def _own_labels(model, ids, device):
+    """A train step of an HF model on ``ids`` with the same ids as its labels (causal and masked LMs,
+    encoder-decoders on a copy task): its own loss, fused AdamW on the GPU."""
     return _finish(model, (ids,), device, True, lambda out, b: out.loss, _adamw(device),
                    call=lambda f, b: f(input_ids=b[0], labels=b[0]))
 
 
+def _causal_lm(model_class, cfg, batch, device):
+    """A seeded HF causal LM train step on random ids of shape ``batch``: the loss against the ids."""
+    torch.manual_seed(0)
+    model = model_class(cfg).to(device)
+    return _own_labels(model, torch.randint(0, cfg.vocab_size, batch, device=device), device)
+
+
 def _gpt2(device, dtype, size):
     from transformers import GPT2Config, GPT2LMHeadModel
-    big = _size(device, size) == "gpu"
+    big = _big(device, size)
     cfg = GPT2Config(n_layer=12 if big else 2, n_embd=768 if big else 64, n_head=12 if big else 2,
                      n_positions=1024, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
     return _causal_lm(GPT2LMHeadModel, cfg, (8, 1024) if big else (2, 64), device)
@@ -96,7 +106,7 @@ def _gpt2(device, dtype, size):
 
 def _llama(device, dtype, size):
     from transformers import LlamaConfig, LlamaForCausalLM
-    big = _size(device, size) == "gpu"
+    big = _big(device, size)
     cfg = LlamaConfig(vocab_size=32000, hidden_size=1024 if big else 64, intermediate_size=2816 if big else 128,
                       num_hidden_layers=8 if big else 2, num_attention_heads=16 if big else 2,
                       num_key_value_heads=4 if big else 1, max_position_embeddings=2048, use_cache=False)
@@ -105,7 +115,7 @@ def _llama(device, dtype, size):
 
 def _bert(device, dtype, size):
     from transformers import BertConfig, BertModel
-    big = _size(device, size) == "gpu"
+    big = _big(device, size)
     cfg = BertConfig() if big else BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
                                               intermediate_size=128)
     bs, seq = (16, 512) if big else (2, 64)
@@ -117,16 +127,14 @@ def _bert(device, dtype, size):
 
 def _bert_mlm(device, dtype, size):
     from transformers import BertConfig, BertForMaskedLM
-    big = _size(device, size) == "gpu"
+    big = _big(device, size)
     drop = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     cfg = BertConfig(**drop) if big else BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
                                                     intermediate_size=128, **drop)
     bs, seq = (16, 512) if big else (2, 64)
     torch.manual_seed(0)
     model = BertForMaskedLM(cfg).to(device)
-    ids = torch.randint(0, cfg.vocab_size, (bs, seq), device=device)
-    return _finish(model, (ids,), device, True, lambda out, b: out.loss, _adamw(device),
-                   call=lambda f, b: f(input_ids=b[0], labels=b[0]))
+    return _own_labels(model, torch.randint(0, cfg.vocab_size, (bs, seq), device=device), device)
 
 
 # --- torchvision -------------------------------------------------------------------------------------
@@ -137,7 +145,7 @@ def _resnet(arch, train, device, dtype, size):
     else:
         import torchvision
         model = getattr(torchvision.models, arch)().to(device)
-    big = _size(device, size) == "gpu"
+    big = _big(device, size)
     bs, hw = (64, 224) if big else ((8, 224) if size != "tiny" else (2, 64))
     x = torch.randn(bs, 3, hw, hw, device=device)
     y = torch.randint(0, 1000, (bs,), device=device)

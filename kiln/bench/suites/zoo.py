@@ -17,11 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.bench.case import Case
-from kiln.bench.suites.models import _adamw, _finish, _images, _size, _xent
-
-
-def _big(device, size) -> bool:
-    return _size(device, size) == "gpu"
+from kiln.bench.suites.models import _big, _finish, _images, _own_labels, _xent
 
 
 # --- transformers ------------------------------------------------------------------------------------
@@ -46,8 +42,7 @@ def _decoder(config_name, model_name, make_cfg, device, dtype, size, train=True)
     model = _hf(config_name, model_name, use_cache=False, **cfg).to(device)
     ids = _ids(cfg["vocab_size"], big, device)
     if train:
-        return _finish(model, (ids,), device, True, lambda out, b: out.loss, _adamw(device),
-                       call=lambda f, b: f(input_ids=b[0], labels=b[0]))
+        return _own_labels(model, ids, device)
     return _finish(model, (ids,), device, False, None, None, call=lambda f, b: f(input_ids=b[0]).logits)
 
 
@@ -92,8 +87,7 @@ def _mlm(config_name, model_name, extra, device, dtype, size, train=True):
     model = _hf(config_name, model_name, **extra(L, d, h, ffn)).to(device)
     ids = _ids(model.config.vocab_size, big, device, (16, 512))
     if train:
-        return _finish(model, (ids,), device, True, lambda out, b: out.loss, _adamw(device),
-                       call=lambda f, b: f(input_ids=b[0], labels=b[0]))
+        return _own_labels(model, ids, device)
     return _finish(model, (ids,), device, False, None, None, call=lambda f, b: f(input_ids=b[0])[0])
 
 
@@ -117,9 +111,7 @@ def _seq2seq(config_name, model_name, extra, device, dtype, size):
     L, d, h, ffn = _dims(big)
     torch.manual_seed(0)
     model = _hf(config_name, model_name, use_cache=False, **extra(L, d, h, ffn)).to(device)
-    src = _ids(model.config.vocab_size, big, device)
-    return _finish(model, (src,), device, True, lambda out, b: out.loss, _adamw(device),
-                   call=lambda f, b: f(input_ids=b[0], labels=b[0]))
+    return _own_labels(model, _ids(model.config.vocab_size, big, device), device)
 
 
 def _t5_cfg(L, d, h, ffn):      # RMSNorm, relative position buckets, gated-GELU (v1.1 style)
