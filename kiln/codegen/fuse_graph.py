@@ -68,8 +68,7 @@ def interpreted(plan, opts, graph_on_cuda: bool) -> bool:
     values: a computation on CPU tensors there (a Python number a model writes into a tensor becomes a
     CPU 0-dim constant) costs milliseconds per launch in the interpreter and microseconds as ATen, so
     such plans are left to ATen; the interpreter serves graphs that are on the CPU throughout."""
-    device = (plan.copy if isinstance(plan, ScatterPlan) else plan).device
-    return graph_on_cuda and device.type != "cuda" and opts.emit_for != "cuda"
+    return graph_on_cuda and target_for(plan, opts).interpret
 
 
 def fuse_graph(gm: torch.fx.GraphModule, example_inputs, opts, load_kernel, on_plans=None,
