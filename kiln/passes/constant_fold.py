@@ -181,21 +181,20 @@ def fold_constants(gm: fx.GraphModule, fake_mode=None) -> int:
 
     Returns the number of nodes folded away. Constructors (``full``, ``zeros``, ``arange``) seed folds,
     but only values that also read a constant are stored (a constructor alone would trade a cheap kernel
-    for memory): a mask made by writing Python numbers (constants) into slices of ``zeros`` folds into
-    one constant; ``zeros`` or ``arange(n).view(1, n)`` stay.
+    for memory) or evaluated at all: a mask made by writing Python numbers (constants) into slices of
+    ``zeros`` folds into one constant; ``zeros`` or ``arange(n).view(1, n)`` stay.
     """
     fake_mode = fake_mode or fake_mode_of(gm)
     env: dict = {}
     stored: set = set()   # folded values that read a constant: only those may become constants
+    needed = _worth_evaluating(gm)
     for n in gm.graph.nodes:
         if n.op == "get_attr":
             v = constant_value(gm, n)
             if v is not None:
                 env[n] = v
             continue
-        if n.op != "call_function" or not all(a in env for a in n.all_input_nodes):
-            continue
-        if refusal(n) is not None:
+        if n not in needed or not all(a in env for a in n.all_input_nodes):
             continue
         try:
             args, kwargs, out = _evaluate(n, env)
@@ -213,6 +212,29 @@ def fold_constants(gm: fx.GraphModule, fake_mode=None) -> int:
         drop_unused_constants(gm)
         log(5, f"fold: {folded} nodes folded")
     return folded
+
+
+def _worth_evaluating(gm: fx.GraphModule) -> set:
+    """The ops a fold evaluates: those that may fold (constant inputs only, no ``refusal``) and read a
+    constant or feed one that does. The rest, constructors and what only they feed, are never stored, so
+    running them would be wasted work (a backward's ``full`` of a logits-sized buffer, at every compile)."""
+    foldable, reads_constant = set(), set()
+    for n in gm.graph.nodes:
+        if n.op == "get_attr" and constant_value(gm, n) is not None:
+            foldable.add(n)
+            reads_constant.add(n)
+        elif n.op == "call_function" and all(a in foldable for a in n.all_input_nodes) and refusal(n) is None:
+            foldable.add(n)
+            if any(a in reads_constant for a in n.all_input_nodes):
+                reads_constant.add(n)
+    needed: set = set()
+    stack = [n for n in reads_constant if n.op == "call_function"]
+    while stack:
+        n = stack.pop()
+        if n not in needed:
+            needed.add(n)
+            stack.extend(a for a in n.all_input_nodes if a.op == "call_function" and a in foldable)
+    return needed
 
 
 def _materialize(gm: fx.GraphModule, env: dict, fake_mode, stored: set) -> int:

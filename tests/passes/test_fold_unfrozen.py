@@ -51,3 +51,23 @@ def test_values_of_constructors_alone_stay_computed():
         r = torch.arange(16).view(1, 16)
         return (r == t[:, None]).float().sum(-1)
     assert "_frozen_param" not in _wrapper(f, torch.tensor([1, 3, 20]), codegen="cpp")
+
+
+def test_constructors_that_meet_no_constant_are_not_evaluated():
+    """A fold evaluates only what it could store: input-free ``full`` and ``arange`` that no constant meets are
+    never run at compile time (a logits-sized buffer would be allocated at every compile); once a constant
+    meets them, they and what reads them are."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from kiln.passes.constant_fold import _worth_evaluating
+    gm = make_fx(lambda x: x + torch.full((4, 4), 2.0) * torch.arange(4.0))(torch.randn(4, 4))
+    assert not _worth_evaluating(gm)
+    gm.register_buffer("c", torch.ones(4))
+    full = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.full.default)
+    with gm.graph.inserting_after(full):
+        c = gm.graph.get_attr("c")
+    with gm.graph.inserting_after(c):
+        scaled = gm.graph.call_function(torch.ops.aten.mul.Tensor, (full, c))
+    full.replace_all_uses_with(scaled, delete_user_cb=lambda u: u is not scaled)
+    names = {n.name for n in _worth_evaluating(gm)}
+    assert names == {full.name, scaled.name, "arange", "mul"}, names   # mul: scaled * arange
