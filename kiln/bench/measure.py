@@ -17,6 +17,8 @@ import time
 
 import torch
 
+from kiln.bench.report import spread
+
 
 def sync(device: str) -> None:
     if device == "cuda":
@@ -145,11 +147,6 @@ def steady_times(step, device: str, batch: int = 10, target: float = 0.05, max_s
     while spread(summarize(times)) >= target and time.perf_counter() - t0 < max_seconds:
         times += step_times(step, device, warmup=0, min_iters=batch, max_iters=batch, min_time=0.0)
     return times
-
-
-def spread(summary: dict) -> float:
-    """Half the interquartile range relative to the median of a ``summarize`` result (0.04 = ±4%)."""
-    return (summary["p75"] - summary["p25"]) / 2 / summary["ms"] if summary["ms"] else 0.0
 
 
 def _quantile(sorted_xs, q):

@@ -29,8 +29,13 @@ def step_cell(row) -> str:
     """'1.23 ±4%': median step ms and half the interquartile range relative to it."""
     if row.get("status") != "ok" or row.get("ms") is None:
         return "error"
-    spread = (row["p75"] - row["p25"]) / 2 / row["ms"] * 100 if row["ms"] else 0.0
-    return f"{_num(row['ms'])} ±{spread:.0f}%"
+    return f"{_num(row['ms'])} ±{spread(row) * 100:.0f}%"
+
+
+def spread(summary: dict) -> float:
+    """Half the interquartile range relative to the median of a ``measure.summarize`` result or a row
+    (0.04 = ±4%)."""
+    return (summary["p75"] - summary["p25"]) / 2 / summary["ms"] if summary["ms"] else 0.0
 
 
 def mem_cell(row) -> str:
