@@ -93,7 +93,6 @@ class Trace:
         self.id = Trace._count
         self.name = f"{kind}_{self.id}"
         self.opts = opts
-        self.kind = kind
         self.step = 0
         self.dir = _dump_dir(os.fspath(opts.dump_dir), kind) if opts.dump_dir else None
         self.phase = "forward"            # "backward" while the backward compiles

@@ -55,8 +55,7 @@ def wants_triton(gm, opts) -> bool:
         return False
     if opts.codegen == "triton":
         return True
-    on_cuda = _on_cuda(gm)
-    return not on_cuda if opts.codegen == "cpp" else on_cuda
+    return _on_cuda(gm) != (opts.codegen == "cpp")   # 'auto': CUDA graphs; 'cpp': CPU graphs
 
 
 def _on_cuda(gm) -> bool:
@@ -64,10 +63,9 @@ def _on_cuda(gm) -> bool:
 
 
 def interpreted(plan, opts, graph_on_cuda: bool) -> bool:
-    """Whether ``plan``'s Triton kernel would run in Triton's interpreter inside a graph with CUDA
-    values: a computation on CPU tensors there (a Python number a model writes into a tensor becomes a
-    CPU 0-dim constant) costs milliseconds per launch in the interpreter and microseconds as ATen, so
-    such plans are left to ATen; the interpreter serves graphs that are on the CPU throughout."""
+    """Whether ``plan``'s Triton kernel would run in Triton's interpreter inside a graph with CUDA values (a
+    Python number written into a tensor is a CPU 0-dim constant): milliseconds a launch there, microseconds
+    as ATen, which runs such plans; the interpreter serves graphs on the CPU throughout."""
     return graph_on_cuda and target_for(plan, opts).interpret
 
 

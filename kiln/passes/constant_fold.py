@@ -179,21 +179,16 @@ def _evaluate(n: fx.Node, env: dict):
 def fold_constants(gm: fx.GraphModule, fake_mode=None) -> int:
     """Fold every subgraph whose inputs are all constants; edits ``gm`` in place.
 
-    Returns the number of nodes folded away. Constructors (``full``, ``zeros``, ``arange``) seed folds,
-    but only values that also read a constant are stored (a constructor alone would trade a cheap kernel
-    for memory) or evaluated at all: a mask made by writing Python numbers (constants) into slices of
-    ``zeros`` folds into one constant; ``zeros`` or ``arange(n).view(1, n)`` stay.
+    Returns the number of nodes folded away. Constructors (``full``, ``arange``) seed folds, but only values
+    that also read a constant are evaluated and stored (``_worth_evaluating``): a mask made by writing Python
+    numbers (constants) into slices of ``zeros`` folds into one constant; ``arange(n).view(1, n)`` stays.
     """
     fake_mode = fake_mode or fake_mode_of(gm)
     env: dict = {}
-    stored: set = set()   # folded values that read a constant: only those may become constants
-    needed = _worth_evaluating(gm)
+    needed, store = _worth_evaluating(gm)
     for n in gm.graph.nodes:
-        if n.op == "get_attr":
-            v = constant_value(gm, n)
-            if v is not None:
-                env[n] = v
-            continue
+        if n.op == "get_attr" and n in store:   # a tensor constant
+            env[n] = constant_value(gm, n)
         if n not in needed or not all(a in env for a in n.all_input_nodes):
             continue
         try:
@@ -205,42 +200,37 @@ def fold_constants(gm: fx.GraphModule, fake_mode=None) -> int:
             log(5, f"fold: {n.name} not folded (result would materialize a large tensor)")
             continue
         env[n] = out
-        if any(a.op == "get_attr" or a in stored for a in n.all_input_nodes):
-            stored.add(n)
-    folded = _materialize(gm, env, fake_mode, stored)
+    folded = _materialize(gm, env, fake_mode, store)
     if folded:
         drop_unused_constants(gm)
         log(5, f"fold: {folded} nodes folded")
     return folded
 
 
-def _worth_evaluating(gm: fx.GraphModule) -> set:
-    """The ops a fold evaluates: those that may fold (constant inputs only, no ``refusal``) and read a
-    constant or feed one that does. The rest, constructors and what only they feed, are never stored, so
-    running them would be wasted work (a backward's ``full`` of a logits-sized buffer, at every compile)."""
-    foldable, reads_constant = set(), set()
+def _worth_evaluating(gm: fx.GraphModule) -> tuple:
+    """``(evaluate, store)``: the ops that may fold (constant inputs only, no ``refusal``) and read a constant,
+    directly or through such ops (``store``: only these may become constants), and those plus the foldable
+    ops feeding them (``evaluate``). Constructors and what only they feed are neither: running them wastes
+    work (a backward's logits-sized ``full``, at every compile); storing ``arange(n).view(1, n)`` would hide
+    its index arithmetic from the code generators (one-hot rows)."""
+    foldable, store = set(), set()
     for n in gm.graph.nodes:
-        if n.op == "get_attr" and constant_value(gm, n) is not None:
+        const = n.op == "get_attr" and constant_value(gm, n) is not None
+        if const or (n.op == "call_function" and all(a in foldable for a in n.all_input_nodes) and refusal(n) is None):
             foldable.add(n)
-            reads_constant.add(n)
-        elif n.op == "call_function" and all(a in foldable for a in n.all_input_nodes) and refusal(n) is None:
-            foldable.add(n)
-            if any(a in reads_constant for a in n.all_input_nodes):
-                reads_constant.add(n)
-    needed: set = set()
-    stack = [n for n in reads_constant if n.op == "call_function"]
+            if const or any(a in store for a in n.all_input_nodes):
+                store.add(n)
+    evaluate, stack = set(), [n for n in store if n.op == "call_function"]
     while stack:
         n = stack.pop()
-        if n not in needed:
-            needed.add(n)
+        if n not in evaluate:
+            evaluate.add(n)
             stack.extend(a for a in n.all_input_nodes if a.op == "call_function" and a in foldable)
-    return needed
+    return evaluate, store
 
 
-def _materialize(gm: fx.GraphModule, env: dict, fake_mode, stored: set) -> int:
-    """Replace each folded tensor in ``stored`` read by a non-folded node with a constant; count nodes
-    removed. Values made from constructors alone (``arange(n).view(1, n)``) stay computed: a constant
-    would hide the index arithmetic the code generators read from them (one-hot rows)."""
+def _materialize(gm: fx.GraphModule, env: dict, fake_mode, store: set) -> int:
+    """Replace each folded tensor in ``store`` read by a non-folded node with a constant; count nodes removed."""
     changed = True
     while changed:  # a non-tensor value read outside the folded set cannot become a constant: unfold it
         changed = False
@@ -252,9 +242,7 @@ def _materialize(gm: fx.GraphModule, env: dict, fake_mode, stored: set) -> int:
                 changed = True
     folded_nodes = [n for n in env if n.op == "call_function"]
     for n in folded_nodes:
-        if n not in stored:
-            continue   # constructors and what only they feed stay nodes: their users keep reading them
-        if isinstance(env[n], torch.Tensor) and any(u not in env for u in n.users):
+        if n in store and isinstance(env[n], torch.Tensor) and any(u not in env for u in n.users):
             const = add_constant(gm, env[n], fake_mode)
             n.replace_all_uses_with(const)
     gm.graph.eliminate_dead_code()
