@@ -200,12 +200,15 @@ class Tuning:
     cheap_ops: int = _opt(8, "a pointwise value read by several users is recomputed in each when it has at "
                              "most this many ops, else stored", check="nonneg")
     fuse_stored_views: bool = _opt(True, "read views of stored tensors inside kernels (else ATen views)")
-    reuse_inputs: bool = _opt(True, "a pointwise kernel may write its output into an input that dies at the call")
+    reuse_inputs: bool = _opt(True, "a kernel may write its output into an input that dies at the call")
     # passes
     pad_mm_min_flops: float = _opt(1e9, "pad_mm: pad only matmuls of at least this many FLOPs ...",
                                    check="nonneg")
     pad_mm_min_flops_per_byte: float = _opt(80.0, "... and this many FLOPs per byte the padding copies",
                                             check="nonneg")
+    pad_mm_out_blocks: int = _opt(8, "pad_mm: a padded matmul whose result the graph returns is computed in this "
+                                     "many blocks of rows, each copied into the result (one block's padding "
+                                     "alive, not a second result); 1: one product and one copy", check="pos")
     # partitioner
     knapsack_dp_cells: int = _opt(5 * 10 ** 7, "the activation budget's knapsack is solved by exact dynamic "
                                                "programming up to this many items x capacity units, else by "

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
 
 import torch
@@ -39,7 +40,6 @@ class GcClock:
     a host-bound step pays for collections over every object the process holds."""
 
     def __enter__(self):
-        import gc
         self.ms, self.runs, self._t0 = 0.0, 0, 0.0
         gc.callbacks.append(self._cb)
         return self
@@ -52,7 +52,6 @@ class GcClock:
             self.runs += 1
 
     def __exit__(self, *exc):
-        import gc
         gc.callbacks.remove(self._cb)
         return False
 
@@ -164,7 +163,10 @@ def summarize(times) -> dict:
 
 
 def cuda_peak(step) -> dict:
-    """Peak allocated bytes during one ``step()``: absolute and above the step's starting point."""
+    """Peak allocated bytes during one ``step()``: absolute and above the step's starting point. Garbage
+    of earlier steps (reference cycles Python has not collected yet) is collected first: when a collection
+    happens to run is no property of the backend."""
+    gc.collect()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()

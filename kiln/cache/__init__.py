@@ -51,11 +51,13 @@ def _backed_symints(inputs) -> list:
 
 class Session:
     def __init__(self, root: str, k: str, opts, inputs):
-        self.root, self.key, self.opts, self.inputs = root, k, opts, inputs
+        # the SymInts only: a session lives as long as the compiled function (its lazy backward compile
+        # records into it), and the example tensors are a first call's real values (a logits input)
+        self.root, self.key, self.opts, self.symints = root, k, opts, _backed_symints(inputs)
         self.recorder = aot.Recorder(self._guards_expr)
 
     def _guards_expr(self):
-        symints = _backed_symints(self.inputs)
+        symints = self.symints
         if not symints:
             return None
         env = symints[0].node.shape_env
@@ -74,7 +76,7 @@ class Session:
             return None
         try:
             entry = pickle.loads(payload)
-            symints = _backed_symints(self.inputs)
+            symints = self.symints
             if entry["guards"] is not None:
                 env = symints[0].node.shape_env
                 if not env.evaluate_guards_expression(entry["guards"], [s.node.hint for s in symints]):

@@ -80,7 +80,8 @@ def _onehot(gm: fx.GraphModule) -> None:
 def _pad_matmuls(gm: fx.GraphModule, opts) -> None:
     padded = pad_matmuls(gm, devices=None if opts.pad_matmuls == "always" else ("cuda",),
                          min_flops=opts.tuning.pad_mm_min_flops,
-                         min_flops_per_byte=opts.tuning.pad_mm_min_flops_per_byte)
+                         min_flops_per_byte=opts.tuning.pad_mm_min_flops_per_byte,
+                         out_blocks=opts.tuning.pad_mm_out_blocks)
     if padded:
         counters["kiln"]["pad_mm"] += padded
         log(2, f"pad_mm: {padded} matmuls padded to tensor-core alignment")

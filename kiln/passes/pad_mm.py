@@ -1,37 +1,25 @@
 """Pad matmul dimensions that break tensor-core alignment.
 
-cuBLAS picks its fast tensor-core kernels only when every leading dimension (and K) is a multiple of
-16 bytes: 8 elements for fp16/bf16, 4 for fp32. GPT-2's vocabulary (50257) misses that, and its
-three lm_head matmuls then run as ``align1`` kernels about 2.5x slower. This pass rewrites
+cuBLAS runs its fast kernels only when K and every leading dimension are multiples of 16 bytes (8
+fp16/bf16 elements, 4 fp32). GPT-2's vocabulary (50257) misses that: its lm_head matmuls run 4-7x
+slower (H200, 2026-11-26: 3.1 ms against 0.52 padded, fp16 4096x768x50257). This pass rewrites
+``mm(a, b)`` as ``mm(pad(a), pad(b))[:M, :N]`` with zeros (the same for ``addmm``, its bias padded
+along, and ``bmm`` over its last two dims): the values are exactly the original's. K and N are
+padded when misaligned; M only when ``a`` is column-major (a transposed view), the one layout where M
+is a leading dimension. A transposed operand is padded in its storage order, so one padded tensor
+serves every matmul reading it (GPT-2's backward pads the logits' gradient once for both matmuls).
 
-    mm(a[M, K], b[K, N])  ->  mm(pad(a)[M', K'], pad(b)[K', N'])[:M, :N]
+An output sliced along N (a bmm output along M) is copied back to the contiguous layout its meta
+records (``clone``); on the Triton target the copy fuses into the consumers. A 2-D product the graph
+returns (GPT-2's logits) would be materialized twice, padded and copied: ``mm_rows`` computes it in
+``tuning.pad_mm_out_blocks`` blocks of rows instead, so one block's padding is alive, not a second result.
 
-(and the same for ``addmm``, whose bias is padded along, and for ``bmm`` over its last two dims),
-padding with zeros, so the values are exactly those of the original matmul: zero rows and columns
-of K add nothing, and the padded rows of M and columns of N are sliced away.
-
-Which dims are padded: K and N when misaligned (N is the output's leading dimension); M only when
-``a`` is stored column-major (``a`` is a transposed view), the one layout in which M is a leading
-dimension. An output sliced along N (or a bmm output sliced along M) is not contiguous, so it is
-copied back to the original contiguous layout (``clone``): every later node, and the backward graph
-reading saved tensors, keeps the strides recorded in its meta. On the Triton target that copy fuses
-into the consumers unless the value is materialized anyway (a graph output, such as GPT-2's logits).
-
-A padded operand that is a transposed view is padded in its storage order and transposed back, so
-the pad copies memory in order and one padded tensor serves every matmul that reads it (GPT-2's
-backward pads the logits' gradient once for both lm_head matmuls).
-
-When it pays (both must hold; options ``tuning.pad_mm_min_flops`` and ``tuning.pad_mm_min_flops_per_byte``,
-passed in as ``min_flops`` and ``min_flops_per_byte``):
-  min_flops          1e9  - at 1e9 FLOPs a misaligned H100 matmul takes ~8 us and padding saves ~5 us,
-                            about the cost of one extra kernel launch: smaller matmuls cannot pay.
-  min_flops_per_byte 80   - FLOPs per byte copied by the padding (padded operands read and written,
-                            plus the output copy when N is padded). Aligned bf16 cuBLAS runs ~300
-                            TFLOP/s and misaligned ~2.5x slower (GPT-2 lm_head: 15.5 ms vs ~6 ms), so
-                            padding saves 1.5 / 300e12 s per FLOP and costs 1 / 2.5e12 s per byte
-                            (HBM): it pays above 300e12 / (1.5 * 2.5e12) = 80 FLOPs per byte. This
-                            rejects memory-bound shapes (decode-time logits with M = 8).
-GPT-2 small (bs 8, seq 1024) lm_head matmuls: 6.3e11 FLOPs each, 350-380 FLOPs per byte in bf16.
+When it pays (options ``tuning.pad_mm_min_flops``, ``tuning.pad_mm_min_flops_per_byte``): at least
+1e9 FLOPs (a misaligned 1e9-FLOP matmul takes ~8 us on an H100; padding saves about a launch), and 80
+FLOPs per byte the padding copies (operands read and written, and the output copy when N is padded):
+aligned bf16 cuBLAS runs ~300 TFLOP/s, misaligned ~2.5x slower, so padding saves 1.5 / 300e12 s per
+FLOP and costs 1 / 2.5e12 s per byte of HBM traffic, which pays above 80 FLOPs per byte. This rejects
+memory-bound shapes (decode-time logits, M = 8); GPT-2's lm_head matmuls have 350-380.
 """
 from __future__ import annotations
 
@@ -189,7 +177,33 @@ def _bias_pads(biasv, out_shape, pad_m, pad_n):
     return pads
 
 
-def _rewrite(b: _Builder, node: fx.Node, pads) -> None:
+def mm_rows(a: torch.Tensor, b: torch.Tensor, bias, n: int, rows: int, beta=1, alpha=1) -> torch.Tensor:
+    """``beta * bias + alpha * a @ b`` (addmm's; ``bias`` None: mm) for a ``b`` padded to [K, N'], as a contiguous [M, n]
+    result computed ``rows`` rows at a time: each block's padded product is copied into the result and
+    freed, so the padding costs one block's memory instead of a second result-sized buffer."""
+    m = a.shape[0]
+    out = a.new_empty((m, n))
+    for i in range(0, m, rows):
+        if bias is None:
+            p = torch.mm(a[i:i + rows], b)
+        else:
+            per_row = bias.dim() == 2 and bias.shape[0] == m and m > 1
+            p = torch.addmm(bias[i:i + rows] if per_row else bias, a[i:i + rows], b, beta=beta, alpha=alpha)
+        out[i:i + rows].copy_(p[:, :n])
+        del p   # before the next block's product is allocated
+    return out
+
+
+_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+
+
+def _returned(node: fx.Node) -> bool:
+    """Whether the graph returns ``node`` or a view of it (GPT-2's logits are ``mm(...).view(B, S, V)``)."""
+    return any(u.op == "output" or (u.op == "call_function" and u.target in _VIEWS and _returned(u))
+               for u in node.users)
+
+
+def _rewrite(b: _Builder, node: fx.Node, pads, out_blocks: int = Tuning.pad_mm_out_blocks) -> None:
     pad_m, pad_k, pad_n = pads
     a, bmat, bias = _operands(node)
     lead = [0] if node.target is aten.bmm.default else []
@@ -201,8 +215,15 @@ def _rewrite(b: _Builder, node: fx.Node, pads) -> None:
         args = (new_bias, new_a, new_b)
     else:
         args = (new_a, new_b)
-    out = b.call(node.target, args, dict(node.kwargs), like=node)
     m, n = node.meta["val"].shape[-2:]
+    if pad_n and not pad_m and not lead and _returned(node) and node.meta["val"].is_contiguous():
+        rows = -(-m // out_blocks)
+        out = b.call(mm_rows, (new_a, new_b, args[0] if bias is not None else None, n, rows), dict(node.kwargs),
+                     like=node)
+        node.replace_all_uses_with(out)
+        b.g.erase_node(node)
+        return
+    out = b.call(node.target, args, dict(node.kwargs), like=node)
     if pad_m:
         out = b.call(aten.slice.Tensor, (out, -2, 0, m), like=node)
     if pad_n:
@@ -217,11 +238,12 @@ def _rewrite(b: _Builder, node: fx.Node, pads) -> None:
 
 
 def pad_matmuls(gm: fx.GraphModule, devices=("cuda",), *, min_flops: float = Tuning.pad_mm_min_flops,
-                min_flops_per_byte: float = Tuning.pad_mm_min_flops_per_byte) -> int:
+                min_flops_per_byte: float = Tuning.pad_mm_min_flops_per_byte,
+                out_blocks: int = Tuning.pad_mm_out_blocks) -> int:
     """Pad misaligned mm / addmm / bmm nodes of ``gm`` in place (operands on ``devices``, or any
     device when None) where they pay (``min_flops``, ``min_flops_per_byte``: the options
-    ``tuning.pad_mm_min_flops*``); returns how many matmuls were rewritten. Needs fake values in
-    meta['val']."""
+    ``tuning.pad_mm_min_flops*``; ``out_blocks``: ``tuning.pad_mm_out_blocks``, see the module
+    docstring); returns how many matmuls were rewritten. Needs fake values in meta['val']."""
     fake_mode = fake_mode_of(gm)
     if fake_mode is None:
         return 0
@@ -232,7 +254,7 @@ def pad_matmuls(gm: fx.GraphModule, devices=("cuda",), *, min_flops: float = Tun
     builder = _Builder(gm, fake_mode)
     for node, pads in todo:
         log(5, f"pad_mm: {node.name} {tuple(node.meta['val'].shape)} padded by (M, K, N) = {pads}")
-        _rewrite(builder, node, pads)
+        _rewrite(builder, node, pads, out_blocks)
     gm.graph.eliminate_dead_code()   # views the old matmuls read
     gm.graph.lint()
     gm.recompile()

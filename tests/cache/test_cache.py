@@ -217,3 +217,20 @@ def test_processes_fill_one_cache_then_hit(tmp_path):
     for r in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(results[0], r))
     assert len(store.entries(cache)) == 1 and not [n for n in os.listdir(cache) if n.endswith(".tmp")]
+
+
+def test_a_compiled_function_keeps_no_example_input_alive(tmp_path):
+    """The cache's session lives as long as the compiled function (the lazy backward compile records into
+    it); it must not hold the first call's tensors: on the GPU those were a step's logits, alive for good."""
+    import gc
+    import weakref
+
+    torch._dynamo.reset()
+    f = kiln.compile(lambda x, w: torch.tanh(x @ w).sum(), **_cache(tmp_path))
+    x, w = torch.randn(64, 16), torch.randn(16, 8, requires_grad=True)
+    gone = weakref.ref(x)
+    f(x, w).backward()
+    assert _count("miss") == 1
+    del x
+    gc.collect()
+    assert gone() is None

@@ -5,7 +5,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import kiln  # registers the backend
 from kiln.debug import counters
-from kiln.passes.pad_mm import pad_matmuls
+from kiln.passes.pad_mm import mm_rows, pad_matmuls
 
 aten = torch.ops.aten
 
@@ -46,14 +46,32 @@ def run_checked(gm, *args):
 
 def test_pads_misaligned_n_and_keeps_values(small):
     a, b = torch.randn(64, 96), torch.randn(96, 1001)
-    gm = traced(torch.mm, a, b)
+    fn = lambda a, b: (a @ b).relu()  # noqa: E731
+    gm = traced(fn, a, b)
     assert pad_matmuls(gm, devices=None, **small) == 1
     pads = [n for n in gm.graph.nodes if n.target is aten.constant_pad_nd.default]
     assert len(pads) == 1 and pads[0].meta["val"].shape == (96, 1004)   # fp32: multiple of 4
     assert count(gm, aten.slice.Tensor) == 1 and count(gm, aten.clone.default) == 1
     out = run_checked(gm, a, b)
     assert out.stride() == (1001, 1)
-    torch.testing.assert_close(out, a @ b, rtol=0, atol=0)
+    torch.testing.assert_close(out, fn(a, b), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bias_shape", [None, (1001,), (1, 1001), (66, 1001), (66, 1)])
+def test_a_returned_product_is_computed_in_blocks_of_rows(small, bias_shape):
+    """A padded product the graph returns would be alive beside its contiguous copy (twice the memory of,
+    say, GPT-2's logits): ``mm_rows`` computes it a block of rows at a time, copying each into the result."""
+    a, b = torch.randn(66, 98), torch.randn(98, 1001)
+    args = (a, b) if bias_shape is None else (torch.randn(bias_shape), a, b)
+    fn = torch.mm if bias_shape is None else (lambda bias, a, b: torch.addmm(bias, a, b, beta=0.5, alpha=2.0))
+    gm = traced(fn, *args)
+    assert pad_matmuls(gm, devices=None, out_blocks=4, **small) == 1
+    calls = [n for n in gm.graph.nodes if n.target is mm_rows]
+    assert len(calls) == 1 and calls[0].args[-1] == 17   # 66 rows in 4 blocks
+    assert count(gm, aten.clone.default) == 0 and count(gm, aten.mm.default) + count(gm, aten.addmm.default) == 0
+    out = run_checked(gm, *args)
+    assert out.is_contiguous()
+    torch.testing.assert_close(out, fn(*args))
 
 
 def test_aligned_or_tiny_left_alone(small):
@@ -110,7 +128,7 @@ def test_row_major_m_not_padded(small):
 @pytest.mark.parametrize("bias_shape", [(1001,), (1, 1001), (66, 1001), (66, 1)])
 def test_addmm_bias_padded(small, bias_shape):
     bias, a, b = torch.randn(bias_shape), torch.randn(66, 98), torch.randn(98, 1001)
-    fn = lambda bias, a, b: torch.addmm(bias, a, b, beta=0.5, alpha=2.0)  # noqa: E731
+    fn = lambda bias, a, b: torch.addmm(bias, a, b, beta=0.5, alpha=2.0).relu()  # noqa: E731
     gm = traced(fn, bias, a, b)
     assert pad_matmuls(gm, devices=None, **small) == 1
     assert count(gm, aten.addmm.default) == 1 and count(gm, aten.mm.default) == 0

@@ -105,3 +105,33 @@ def test_fresh_results_are_told_from_views():
     assert not W._fresh_result(aten.split_with_sizes.default)
     from kiln.codegen.views import is_view_op
     assert W._fresh_result(aten._unsafe_view.default) and is_view_op(aten._unsafe_view.default)  # hence both
+
+
+@pytest.mark.parametrize("looped", [False, True], ids=["persistent", "looped"])
+def test_a_softmax_writes_over_the_scores_it_reads(looped):
+    """Attention in inference: the softmax row kernel stores its output in its last loop over each row,
+    which its program owns, so the output may take the dying scores' memory (one [B, H, S, S] buffer,
+    not two)."""
+    opts = {"tuning.xblock_max": 4, **({"tuning.persistent_max": 16} if looped else {})}
+
+    def fn(q, k, v):
+        s = torch.softmax(q @ k.transpose(-1, -2), dim=-1)
+        return s @ v
+    q, k, v = (torch.randn(2, 64, 16) for _ in range(3))
+    with torch.no_grad():
+        f, out, src = _compile(fn, q, k, v, **opts)
+    torch.testing.assert_close(out, fn(q, k, v), atol=1e-5, rtol=1e-5)
+    assert len(_intos(src)) == 1, src
+
+
+def test_a_row_reduction_reading_other_rows_keeps_its_own_output():
+    """A kernel that reads its input at another element than it writes (a flipped row) may not write
+    over it."""
+    def fn(a, b):
+        s = a @ b
+        return torch.softmax(s.flip(-1), dim=-1) @ b
+    a, b = torch.randn(32, 32), torch.randn(32, 32)
+    with torch.no_grad():
+        f, out, src = _compile(fn, a, b, **{"tuning.xblock_max": 4})
+    torch.testing.assert_close(out, fn(a, b), atol=1e-5, rtol=1e-5)
+    assert _intos(src) == [], src

@@ -229,8 +229,13 @@ def _reusable(plan: KernelPlan, group: Group) -> frozenset:
     output, an input of the output's dtype, shape and strides, read only at the element the kernel
     writes (so each program reads its elements before it stores them). The wrapper passes such an input
     as ``into`` where it dies at the call (``wrapper._Emitter._into``): its memory is reused instead of a
-    new buffer of the same size living beside it."""
-    if plan.reduction or plan.outer or len(plan.stored) != 1:
+    new buffer of the same size living beside it. A row reduction qualifies too (a softmax over attention
+    scores) when each program owns whole rows and stores the output in its last loop over them: every read
+    of an element then precedes its store."""
+    if plan.outer or len(plan.stored) != 1:
+        return frozenset()
+    if plan.reduction and (plan.programs is not Programs.BLOCKS or plan.row_stores or plan.chunks is not None or (
+            not plan.persistent and plan.stored[0].name not in plan.passes[-1].stores)):
         return frozenset()
     ob = plan.stored[0]
     if not all(sympy.sympify(x).is_Integer for x in (*ob.shape, *ob.stride)):
