@@ -12,7 +12,8 @@ serves every matmul reading it (GPT-2's backward pads the logits' gradient once 
 An output sliced along N (a bmm output along M) is copied back to the contiguous layout its meta
 records (``clone``); on the Triton target the copy fuses into the consumers. A 2-D product the graph
 returns (GPT-2's logits) would be materialized twice, padded and copied: ``mm_rows`` computes it in
-``tuning.pad_mm_out_blocks`` blocks of rows instead, so one block's padding is alive, not a second result.
+``tuning.pad_mm_out_blocks`` blocks instead (of columns when only N is misaligned: ``mm_cols``, no padded
+copy of the weight), so one block is alive, not a second result.
 
 When it pays (options ``tuning.pad_mm_min_flops``, ``tuning.pad_mm_min_flops_per_byte``): at least
 1e9 FLOPs (a misaligned 1e9-FLOP matmul takes ~8 us on an H100; padding saves about a launch), and 80
@@ -194,6 +195,28 @@ def mm_rows(a: torch.Tensor, b: torch.Tensor, bias, n: int, rows: int, beta=1, a
     return out
 
 
+def mm_cols(a: torch.Tensor, b: torch.Tensor, bias, align: int, cols: int, beta=1, alpha=1) -> torch.Tensor:
+    """``mm_rows`` when only N is misaligned, by blocks of ``cols`` columns (a multiple of ``align``): a full
+    block of a transposed ``b`` (a Linear's weight) is aligned as it is, so only the last block is padded and
+    no padded copy of ``b`` is made; each block's product is copied into the contiguous [M, N] result."""
+    n = b.shape[1]
+    out = a.new_empty((a.shape[0], n))
+    for j in range(0, n, cols):
+        w = min(cols, n - j)
+        pad = -w % align
+        bj = b[:, j:j + w]
+        bj = bj if pad == 0 and bj.stride(0) == 1 else torch.nn.functional.pad(bj, (0, pad))
+        if bias is None:
+            p = torch.mm(a, bj)
+        else:
+            cj = bias[..., j:j + w] if bias.shape[-1] == n and n > 1 else bias
+            cj = torch.nn.functional.pad(cj, (0, pad)) if pad and cj.shape[-1] == w else cj
+            p = torch.addmm(cj, a, bj, beta=beta, alpha=alpha)
+        out[:, j:j + w].copy_(p[:, :w])
+        del p
+    return out
+
+
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 
 
@@ -217,9 +240,12 @@ def _rewrite(b: _Builder, node: fx.Node, pads, out_blocks: int = Tuning.pad_mm_o
         args = (new_a, new_b)
     m, n = node.meta["val"].shape[-2:]
     if pad_n and not pad_m and not lead and _returned(node) and node.meta["val"].is_contiguous():
-        rows = -(-m // out_blocks)
-        out = b.call(mm_rows, (new_a, new_b, args[0] if bias is not None else None, n, rows), dict(node.kwargs),
-                     like=node)
+        if pad_k:   # ``a`` is padded too: blocks of rows of the padded operands
+            call = (mm_rows, (new_a, new_b, args[0] if bias is not None else None, n, -(-m // out_blocks)))
+        else:       # blocks of columns: no padded copy of ``b``
+            align = ALIGN[node.meta["val"].dtype]
+            call = (mm_cols, (a, bmat, bias, align, _round_up(-(-n // out_blocks), align)))
+        out = b.call(*call, dict(node.kwargs), like=node)
         node.replace_all_uses_with(out)
         b.g.erase_node(node)
         return

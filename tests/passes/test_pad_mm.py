@@ -5,7 +5,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import kiln  # registers the backend
 from kiln.debug import counters
-from kiln.passes.pad_mm import mm_rows, pad_matmuls
+from kiln.passes.pad_mm import mm_cols, mm_rows, pad_matmuls
 
 aten = torch.ops.aten
 
@@ -69,6 +69,25 @@ def test_a_returned_product_is_computed_in_blocks_of_rows(small, bias_shape):
     calls = [n for n in gm.graph.nodes if n.target is mm_rows]
     assert len(calls) == 1 and calls[0].args[-1] == 17   # 66 rows in 4 blocks
     assert count(gm, aten.clone.default) == 0 and count(gm, aten.mm.default) + count(gm, aten.addmm.default) == 0
+    out = run_checked(gm, *args)
+    assert out.is_contiguous()
+    torch.testing.assert_close(out, fn(*args))
+
+
+@pytest.mark.parametrize("bias_shape", [None, (1001,), (1, 1001), (66, 1001), (66, 1)])
+@pytest.mark.parametrize("weight", ["transposed", "row_major"])
+def test_a_returned_product_misaligned_in_n_only_goes_by_blocks_of_columns(small, bias_shape, weight):
+    """K aligned: blocks of columns, a Linear's transposed weight sliced as it is (only the last block padded),
+    so no padded copy of the weight exists at all."""
+    a = torch.randn(66, 96)
+    b = torch.randn(1001, 96).t() if weight == "transposed" else torch.randn(96, 1001)
+    args = (a, b) if bias_shape is None else (torch.randn(bias_shape), a, b)
+    fn = torch.mm if bias_shape is None else (lambda bias, a, b: torch.addmm(bias, a, b, beta=0.5, alpha=2.0))
+    gm = traced(fn, *args)
+    assert pad_matmuls(gm, devices=None, out_blocks=4, **small) == 1
+    calls = [n for n in gm.graph.nodes if n.target is mm_cols]
+    assert len(calls) == 1 and calls[0].args[-1] == 252   # ceil(1001 / 4) rounded up to 4 (fp32)
+    assert count(gm, aten.constant_pad_nd.default) == 0 and count(gm, aten.clone.default) == 0
     out = run_checked(gm, *args)
     assert out.is_contiguous()
     torch.testing.assert_close(out, fn(*args))
@@ -237,8 +256,8 @@ def test_always_reaches_post_grad_hook(small):
     lin = torch.nn.Linear(96, 1001)
     x = torch.randn(64, 96, requires_grad=True)
     compiled_grads(lin, x, pad_matmuls="always", post_grad_custom_post_pass=lambda g: seen.append(
-        sum(n.target is aten.constant_pad_nd.default for n in g.nodes)))
-    assert seen and all(seen)     # forward and backward both padded
+        sum(n.target in (aten.constant_pad_nd.default, mm_cols, mm_rows) for n in g.nodes)))
+    assert seen and all(seen)     # forward (its returned product by blocks) and backward both padded
 
 
 @pytest.mark.gpu
