@@ -179,41 +179,33 @@ def _bias_pads(biasv, out_shape, pad_m, pad_n):
 
 
 def mm_rows(a: torch.Tensor, b: torch.Tensor, bias, n: int, rows: int, beta=1, alpha=1) -> torch.Tensor:
-    """``beta * bias + alpha * a @ b`` (addmm's; ``bias`` None: mm) for a ``b`` padded to [K, N'], as a contiguous [M, n]
-    result computed ``rows`` rows at a time: each block's padded product is copied into the result and
-    freed, so the padding costs one block's memory instead of a second result-sized buffer."""
+    """``beta * bias + alpha * a @ b`` (``bias`` None: mm) for ``b`` padded to [K, N'], as a contiguous [M, n]
+    result made ``rows`` rows at a time: one block's padded product is alive, not a second result."""
     m = a.shape[0]
     out = a.new_empty((m, n))
     for i in range(0, m, rows):
-        if bias is None:
-            p = torch.mm(a[i:i + rows], b)
-        else:
-            per_row = bias.dim() == 2 and bias.shape[0] == m and m > 1
-            p = torch.addmm(bias[i:i + rows] if per_row else bias, a[i:i + rows], b, beta=beta, alpha=alpha)
+        per_row = bias is not None and bias.dim() == 2 and bias.shape[0] == m and m > 1
+        p = torch.mm(a[i:i + rows], b) if bias is None else \
+            torch.addmm(bias[i:i + rows] if per_row else bias, a[i:i + rows], b, beta=beta, alpha=alpha)
         out[i:i + rows].copy_(p[:, :n])
         del p   # before the next block's product is allocated
     return out
 
 
 def mm_cols(a: torch.Tensor, b: torch.Tensor, bias, align: int, cols: int, beta=1, alpha=1) -> torch.Tensor:
-    """``mm_rows`` when only N is misaligned, by blocks of ``cols`` columns (a multiple of ``align``): a full
-    block of a transposed ``b`` (a Linear's weight) is aligned as it is, so only the last block is padded and
-    no padded copy of ``b`` is made; each block's product is copied into the contiguous [M, N] result."""
+    """``mm_rows`` for an unpadded ``b`` misaligned in N only, ``cols`` (a multiple of ``align``) columns at a
+    time: a transposed ``b``'s full blocks are aligned as they are; only the last block is padded."""
     n = b.shape[1]
     out = a.new_empty((a.shape[0], n))
     for j in range(0, n, cols):
         w = min(cols, n - j)
-        pad = -w % align
-        bj = b[:, j:j + w]
+        pad, bj = -w % align, b[:, j:j + w]
         bj = bj if pad == 0 and bj.stride(0) == 1 else torch.nn.functional.pad(bj, (0, pad))
-        if bias is None:
-            p = torch.mm(a, bj)
-        else:
-            cj = bias[..., j:j + w] if bias.shape[-1] == n and n > 1 else bias
-            cj = torch.nn.functional.pad(cj, (0, pad)) if pad and cj.shape[-1] == w else cj
-            p = torch.addmm(cj, a, bj, beta=beta, alpha=alpha)
+        cj = bias[..., j:j + w] if bias is not None and bias.shape[-1] == n and n > 1 else bias
+        cj = torch.nn.functional.pad(cj, (0, pad)) if pad and cj is not None and cj.shape[-1] == w else cj
+        p = torch.mm(a, bj) if bias is None else torch.addmm(cj, a, bj, beta=beta, alpha=alpha)
         out[:, j:j + w].copy_(p[:, :w])
-        del p
+        del p   # before the next block's product is allocated
     return out
 
 
@@ -240,11 +232,9 @@ def _rewrite(b: _Builder, node: fx.Node, pads, out_blocks: int = Tuning.pad_mm_o
         args = (new_a, new_b)
     m, n = node.meta["val"].shape[-2:]
     if pad_n and not pad_m and not lead and _returned(node) and node.meta["val"].is_contiguous():
-        if pad_k:   # ``a`` is padded too: blocks of rows of the padded operands
-            call = (mm_rows, (new_a, new_b, args[0] if bias is not None else None, n, -(-m // out_blocks)))
-        else:       # blocks of columns: no padded copy of ``b``
-            align = ALIGN[node.meta["val"].dtype]
-            call = (mm_cols, (a, bmat, bias, align, _round_up(-(-n // out_blocks), align)))
+        align = ALIGN[node.meta["val"].dtype]   # K padded: blocks of rows of the padded operands
+        call = (mm_rows, (new_a, new_b, args[0] if bias is not None else None, n, -(-m // out_blocks))) if pad_k \
+            else (mm_cols, (a, bmat, bias, align, _round_up(-(-n // out_blocks), align)))
         out = b.call(*call, dict(node.kwargs), like=node)
         node.replace_all_uses_with(out)
         b.g.erase_node(node)

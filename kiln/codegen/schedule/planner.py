@@ -229,9 +229,8 @@ def _reusable(plan: KernelPlan, group: Group) -> frozenset:
     output, an input of the output's dtype, shape and strides, read only at the element the kernel
     writes (so each program reads its elements before it stores them). The wrapper passes such an input
     as ``into`` where it dies at the call (``wrapper._Emitter._into``): its memory is reused instead of a
-    new buffer of the same size living beside it. A row reduction qualifies too (a softmax over attention
-    scores) when each program owns whole rows and stores the output in its last loop over them: every read
-    of an element then precedes its store."""
+    new buffer of the same size living beside it. So may a row reduction (a softmax over attention scores)
+    whose programs own whole rows and store in their last loop over them."""
     if plan.outer or len(plan.stored) != 1:
         return frozenset()
     if plan.reduction and (plan.programs is not Programs.BLOCKS or plan.row_stores or plan.chunks is not None or (
