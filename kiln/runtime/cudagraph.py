@@ -154,13 +154,13 @@ class Graphed:
         args.clear()
         dev = next((x.device for x in orig if isinstance(x, torch.Tensor)), None)
         torch.cuda.synchronize(dev)
-        graph = torch.cuda.CUDAGraph()
+        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.current_stream(dev)
         try:
             with torch.cuda.device(dev), torch.cuda.graph(graph, pool=self.pool.ensure()):
                 outs = self.compiled(inputs)
         except Exception as e:  # capture-unsafe op (host sync, CPU copy, ...): run normally from now on
             self._disable(f"capture failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-            torch.cuda.synchronize()
+            _recover(stream)
             return self.compiled(orig)
         del inputs
         keep = [(orig[i], copies[i]) for i in self.mutated if i in copies]
@@ -254,6 +254,19 @@ class Graphed:
             user.copy_(buf)
         counters["cudagraph"]["replays"] += 1
         return self._outputs()
+
+
+def _recover(stream) -> None:
+    """When ``capture_end`` raises, ``torch.cuda.graph`` leaves its capture stream current and the CUDA generator
+    capturing (later random ops fail): restore the stream, and end a clean capture to reset the generator."""
+    torch.cuda.set_stream(stream)
+    torch.cuda.synchronize(stream.device)
+    try:
+        with torch.cuda.device(stream.device), torch.cuda.graph(torch.cuda.CUDAGraph()):
+            torch.empty(1, device=stream.device).zero_()
+    except Exception as e:  # noqa: BLE001  (the device itself is broken: nothing more to do here)
+        torch.cuda.set_stream(stream)
+        log(1, f"cudagraph: could not reset the CUDA generator after a failed capture: {e}")
 
 
 def wrap(compiled, example_inputs, *, kind: str, n_user: int, mutated: set, pool: Optional[Pool] = None,

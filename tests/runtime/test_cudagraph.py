@@ -175,3 +175,29 @@ def test_pool_holds_graphs_weakly():
     del g
     gc.collect()
     assert pool.graphs == []
+
+
+@torch.library.custom_op("kiln_test::host_sync", mutates_args=())
+def _host_sync(x: torch.Tensor) -> torch.Tensor:
+    return x * float(x.sum().item() != 12345.0)   # .item() syncs with the host: a capture fails on it
+
+
+@_host_sync.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+@gpu
+def test_a_failed_capture_leaves_the_stream_and_the_random_generator_usable():
+    """``torch.cuda.graph`` leaves its capture stream current and the CUDA generator marked as capturing when
+    ``capture_end`` raises; random ops outside a capture then failed ("Offset increment outside graph capture
+    encountered unexpectedly": test_two_forwards_before_backward_fall_back_correctly after such a test)."""
+    counters.clear()
+    f = kiln.compile(lambda x: torch.ops.kiln_test.host_sync(x * 2) + 1, mode="reduce-overhead")
+    x = torch.randn(16, device="cuda")
+    for _ in range(3):
+        torch.testing.assert_close(f(x), x * 2 + 1)
+    assert counters["cudagraph"]["refused"] >= 1
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    torch.randn(4, device="cuda")
+    torch.nn.functional.dropout(torch.ones(8, device="cuda"), 0.5)
