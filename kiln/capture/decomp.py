@@ -94,17 +94,23 @@ def _pair(v, default=None):
 def _max_pool2d_with_indices(x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
     """2-D max pooling as the running maximum of its window's strided slices, with ATen's flat
     indices (``h * W + w``; the first maximum wins ties, a NaN wins over numbers): pointwise work
-    that fuses with the ReLU before it. Dilation, ceil mode, 3-D inputs and integer tensors keep the
-    ATen kernel (``NotImplemented``)."""
+    that fuses with the ReLU before it (and in inference no int64 indices are stored). In ceil mode the
+    last window may hang over the end, padded with -inf; ATen drops a window starting in the right padding.
+    Dilation, 3-D inputs and integer tensors keep the ATen kernel (``NotImplemented``)."""
     kh, kw = _pair(kernel_size)
     sh, sw = _pair(stride, (kh, kw))
     ph, pw = _pair(padding)
-    if ceil_mode or _pair(dilation) != (1, 1) or x.dim() != 4 or not x.is_floating_point() \
-            or not all(isinstance(v, int) for v in (kh, kw, sh, sw, ph, pw)):
+    if _pair(dilation) != (1, 1) or x.dim() != 4 or not x.is_floating_point() \
+            or not all(isinstance(v, int) for v in (kh, kw, sh, sw, ph, pw, *(x.shape[-2:] if ceil_mode else ()))):
         return NotImplemented
     H, W = x.shape[-2:]
-    oh, ow = (H + 2 * ph - kh) // sh + 1, (W + 2 * pw - kw) // sw + 1
-    xp = aten.constant_pad_nd(x, [pw, pw, ph, ph], float("-inf")) if ph or pw else x
+
+    def size(n, k, s, p):   # output length; ceil mode keeps a window that starts inside the input or left padding
+        o = -(-(n + 2 * p - k) // s) + 1 if ceil_mode else (n + 2 * p - k) // s + 1
+        return o - 1 if ceil_mode and (o - 1) * s >= n + p else o
+    oh, ow = size(H, kh, sh, ph), size(W, kw, sw, pw)
+    eh, ew = max(0, (oh - 1) * sh + kh - H - 2 * ph), max(0, (ow - 1) * sw + kw - W - 2 * pw)
+    xp = aten.constant_pad_nd(x, [pw, pw + ew, ph, ph + eh], float("-inf")) if ph or pw or eh or ew else x
     rows = torch.arange(oh, device=x.device).mul(sh).sub(ph).reshape(oh, 1)
     cols = torch.arange(ow, device=x.device).mul(sw).sub(pw).reshape(1, ow)
     base = rows * W + cols   # the flat index of each window's top-left corner

@@ -48,16 +48,41 @@ def test_max_pool_nan_wins_and_inference_fuses():
     assert "max_pool" not in wrapper and wrapper.count("= kiln_") <= 2, wrapper
 
 
-def test_dilated_and_ceil_mode_pools_keep_the_aten_kernel():
+def test_dilated_pools_keep_the_aten_kernel():
     torch._dynamo.reset()
     x = torch.randn(1, 2, 9, 9)
-    for kw in ({"dilation": 2}, {"ceil_mode": True}):
-        with torch.no_grad():
-            out, code = kiln.run_and_get_code(kiln.compile(lambda x: F.max_pool2d(x, 3, 2, 1, **kw),
-                                                           codegen="triton"), x)
-        torch.testing.assert_close(out, F.max_pool2d(x, 3, 2, 1, **kw))
-        assert "max_pool2d_with_indices" in next(c for c in code if c.startswith("# kiln wrapper"))
-        torch._dynamo.reset()
+    with torch.no_grad():
+        out, code = kiln.run_and_get_code(kiln.compile(lambda x: F.max_pool2d(x, 3, 2, 1, dilation=2),
+                                                       codegen="triton"), x)
+    torch.testing.assert_close(out, F.max_pool2d(x, 3, 2, 1, dilation=2))
+    assert "max_pool2d_with_indices" in next(c for c in code if c.startswith("# kiln wrapper"))
+
+
+@pytest.mark.parametrize("hw,k,s,p", [((8, 8), 3, 2, 0), ((9, 10), 3, 2, 0), ((7, 7), 3, 2, 1), ((6, 5), 2, 2, 0),
+                                      ((5, 5), 3, 3, 1), ((55, 55), 3, 2, 0)])
+def test_ceil_mode_pools_fuse_and_match_eager(hw, k, s, p):
+    """SqueezeNet's pools (ceil_mode=True): the last window hangs over the edge; values, indices and
+    gradients are eager's, and inference stores no int64 indices (the ATen kernel allocated them)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    x = torch.relu(torch.randn(2, 3, *hw)).requires_grad_(True)
+
+    def f(x):
+        return F.max_pool2d(x, k, s, p, ceil_mode=True, return_indices=True)
+    (out, idx), code = kiln.run_and_get_code(kiln.compile(f, codegen="triton"), x)
+    ref, ref_idx = f(x)
+    assert out.shape == ref.shape and torch.equal(idx, ref_idx)
+    torch.testing.assert_close(out, ref)
+    go = torch.randn_like(out)
+    torch.testing.assert_close(torch.autograd.grad(out, x, go)[0], torch.autograd.grad(ref, x, go)[0])
+    assert "max_pool" not in next(c for c in code if c.startswith("# kiln wrapper: forward"))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out, code = kiln.run_and_get_code(kiln.compile(lambda x: F.max_pool2d(x, k, s, p, ceil_mode=True),
+                                                       codegen="triton"), x)
+    torch.testing.assert_close(out, F.max_pool2d(x, k, s, p, ceil_mode=True))
+    wrapper = next(c for c in code if c.startswith("# kiln wrapper"))
+    assert "max_pool" not in wrapper and "i64" not in wrapper, wrapper
 
 
 def test_max_pool_window_of_minus_infinity_points_inside_the_input():
