@@ -199,6 +199,8 @@ class Tuning:
                      check="pos")
     cheap_ops: int = _opt(8, "a pointwise value read by several users is recomputed in each when it has at "
                              "most this many ops, else stored", check="nonneg")
+    cheap_loads: int = _opt(1 << 30, "... and reads at most this many buffers at every element (a residual stream "
+                                      "over many layers reads them all)", check="nonneg")
     fuse_stored_views: bool = _opt(True, "read views of stored tensors inside kernels (else ATen views)")
     reuse_inputs: bool = _opt(True, "a kernel may write its output into an input that dies at the call")
     # passes

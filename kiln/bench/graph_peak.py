@@ -123,12 +123,13 @@ def main(argv=None) -> int:
     p.add_argument("case")
     p.add_argument("--budgets", default="1.0", help="comma list of activation_memory_budget values")
     p.add_argument("--top", action="store_true", help="also list the largest values alive at each peak")
+    p.add_argument("--set", action="append", default=[], metavar="OPTION=VALUE", help="a kiln option, as offline's")
     a = p.parse_args(argv)
     from kiln.bench import offline
     print(f"{'budget':>6} {'graph':14} {'unfused MiB':>12} {'fused MiB':>10}  fused peak at")
     for b in a.budgets.split(","):
         with record() as rows, contextlib.redirect_stdout(sys.stderr):
-            offline.main([a.case, "--budget", b])
+            offline.main([a.case, "--budget", b] + [x for kv in a.set for x in ("--set", kv)])
         fused = {name: gp for name, stage, gp in rows if stage == "fused"}
         for name, stage, gp in rows:
             if stage != "unfused":

@@ -207,3 +207,25 @@ def test_comparisons_round_bf16_operands_first():
     if test_cpp.cpp_build.find_compiler(test_cpp.current()):
         test_cpp.check(amin_backward_bf16, x, m, g, exact=True)
         test_cpp.check(amin_backward_bf16, x, None, g, exact=True)
+
+
+def test_cheap_loads_stores_a_sum_that_reads_many_buffers():
+    """``tuning.cheap_loads``: a value of few ops read by kernels on both sides of a matmul is recomputed in
+    each (the default) unless it reads more buffers at every element than the option allows; then it is
+    stored once (a residual stream summed over layers)."""
+    import kiln
+
+    def f(a, b, c, w):
+        r = a + b + c
+        return torch.relu(r) + (r * 2) @ w
+    args = [torch.randn(16, 16) for _ in range(4)]
+    readers = {}
+    for limit in (1 << 30, 2):
+        torch._dynamo.reset()
+        with torch.no_grad():
+            out, code = kiln.run_and_get_code(kiln.compile(f, codegen="triton", **{"tuning.cheap_loads": limit}),
+                                              *args)
+        torch.testing.assert_close(out, f(*args))
+        src = next(x for x in code if x.startswith("# kiln wrapper"))
+        readers[limit] = sum("arg0_1, arg1_1, arg2_1" in ln for ln in src.splitlines() if "= kiln_" in ln)
+    assert readers == {1 << 30: 2, 2: 1}, readers

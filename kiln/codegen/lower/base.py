@@ -214,7 +214,7 @@ class Lowering:
             if u.op == "output" or (u.op == "call_function" and not self._lowerable_target(u)):
                 return True
         if value.buffer is None and len(users) > 1:
-            return not cheap(value, self.tuning.cheap_ops)
+            return not cheap(value, self.tuning.cheap_ops, self.tuning.cheap_loads)
         return False
 
     def _lowerable_target(self, u):
@@ -287,18 +287,23 @@ def _same_layout(buf, val):
     return all(a == b for s, a, b in zip(shape, stride, buf.stride) if s != 1)
 
 
-def cheap(value: Pointwise, limit: int) -> bool:
-    """At most ``limit`` ops (and no RNG): recomputed in every user instead of stored. Ops on indices and
-    constants alone (a padding's or a causal mask's bounds tests) are not counted: they read nothing."""
+def cheap(value: Pointwise, limit: int, loads: int = 1 << 30) -> bool:
+    """At most ``limit`` ops (and no RNG) and at most ``loads`` buffers read at every element (not broadcast):
+    recomputed in every user instead of stored. Ops on indices and constants alone (a padding's or a causal
+    mask's bounds tests) are not counted: they read nothing. A residual stream summed over many layers is
+    few ops but reads every layer's output: recomputing it reads them all in each user and keeps them alive."""
     idx = [sympy.Symbol(f"c{i}", integer=True, nonnegative=True) for i in range(len(value.shape))]
-    n = 0
+    varying = {s for s, n in zip(idx, value.shape) if n != 1}
+    n, full = 0, set()
     reads: dict = {}
     for e in value(idx).walk():
         if e.op == "rand":
             return False
+        if e.op == "load" and varying <= sympy.sympify(e.args[1]).free_symbols:
+            full.add(e.args[0])
         if e.op not in ("load", "const", "index", "cast") and _reads(e, reads):
             n += 1
-    return n <= limit
+    return n <= limit and len(full) <= loads
 
 
 def _reads(e, memo) -> bool:
