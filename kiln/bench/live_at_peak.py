@@ -19,6 +19,7 @@ import torch
 from kiln.bench import backends as B
 from kiln.bench import measure as M
 from kiln.bench.profile import _case
+from kiln.bench.runner import _cleanup
 
 _TORCH = os.path.dirname(torch.__file__)
 
@@ -77,6 +78,7 @@ def live_at_peak(trace, start=0):
 
 
 def probe(case, backend, top=25) -> str:
+    _cleanup("cuda")   # earlier rows' compiled graphs (the bench's own cleanup between rows)
     torch.manual_seed(0)
     torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python",
                                              max_entries=5_000_000)   # from the start: what the

@@ -73,3 +73,35 @@ def test_micro_cases_build_tiny_and_match_eager_copy():
             assert B.check_names(["eager"]) == ["eager"]
             assert all(torch.equal(x, y) for x, y in zip(ra, rb)), case.name
             assert wl.min_bytes > 0
+
+
+
+def _broken_graph(x):
+    y = torch.sin(x) * 2
+    torch._dynamo.graph_break()
+    return torch.cos(y) + 1
+
+
+def test_a_case_leaves_no_compiled_function_alive():
+    """Dynamo installs compiled graphs as ``__compiled_fn_*`` in the traced module's globals, and after a
+    graph break ``torch._dynamo.reset()`` leaves some there, holding the graph and its tensors: a later case's
+    memory counted an earlier case's leftovers. The runner releases them after each row."""
+    import gc
+    import weakref
+
+    case = Case("broken", "micro", lambda d, dt, s: FnWorkload(_broken_graph, [torch.randn(64, requires_grad=True)],
+                                                                dt))
+    seen = []
+
+    def compile_model(backend, model, options=None, budget=None):
+        f = B.compile_model(backend, model, options, budget)
+
+        def run(*args):
+            out = f(*args)
+            seen.extend(weakref.ref(v) for k, v in globals().items() if k.startswith("__compiled_fn") and v)
+            return out
+        return run
+    rows = list(runner.run_case(case, "fp32", ["kiln"], None, CFG, compile_model=compile_model))
+    assert rows[0]["status"] == "ok" and seen
+    gc.collect()
+    assert all(r() is None for r in seen)
