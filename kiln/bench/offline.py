@@ -101,7 +101,6 @@ def main(argv=None):
     grad = contextlib.nullcontext() if getattr(wl, "train", True) else torch.no_grad()   # inference: no backward
     with grad:
         graphs, _ = capture(wl.model, call, wl.inputs, autocast)
-    grad = contextlib.nullcontext() if getattr(wl, "train", True) else torch.no_grad()
     opts = {"debug": a.debug}
     if a.dump:
         os.makedirs(a.dump, exist_ok=True)

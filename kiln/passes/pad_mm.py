@@ -223,32 +223,30 @@ def _rewrite(b: _Builder, node: fx.Node, pads, out_blocks: int = Tuning.pad_mm_o
     a, bmat, bias = _operands(node)
     lead = [0] if node.target is aten.bmm.default else []
     b.anchor = node
-    new_a = b.padded(a, lead + [pad_m, pad_k])
-    new_b = b.padded(bmat, lead + [pad_k, pad_n])
-    if bias is not None:
-        new_bias = b.padded(bias, _bias_pads(bias.meta["val"], node.meta["val"].shape, pad_m, pad_n))
-        args = (new_bias, new_a, new_b)
+    old, kwargs = node.meta["val"], dict(node.kwargs)
+    m, n = old.shape[-2:]
+    blocks = pad_n and not pad_m and not lead and _returned(node) and old.is_contiguous()
+    if blocks and not pad_k:   # blocks of columns: no padded copy of ``b``
+        align = ALIGN[old.dtype]
+        out = b.call(mm_cols, (a, bmat, bias, align, _round_up(-(-n // out_blocks), align)), kwargs, like=node)
     else:
-        args = (new_a, new_b)
-    m, n = node.meta["val"].shape[-2:]
-    if pad_n and not pad_m and not lead and _returned(node) and node.meta["val"].is_contiguous():
-        align = ALIGN[node.meta["val"].dtype]   # K padded: blocks of rows of the padded operands
-        call = (mm_rows, (new_a, new_b, args[0] if bias is not None else None, n, -(-m // out_blocks))) if pad_k \
-            else (mm_cols, (a, bmat, bias, align, _round_up(-(-n // out_blocks), align)))
-        out = b.call(*call, dict(node.kwargs), like=node)
-        node.replace_all_uses_with(out)
-        b.g.erase_node(node)
-        return
-    out = b.call(node.target, args, dict(node.kwargs), like=node)
-    if pad_m:
-        out = b.call(aten.slice.Tensor, (out, -2, 0, m), like=node)
-    if pad_n:
-        out = b.call(aten.slice.Tensor, (out, -1, 0, n), like=node)
-    old = node.meta["val"]
-    if out.meta["val"].stride() != old.stride():
-        out = b.call(aten.clone.default, (out,), {"memory_format": torch.contiguous_format}, like=node)
-    new = out.meta["val"]
-    assert (old.shape, old.stride(), old.dtype) == (new.shape, new.stride(), new.dtype), (old, new)
+        new_a = b.padded(a, lead + [pad_m, pad_k])
+        new_b = b.padded(bmat, lead + [pad_k, pad_n])
+        new_bias = None if bias is None else \
+            b.padded(bias, _bias_pads(bias.meta["val"], old.shape, pad_m, pad_n))
+        if blocks:   # K padded too: blocks of rows of the padded operands
+            out = b.call(mm_rows, (new_a, new_b, new_bias, n, -(-m // out_blocks)), kwargs, like=node)
+        else:
+            args = (new_a, new_b) if bias is None else (new_bias, new_a, new_b)
+            out = b.call(node.target, args, kwargs, like=node)
+            if pad_m:
+                out = b.call(aten.slice.Tensor, (out, -2, 0, m), like=node)
+            if pad_n:
+                out = b.call(aten.slice.Tensor, (out, -1, 0, n), like=node)
+            if out.meta["val"].stride() != old.stride():
+                out = b.call(aten.clone.default, (out,), {"memory_format": torch.contiguous_format}, like=node)
+            new = out.meta["val"]
+            assert (old.shape, old.stride(), old.dtype) == (new.shape, new.stride(), new.dtype), (old, new)
     node.replace_all_uses_with(out)
     b.g.erase_node(node)
 
