@@ -200,7 +200,10 @@ class Tuning:
     cheap_ops: int = _opt(8, "a pointwise value read by several users is recomputed in each when it has at "
                              "most this many ops, else stored", check="nonneg")
     cheap_loads: int = _opt(1 << 30, "... and reads at most this many buffers at every element (a residual stream "
-                                      "over many layers reads them all)", check="nonneg")
+                                      "over many layers reads them all), in forward and backward graphs",
+                            check="nonneg")
+    cheap_loads_inference: int = _opt(2, "cheap_loads in inference graphs, where each layer's output dies once read: "
+                                         "recomputing a residual stream from them keeps them all alive", check="nonneg")
     fuse_stored_views: bool = _opt(True, "read views of stored tensors inside kernels (else ATen views)")
     reuse_inputs: bool = _opt(True, "a kernel may write its output into an input that dies at the call")
     # passes
@@ -208,7 +211,9 @@ class Tuning:
                                    check="nonneg")
     pad_mm_min_flops_per_byte: float = _opt(80.0, "... and this many FLOPs per byte the padding copies",
                                             check="nonneg")
-    pad_mm_out_blocks: int = _opt(8, "pad_mm: a padded matmul whose result the graph returns is computed in this "
+    empty_mask_max_bytes: int = _opt(1 << 28, "drop_empty_masks: evaluate (at compile time, on its device) only "
+                                              "masks of at most this many bytes", check="nonneg")
+    pad_mm_out_blocks: int = _opt(32, "pad_mm: a padded matmul whose result the graph returns is computed in this "
                                      "many blocks of rows, each copied into the result (one block's padding "
                                      "alive, not a second result); 1: one product and one copy", check="pos")
     # partitioner
@@ -235,6 +240,9 @@ class Options:
     cse: bool = _opt(True, "common-subexpression elimination on the joint and inference graphs")
     pad_matmuls: str = _opt("auto", "pad misaligned large matmuls to tensor-core alignment: 'auto' (CUDA only), "
                             "'always' (any device), 'never'", ("auto", "always", "never"))
+    drop_empty_masks: bool = _opt(True, "attention masks computed from constants alone that mask nothing (a model "
+                                        "called without attention_mask) are dropped, so SDPA may run its flash kernel "
+                                        "as in eager")
     pre_grad_custom_pass: Any = _opt(None, "callable(graph) run on Dynamo's torch-level graph", HOOK, env=False)
     joint_custom_pre_pass: Any = _opt(None, "callable(graph) run first on the joint graph", HOOK, env=False)
     joint_custom_post_pass: Any = _opt(None, "callable(graph) run last on the joint graph", HOOK, env=False)

@@ -230,6 +230,8 @@ def _lower(gm: fx.GraphModule, inputs: list, opts: Options, trace: Trace, kind: 
         if target == "triton":   # cuDNN adds a bias in a pass of its own; oneDNN adds it in the convolution
             trace.stage(f"conv_bias_{kind}", split_conv_bias, gm)
         fuse_opts = opts if opts.codegen == target else opts.replace(codegen=target)   # 'auto' resolved
+        if kind == "inference" and opts.tuning.cheap_loads != opts.tuning.cheap_loads_inference:
+            fuse_opts = fuse_opts.replace(**{"tuning.cheap_loads": opts.tuning.cheap_loads_inference})
         trace.stage(f"fuse_{kind}", fuse_graph, gm, inputs, fuse_opts, load_kernel, _plan_printer(trace, kind),
                     build=_builder(trace, kind, units))
     if target == "triton":

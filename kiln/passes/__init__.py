@@ -1,7 +1,8 @@
 """Graph passes by stage. Each runner edits the GraphModule in place and returns how many nodes changed.
 
 Order (the hook contract PyTorch's users know):
-  pre_grad : pre_grad_custom_pass (and registered 'pre_grad' passes) on Dynamo's torch-level graph
+  pre_grad : attention masks that mask nothing dropped (option drop_empty_masks), pre_grad_custom_pass
+             (and registered 'pre_grad' passes) on Dynamo's torch-level graph
   joint    : joint_custom_pre_pass, CSE, one-hot scatters as compares, built-in patterns,
              joint_custom_post_pass (before partitioning)
   post_grad: DCE, post_grad_custom_pre_pass, built-in patterns, pad_matmuls (option pad_matmuls),
@@ -17,6 +18,7 @@ import torch.fx as fx
 
 from kiln.debug import counters, log
 from kiln.passes.cse import cse
+from kiln.passes.empty_mask import drop_empty_masks
 from kiln.passes.match.trace import remove_noop_aliases
 from kiln.passes.onehot import scatter_to_where
 from kiln.passes.pad_mm import pad_matmuls
@@ -33,8 +35,11 @@ def _delta(gm: fx.GraphModule, before: int) -> int:
 
 
 def pre_grad(gm: fx.GraphModule, opts, registered=None) -> int:
-    """Run user passes on Dynamo's torch-level graph (nodes carry meta['example_value'])."""
+    """Drop attention masks that mask nothing (option ``drop_empty_masks``), then run user passes on Dynamo's
+    torch-level graph (nodes carry meta['example_value'])."""
     before = len(gm.graph.nodes)
+    if opts.drop_empty_masks:
+        drop_empty_masks(gm, opts.tuning.empty_mask_max_bytes)
     _run("pre_grad", gm, opts.pre_grad_custom_pass, registered)
     return _delta(gm, before)
 

@@ -209,23 +209,27 @@ def test_comparisons_round_bf16_operands_first():
         test_cpp.check(amin_backward_bf16, x, None, g, exact=True)
 
 
-def test_cheap_loads_stores_a_sum_that_reads_many_buffers():
+@pytest.mark.parametrize("inference", [True, False])
+def test_cheap_loads_stores_a_sum_that_reads_many_buffers(inference):
     """``tuning.cheap_loads``: a value of few ops read by kernels on both sides of a matmul is recomputed in
-    each (the default) unless it reads more buffers at every element than the option allows; then it is
-    stored once (a residual stream summed over layers)."""
+    each unless it reads more buffers at every element than the option allows; then it is stored once (a
+    residual stream summed over layers). Inference graphs use ``tuning.cheap_loads_inference`` (default 2:
+    stored), forward and backward graphs ``tuning.cheap_loads`` (default unlimited: recomputed)."""
     import kiln
 
     def f(a, b, c, w):
         r = a + b + c
         return torch.relu(r) + (r * 2) @ w
-    args = [torch.randn(16, 16) for _ in range(4)]
+    knob = "tuning.cheap_loads_inference" if inference else "tuning.cheap_loads"
     readers = {}
-    for limit in (1 << 30, 2):
+    for limit in (1 << 30, 2, None):
+        args = [torch.randn(16, 16, requires_grad=not inference) for _ in range(4)]
         torch._dynamo.reset()
-        with torch.no_grad():
-            out, code = kiln.run_and_get_code(kiln.compile(f, codegen="triton", **{"tuning.cheap_loads": limit}),
-                                              *args)
+        with torch.set_grad_enabled(not inference):
+            out, code = kiln.run_and_get_code(
+                kiln.compile(f, codegen="triton", **({} if limit is None else {knob: limit})), *args)
         torch.testing.assert_close(out, f(*args))
         src = next(x for x in code if x.startswith("# kiln wrapper"))
-        readers[limit] = sum("arg0_1, arg1_1, arg2_1" in ln for ln in src.splitlines() if "= kiln_" in ln)
-    assert readers == {1 << 30: 2, 2: 1}, readers
+        readers[limit] = sum("arg0_1, arg1_1, arg2_1" in ln or "primals_1, primals_2, primals_3" in ln
+                             for ln in src.splitlines() if "= kiln_" in ln)
+    assert readers == {1 << 30: 2, 2: 1, None: 1 if inference else 2}, readers
