@@ -213,9 +213,9 @@ class Tuning:
                                             check="nonneg")
     empty_mask_max_bytes: int = _opt(1 << 28, "drop_empty_masks: evaluate (at compile time, on its device) only "
                                               "masks of at most this many bytes", check="nonneg")
-    pad_mm_out_blocks: int = _opt(32, "pad_mm: a padded matmul whose result the graph returns is computed in this "
-                                     "many blocks of rows, each copied into the result (one block's padding "
-                                     "alive, not a second result); 1: one product and one copy", check="pos")
+    pad_mm_out_blocks: int = _opt(8, "pad_mm: a padded matmul whose result the graph returns is computed in this "
+                                     "many blocks (of rows: one block's padding alive, not a second result; of "
+                                     "columns when only N is misaligned: in the result's own storage)", check="pos")
     # partitioner
     knapsack_dp_cells: int = _opt(5 * 10 ** 7, "the activation budget's knapsack is solved by exact dynamic "
                                                "programming up to this many items x capacity units, else by "

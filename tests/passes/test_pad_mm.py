@@ -93,6 +93,32 @@ def test_a_returned_product_misaligned_in_n_only_goes_by_blocks_of_columns(small
     torch.testing.assert_close(out, fn(*args))
 
 
+@pytest.mark.parametrize("bias_shape", [None, (1001,), (66, 1001)])
+def test_mm_cols_allocates_nothing_beside_its_result(bias_shape):
+    """Each block's product is computed in the storage of result rows not yet written: no tensor of
+    more than a bias block's size exists besides the result (GPT-2's logits: ~0 MiB instead of one block)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    a, b = torch.randn(66, 96), torch.randn(1001, 96).t()
+    bias = None if bias_shape is None else torch.randn(bias_shape)
+    sizes = []
+
+    class Allocations(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in (out if isinstance(out, (tuple, list)) else (out,)):
+                if isinstance(t, torch.Tensor) and func._schema.name not in ("aten::view", "aten::slice",
+                                                                            "aten::alias", "aten::as_strided"):
+                    sizes.append((func._schema.name, t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()))
+            return out
+    with Allocations():
+        out = mm_cols(a, b, bias, 4, 252, beta=0.5, alpha=2.0)
+    want = torch.mm(a, b) if bias is None else torch.addmm(bias, a, b, beta=0.5, alpha=2.0)
+    torch.testing.assert_close(out, want)
+    ptr = out.untyped_storage().data_ptr()
+    foreign = [(name, n) for name, p, n in sizes if p != ptr and n > 4 * 1001]
+    assert not foreign, foreign
+
+
 def test_aligned_or_tiny_left_alone(small):
     gm = traced(torch.mm, torch.randn(64, 96), torch.randn(96, 1000))
     assert pad_matmuls(gm, devices=None, **small) == 0
