@@ -1,4 +1,6 @@
 """pad_matmuls: misaligned mm / addmm / bmm padded to tensor-core alignment, same values as eager."""
+import warnings
+
 import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -91,6 +93,21 @@ def test_a_returned_product_misaligned_in_n_only_goes_by_blocks_of_columns(small
     out = run_checked(gm, *args)
     assert out.is_contiguous()
     torch.testing.assert_close(out, fn(*args))
+
+
+@pytest.mark.parametrize("cols", [252, 1004, 8])
+@pytest.mark.parametrize("weight", ["transposed", "row_major"])
+@pytest.mark.parametrize("bias_shape", [None, (1001,), (66, 1001), (66, 1)])
+def test_mm_cols_any_block_width(cols, weight, bias_shape):
+    """One block wider than N (``pad_mm_out_blocks=1``), narrow blocks (more levels than rows need), either
+    weight layout: the values are the product's."""
+    a = torch.randn(66, 96)
+    b = torch.randn(1001, 96).t() if weight == "transposed" else torch.randn(96, 1001)
+    bias = None if bias_shape is None else torch.randn(bias_shape)
+    want = torch.mm(a, b) if bias is None else torch.addmm(bias, a, b, beta=0.5, alpha=2.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # an ``out=`` of the wrong shape is resized with a warning
+        torch.testing.assert_close(mm_cols(a, b, bias, 4, cols, beta=0.5, alpha=2.0), want)
 
 
 @pytest.mark.parametrize("bias_shape", [None, (1001,), (66, 1001)])
