@@ -83,16 +83,9 @@ def _evaluate(nodes, mask: fx.Node) -> torch.Tensor:
 
 
 def _empty(value) -> bool:
-    if not isinstance(value, torch.Tensor):
+    if not isinstance(value, torch.Tensor) or not (value.dtype == torch.bool or value.is_floating_point()):
         return False
-    if value.dtype == torch.bool:
-        return bool(value.all())
-    return value.is_floating_point() and bool((value == 0).all())
-
-
-def _size_of(mask: fx.Node) -> int:
-    v = mask.meta.get("example_value", mask.meta.get("val"))
-    return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 1 << 62
+    return bool(value.all() if value.dtype == torch.bool else (value == 0).all())
 
 
 def drop_empty_masks(gm: fx.GraphModule, max_bytes: int) -> int:
@@ -126,8 +119,9 @@ def drop_empty_masks(gm: fx.GraphModule, max_bytes: int) -> int:
 
 def _verdict(mask: fx.Node, max_bytes: int):
     """True when ``mask`` is a constant that masks nothing, else the reason it is kept."""
-    if _size_of(mask) > max_bytes:
-        return f"over tuning.empty_mask_max_bytes ({max_bytes})"
+    v = mask.meta.get("example_value", mask.meta.get("val"))
+    if not isinstance(v, torch.Tensor) or v.numel() * v.element_size() > max_bytes:
+        return f"not a tensor of at most tuning.empty_mask_max_bytes ({max_bytes})"
     nodes = _constant_subgraph(mask)
     if isinstance(nodes, str):
         return nodes
