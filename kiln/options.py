@@ -215,7 +215,11 @@ class Tuning:
                                               "masks of at most this many bytes", check="nonneg")
     pad_mm_out_blocks: int = _opt(8, "pad_mm: a padded matmul whose result the graph returns is computed in this "
                                      "many blocks (of rows: one block's padding alive, not a second result; of "
-                                     "columns when only N is misaligned: in the result's own storage)", check="pos")
+                                     "columns when only N is misaligned)", check="pos")
+    pad_mm_in_place: str = _opt("inference", "pad_mm: where a returned product's column blocks are computed in the "
+                                             "result's own storage (nothing allocated beside it; more, smaller "
+                                             "products): 'inference' graphs, 'always', 'never'",
+                                ("inference", "always", "never"))
     # partitioner
     knapsack_dp_cells: int = _opt(5 * 10 ** 7, "the activation budget's knapsack is solved by exact dynamic "
                                                "programming up to this many items x capacity units, else by "

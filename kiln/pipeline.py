@@ -225,7 +225,7 @@ def _lower(gm: fx.GraphModule, inputs: list, opts: Options, trace: Trace, kind: 
         trace.stage("channels_last", to_channels_last, gm, opts)
     if opts.fold_constants and target in ("triton", "cpp"):
         trace.stage(f"fold_{kind}", fold_constants, gm)
-    trace.stage(f"post_grad_{kind}", passes.post_grad, gm, opts, registered)
+    trace.stage(f"post_grad_{kind}", passes.post_grad, gm, opts, registered, kind == "inference")
     if target in ("triton", "cpp"):
         if target == "triton":   # cuDNN adds a bias in a pass of its own; oneDNN adds it in the convolution
             trace.stage(f"conv_bias_{kind}", split_conv_bias, gm)

@@ -57,8 +57,8 @@ def joint(gm: fx.GraphModule, opts, registered=None) -> int:
     return _delta(gm, before)
 
 
-def post_grad(gm: fx.GraphModule, opts, registered=None) -> int:
-    """Passes on each forward / backward / inference graph after partitioning."""
+def post_grad(gm: fx.GraphModule, opts, registered=None, inference: bool = False) -> int:
+    """Passes on each forward / backward / inference graph (``inference``) after partitioning."""
     before = len(gm.graph.nodes)
     if gm.graph.eliminate_dead_code():   # recompiling a large unchanged graph costs ~0.3 s
         gm.recompile()
@@ -66,7 +66,7 @@ def post_grad(gm: fx.GraphModule, opts, registered=None) -> int:
     if opts.pattern_matcher:
         _builtin("post_grad", gm)
     if opts.pad_matmuls != "never":
-        _pad_matmuls(gm, opts)
+        _pad_matmuls(gm, opts, inference)
     _run("post_grad_post", gm, opts.post_grad_custom_post_pass, registered)
     return _delta(gm, before)
 
@@ -82,11 +82,13 @@ def _onehot(gm: fx.GraphModule) -> None:
         log(2, f"onehot: {n} scatters became compares")
 
 
-def _pad_matmuls(gm: fx.GraphModule, opts) -> None:
+def _pad_matmuls(gm: fx.GraphModule, opts, inference: bool) -> None:
+    where = opts.tuning.pad_mm_in_place
     padded = pad_matmuls(gm, devices=None if opts.pad_matmuls == "always" else ("cuda",),
                          min_flops=opts.tuning.pad_mm_min_flops,
                          min_flops_per_byte=opts.tuning.pad_mm_min_flops_per_byte,
-                         out_blocks=opts.tuning.pad_mm_out_blocks)
+                         out_blocks=opts.tuning.pad_mm_out_blocks,
+                         in_place=where == "always" or (where == "inference" and inference))
     if padded:
         counters["kiln"]["pad_mm"] += padded
         log(2, f"pad_mm: {padded} matmuls padded to tensor-core alignment")

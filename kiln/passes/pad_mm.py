@@ -13,8 +13,11 @@ An output sliced along N (a bmm output along M) is copied back to the contiguous
 records (``clone``); on the Triton target the copy fuses into the consumers. A 2-D product the graph
 returns (GPT-2's logits) would be materialized twice, padded and copied: ``mm_rows`` computes it in
 ``tuning.pad_mm_out_blocks`` blocks instead, so one block is alive, not a second result; when only N is
-misaligned, ``mm_cols`` goes by blocks of columns, with no padded copy of the weight and each block computed in
-the storage of result rows not yet written: nothing is allocated beside the result.
+misaligned, ``mm_cols`` goes by blocks of columns, with no padded copy of the weight. In inference graphs
+(``tuning.pad_mm_in_place``) each block is computed in the storage of result rows not yet written, so nothing
+is allocated beside the result (GPT-2 inference's peak is eager's); training graphs keep one allocated block,
+which costs half the launches and GPU time (H200: 1.05 against 1.67 ms before the in-place form's last block
+was widened) and did not move GPT-2 training's peak, set in the backward.
 
 When it pays (options ``tuning.pad_mm_min_flops``, ``tuning.pad_mm_min_flops_per_byte``): at least
 1e9 FLOPs (a misaligned 1e9-FLOP matmul takes ~8 us on an H100; padding saves about a launch), and 80
@@ -193,13 +196,17 @@ def mm_rows(a: torch.Tensor, b: torch.Tensor, bias, n: int, rows: int, beta=1, a
     return out
 
 
-def mm_cols(a: torch.Tensor, b: torch.Tensor, bias, align: int, cols: int, beta=1, alpha=1) -> torch.Tensor:
+def mm_cols(a: torch.Tensor, b: torch.Tensor, bias, align: int, cols: int, in_place: bool = True, beta=1,
+            alpha=1) -> torch.Tensor:
     """``mm_rows`` for an unpadded ``b`` misaligned in N only, ``cols`` (a multiple of ``align``) columns at a
-    time: a transposed ``b``'s blocks are read as they are (a row-major one's copied, aligned). Each block's
-    product is written into the storage of the result's last rows, not yet computed (``_cols_into``), so no
-    memory is allocated beside the result."""
+    time: a transposed ``b``'s blocks are read as they are (a row-major one's copied, aligned). ``in_place``:
+    each block's product is written into the storage of the result's rows not yet computed (``_cols_into``),
+    so nothing is allocated beside the result; else into one allocated block (fewer, larger products)."""
     out = a.new_empty((a.shape[0], b.shape[1]))
-    _cols_into(out, a, b, bias, align, cols, beta, alpha, levels=2)
+    if in_place:
+        _cols_into(out, a, b, bias, align, cols, beta, alpha, levels=2)
+    else:
+        _col_blocks(out, a, b, bias, align, cols, beta, alpha, out.shape[0], lambda w: a.new_empty((a.shape[0], w)))
     return out
 
 
@@ -219,8 +226,16 @@ def _cols_into(out, a, b, bias, align, cols, beta, alpha, levels):
             torch.addmm(bias, a, b, beta=beta, alpha=alpha, out=out)
         return
     r = m - tail
-    start = _round_up(r * n, align)
-    flat = out.view(-1)
+    start, flat = _round_up(r * n, align), out.view(-1)
+    _col_blocks(out, a, b, bias, align, cols, beta, alpha, r, lambda w: flat[start:start + r * w].view(r, w))
+    _cols_into(out[r:], a[r:], b, bias[r:] if per_row else bias, align, cols, beta, alpha, levels - 1)
+
+
+def _col_blocks(out, a, b, bias, align, cols, beta, alpha, r, scratch_of):
+    """Rows [0, r) of ``out`` by blocks of columns, each product computed into ``scratch_of(width)`` ([r,
+    width], width aligned) and copied into place."""
+    n = out.shape[1]
+    per_row = bias is not None and bias.dim() == 2 and bias.shape[0] == out.shape[0] and out.shape[0] > 1
     for j in range(0, n, cols):
         w = min(cols, n - j)
         pad = -w % align
@@ -229,7 +244,7 @@ def _cols_into(out, a, b, bias, align, cols, beta, alpha, levels):
         bj = b[:, j:j + w]
         if pad or bj.stride(0) != 1:   # a misaligned width (cuBLAS's slow kernels, whatever the strides) or
             bj = torch.nn.functional.pad(bj, (0, pad))   # leading dimension (row-major, N): an aligned copy
-        scratch = flat[start:start + r * (w + pad)].view(r, w + pad)
+        scratch = scratch_of(w + pad)
         if bias is None:
             torch.mm(a[:r], bj, out=scratch)
         else:
@@ -238,7 +253,7 @@ def _cols_into(out, a, b, bias, align, cols, beta, alpha, levels):
             cj = torch.nn.functional.pad(cj, (0, pad)) if pad and cj.shape[-1] == w else cj
             torch.addmm(cj, a[:r], bj, beta=beta, alpha=alpha, out=scratch)
         out[:r, j:j + w].copy_(scratch[:, :w])
-    _cols_into(out[r:], a[r:], b, bias[r:] if per_row else bias, align, cols, beta, alpha, levels - 1)
+        del scratch   # before the next block's is allocated
 
 
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
@@ -250,7 +265,8 @@ def _returned(node: fx.Node) -> bool:
                for u in node.users)
 
 
-def _rewrite(b: _Builder, node: fx.Node, pads, out_blocks: int = Tuning.pad_mm_out_blocks) -> None:
+def _rewrite(b: _Builder, node: fx.Node, pads, out_blocks: int = Tuning.pad_mm_out_blocks,
+             in_place: bool = True) -> None:
     pad_m, pad_k, pad_n = pads
     a, bmat, bias = _operands(node)
     lead = [0] if node.target is aten.bmm.default else []
@@ -260,7 +276,8 @@ def _rewrite(b: _Builder, node: fx.Node, pads, out_blocks: int = Tuning.pad_mm_o
     blocks = pad_n and not pad_m and not lead and _returned(node) and old.is_contiguous()
     if blocks and not pad_k:   # blocks of columns: no padded copy of ``b``
         align = ALIGN[old.dtype]
-        out = b.call(mm_cols, (a, bmat, bias, align, _round_up(-(-n // out_blocks), align)), kwargs, like=node)
+        cols = _round_up(-(-n // out_blocks), align)
+        out = b.call(mm_cols, (a, bmat, bias, align, cols, in_place), kwargs, like=node)
     else:
         new_a = b.padded(a, lead + [pad_m, pad_k])
         new_b = b.padded(bmat, lead + [pad_k, pad_n])
@@ -285,11 +302,11 @@ def _rewrite(b: _Builder, node: fx.Node, pads, out_blocks: int = Tuning.pad_mm_o
 
 def pad_matmuls(gm: fx.GraphModule, devices=("cuda",), *, min_flops: float = Tuning.pad_mm_min_flops,
                 min_flops_per_byte: float = Tuning.pad_mm_min_flops_per_byte,
-                out_blocks: int = Tuning.pad_mm_out_blocks) -> int:
+                out_blocks: int = Tuning.pad_mm_out_blocks, in_place: bool = True) -> int:
     """Pad misaligned mm / addmm / bmm nodes of ``gm`` in place (operands on ``devices``, or any
     device when None) where they pay (``min_flops``, ``min_flops_per_byte``: the options
-    ``tuning.pad_mm_min_flops*``; ``out_blocks``: ``tuning.pad_mm_out_blocks``, see the module
-    docstring); returns how many matmuls were rewritten. Needs fake values in meta['val']."""
+    ``tuning.pad_mm_min_flops*``; ``out_blocks``: ``tuning.pad_mm_out_blocks``; ``in_place``: ``mm_cols``'s,
+    see the module docstring); returns how many matmuls were rewritten. Needs fake values in meta['val']."""
     fake_mode = fake_mode_of(gm)
     if fake_mode is None:
         return 0
@@ -300,7 +317,7 @@ def pad_matmuls(gm: fx.GraphModule, devices=("cuda",), *, min_flops: float = Tun
     builder = _Builder(gm, fake_mode)
     for node, pads in todo:
         log(5, f"pad_mm: {node.name} {tuple(node.meta['val'].shape)} padded by (M, K, N) = {pads}")
-        _rewrite(builder, node, pads, out_blocks)
+        _rewrite(builder, node, pads, out_blocks, in_place)
     gm.graph.eliminate_dead_code()   # views the old matmuls read
     gm.graph.lint()
     gm.recompile()

@@ -88,26 +88,27 @@ def test_a_returned_product_misaligned_in_n_only_goes_by_blocks_of_columns(small
     gm = traced(fn, *args)
     assert pad_matmuls(gm, devices=None, out_blocks=4, **small) == 1
     calls = [n for n in gm.graph.nodes if n.target is mm_cols]
-    assert len(calls) == 1 and calls[0].args[-1] == 252   # ceil(1001 / 4) rounded up to 4 (fp32)
+    assert len(calls) == 1 and calls[0].args[4] == 252   # ceil(1001 / 4) rounded up to 4 (fp32)
     assert count(gm, aten.constant_pad_nd.default) == 0 and count(gm, aten.clone.default) == 0
     out = run_checked(gm, *args)
     assert out.is_contiguous()
     torch.testing.assert_close(out, fn(*args))
 
 
+@pytest.mark.parametrize("in_place", [True, False])
 @pytest.mark.parametrize("cols", [252, 1004, 8])
 @pytest.mark.parametrize("weight", ["transposed", "row_major"])
 @pytest.mark.parametrize("bias_shape", [None, (1001,), (66, 1001), (66, 1)])
-def test_mm_cols_any_block_width(cols, weight, bias_shape):
+def test_mm_cols_any_block_width(cols, weight, bias_shape, in_place):
     """One block wider than N (``pad_mm_out_blocks=1``), narrow blocks (more levels than rows need), either
-    weight layout: the values are the product's."""
+    weight layout, in the result's storage or an allocated block: the values are the product's."""
     a = torch.randn(66, 96)
     b = torch.randn(1001, 96).t() if weight == "transposed" else torch.randn(96, 1001)
     bias = None if bias_shape is None else torch.randn(bias_shape)
     want = torch.mm(a, b) if bias is None else torch.addmm(bias, a, b, beta=0.5, alpha=2.0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")   # an ``out=`` of the wrong shape is resized with a warning
-        torch.testing.assert_close(mm_cols(a, b, bias, 4, cols, beta=0.5, alpha=2.0), want)
+        torch.testing.assert_close(mm_cols(a, b, bias, 4, cols, in_place, beta=0.5, alpha=2.0), want)
 
 
 @pytest.mark.parametrize("bias_shape", [None, (1001,), (66, 1001)])
@@ -321,3 +322,25 @@ def test_cuda_bf16_against_fp64(small, shape):
     for g, r in zip(got, ref):
         err = (g.double() - r).abs().max() / r.abs().max()
         assert err < 2e-2, err
+
+
+@pytest.mark.parametrize("where,want", [("inference", {"inference": True, "forward": False}),
+                                        ("always", {"inference": True, "forward": True}),
+                                        ("never", {"inference": False, "forward": False})])
+def test_returned_blocks_in_place_by_graph_kind(small, where, want):
+    """``tuning.pad_mm_in_place``: a returned product's column blocks go into the result's own storage in
+    inference graphs (the result dominates their peak), through one allocated block in training graphs."""
+    got = {}
+    for kind in ("inference", "forward"):
+        torch._dynamo.reset()
+        seen = []
+        lin = torch.nn.Linear(96, 1001)
+        x = torch.randn(64, 96, requires_grad=kind == "forward")
+        fn = kiln.compile(lin, pad_matmuls="always", **{"tuning.pad_mm_in_place": where},
+                          post_grad_custom_post_pass=lambda g: seen.extend(
+                              n.args[5] for n in g.nodes if n.target is mm_cols))
+        with torch.set_grad_enabled(kind == "forward"):
+            torch.testing.assert_close(fn(x), lin(x))
+        assert len(seen) == 1, seen
+        got[kind] = seen[0]
+    assert got == want
