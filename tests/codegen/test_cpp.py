@@ -165,23 +165,70 @@ def test_outer_reductions_and_folded_column_partials():
     check(lambda x: (x - x.mean(1, keepdim=True)).abs().mean(), x, atol=1e-4, rtol=1e-5)
 
 
-def test_random_ops_are_declined_and_run_as_aten():
-    x = torch.randn(4, 8)
-    gm, n = fused(lambda x: (torch.rand_like(x) < 2).float() * torch.softmax(x, -1), x)
-    assert any(n.target.__class__.__name__ == "Fallback" for n in gm.graph.nodes), gm.code   # declined
-    torch.testing.assert_close(gm(x), torch.softmax(x, -1))
+def _random_kernels(fn, x, codegen):
+    gm = make_fx(fn, decomposition_table=decompositions(), tracing_mode="fake")(x)
+    fuse_graph(gm, [x], current(codegen=codegen), load_kernel, strict=True,
+               build=cpp_build.build if codegen == "cpp" else None)
+    assert not any(n.target.__class__.__name__ == "Fallback" for n in gm.graph.nodes), gm.code   # not declined
+    return gm
+
+
+@pytest.mark.parametrize("kind", ["rand", "randn"])
+def test_random_numbers_are_tritons(kind):
+    """C++ kernels draw Triton's philox numbers: for the same seed the same uniforms, bit for bit (normals to
+    the last ulps of log/cos), and their moments are a uniform's and a normal's."""
+    x = torch.randn(300, 70)
+    fn = (lambda x: torch.rand_like(x) + x * 0) if kind == "rand" else (lambda x: torch.randn_like(x) + x * 0)
+    got = {}
+    for codegen in ("cpp", "triton"):
+        gm = _random_kernels(fn, x, codegen)
+        torch.manual_seed(7)
+        got[codegen] = gm(x)
+    if kind == "rand":
+        assert torch.equal(got["cpp"], got["triton"])
+        assert 0 <= got["cpp"].min() and got["cpp"].max() < 1 and abs(got["cpp"].mean() - 0.5) < 0.01
+    else:
+        torch.testing.assert_close(got["cpp"], got["triton"], atol=1e-5, rtol=1e-5)
+        assert abs(got["cpp"].mean()) < 0.02 and abs(got["cpp"].std() - 1) < 0.02
+    torch.manual_seed(8)
+    assert not torch.equal(_random_kernels(fn, x, "cpp")(x), got["cpp"])   # a new seed, new numbers
+
+
+def test_dropout_trains_with_cpp_kernels():
+    """Dropout in a C++ kernel: kept elements scaled by 1 / (1 - p), the backward through the same mask."""
+    counters.clear()
+    torch._dynamo.reset()
+    x = torch.randn(64, 257, requires_grad=True)
+    out = kiln.compile(lambda x: F.dropout(x * 2, 0.25, training=True), codegen="cpp")(x)
+    out.sum().backward()
+    kept = out != 0
+    assert 0.7 < kept.float().mean() < 0.8
+    torch.testing.assert_close(out[kept], (x * 2 / 0.75)[kept])
+    torch.testing.assert_close(x.grad, kept.float() * 2 / 0.75)
+    assert counters["codegen"]["cpp_declined"] == 0
+
+
+def _disassembly(gm) -> str:
+    flags = open("/proc/cpuinfo").read() if shutil.os.path.exists("/proc/cpuinfo") else ""
+    if not (" avx512f" in flags or " avx2" in flags) or not shutil.which("objdump"):
+        pytest.skip("no AVX2/AVX-512 host or no objdump")
+    lib = cpp_build.library(re.search(r"cpp_build\.function\('(\w+)'", kernels(gm)[0].source).group(1))
+    return subprocess.run(["objdump", "-d", lib], capture_output=True, text=True).stdout
 
 
 def test_inner_loops_vectorize():
-    flags = open("/proc/cpuinfo").read() if shutil.os.path.exists("/proc/cpuinfo") else ""
-    reg = "zmm" if " avx512f" in flags else "ymm" if " avx2" in flags else None
-    if reg is None or not shutil.which("objdump"):
-        pytest.skip("no AVX2/AVX-512 host or no objdump")
     gm, _ = fused(gelu_bias, torch.randn(64, 256), torch.randn(256))
-    lib = cpp_build.library(re.search(r"cpp_build\.function\('(\w+)'", kernels(gm)[0].source).group(1))
-    asm = subprocess.run(["objdump", "-d", lib], capture_output=True, text=True).stdout
+    asm = _disassembly(gm)
     assert "ymm" in asm or "zmm" in asm, "no vector registers in the kernel"
     assert "_ZGV" in asm or not cpp_build.has_libmvec(), "erf is not called through its vector variant"
+
+
+def test_random_numbers_and_a_compare_cast_to_float_vectorize():
+    """Dropout's kernel: philox and ``(rand > p).float()`` (written as a select: g++ 12 vectorizes no loop
+    converting a compare's bool with a cast; the kernel ran 6x slower, 2026-11-27, 2-core Xeon)."""
+    gm = _random_kernels(lambda x: F.gelu((torch.rand_like(x) > 0.1).float() * x), torch.randn(64, 256), "cpp")
+    asm = _disassembly(gm)
+    assert re.search(r"\tvpmul(udq|lq|ld)\s", asm), "philox's multiplies are not vector instructions"
 
 
 def test_a_channels_last_max_pool_vectorizes():

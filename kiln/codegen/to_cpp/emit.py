@@ -120,6 +120,7 @@ class ExprWriter:
         # a split pointwise kernel: the scope of one outer position, before the vectorized inner loop, and
         # the variables computed there (values that do not depend on ``xi`` go there)
         self.xo_scope, self.xo_vars, self.xi_n, self._xi_free_memo = None, set(), None, {}
+        self.seeds = {}   # random ops' seed slot -> the int64 parameter holding its philox seed
 
     def tmp(self, prefix="tmp"):
         self.count += 1
@@ -241,7 +242,10 @@ class ExprWriter:
             idx = self.index(a[0], a[2], sub)
             return f"(({idx}) != 0)" if e.dtype == torch.bool else f"(({VALUE[e.dtype]})({idx}))"
         if op == "rand":
-            raise Unsupported("cpp: random numbers (the kernel runs as ATen)")
+            kind, offset, slot = a
+            seed = self.seeds.setdefault(slot, f"seed{len(self.seeds)}")
+            fn = "kiln_randn" if kind == "randn" else "kiln_rand"
+            return f"{fn}({seed}, (uint32_t)({self.index(offset, (), sub)}))"
         if op == "cast":
             x = sub(a[0])
             if e.dtype.is_floating_point and _truncated(a[0]):   # g++ folds float -> int -> float into a
@@ -249,6 +253,8 @@ class ExprWriter:
                 x = f"(({x}) == 0 ? ({w})0 : ({w})({x}))"            # eager's int 0 converts to +0.0
             if e.dtype == torch.bool:
                 return f"({x} != 0)"
+            if a[0].dtype == torch.bool and e.dtype.is_floating_point:   # a select: g++ 12 vectorizes no loop
+                return f"({x} ? 1.0 : 0.0)" if e.dtype == torch.float64 else f"({x} ? 1.0f : 0.0f)"  # casting a bool
             if e.dtype == torch.bfloat16:
                 return f"kiln_round_bf16((float)({x}))"
             if e.dtype == torch.float16:

@@ -5,7 +5,7 @@ int64 sizes; named by a hash of its text, so equal kernels share a name) into on
 for each plan a ``KernelSource`` whose text is a small Python module: its ``call`` binds sizes from
 its inputs, restrides inputs whose strides differ from the graph's, allocates the outputs and calls the
 function(s) through ``kiln.runtime.cpp_build`` (which built and loaded the unit). A plan the emitter
-cannot write (a scatter, random numbers, an op without a template) gets a source with no text: the
+cannot write (a scatter, an op without a template) gets a source with no text: the
 caller runs that kernel's ATen nodes instead, and the reason is logged.
 """
 from __future__ import annotations
@@ -79,11 +79,12 @@ def _write_plan(plan, tuning: Tuning, functions: dict) -> KernelSource:
     dtypes = ", ".join(str(plan.buffers[b].dtype).replace("torch.", "") for b in inputs)
     # the launcher runs once per kernel call: torch's functions, the device and the C functions are
     # module globals, and the checks are the cheapest that decide (``is_contiguous`` where it does)
-    lines = [HEADER + f"# inputs: {dtypes}", "import torch", "from kiln.runtime import cpp_build", "",
-             "_empty = torch.empty_strided", f"_device = torch.device({str(plan.device)!r})"]
+    lines = [HEADER + f"# inputs: {dtypes}", "import torch", "from kiln.runtime import cpp_build"] + \
+        ["from kiln.runtime.launch import seed as _seed"] * any(k.seeds for k in kernels) + \
+        ["", "_empty = torch.empty_strided", f"_device = torch.device({str(plan.device)!r})"]
     for i, (k, fname) in enumerate(zip(kernels, fnames)):
         n_ptr = len(k.inputs) + len(k.plan.stored)
-        lines.append(f"_k{i} = cpp_build.function({fname!r}, {n_ptr}, {len(names)})")
+        lines.append(f"_k{i} = cpp_build.function({fname!r}, {n_ptr}, {len(names) + len(k.seeds)})")
     args = [f"in{i}" for i in range(len(inputs))] + [names[s] for s in scalars]
     lines += ["", "", f"def call({', '.join(args)}):"]
     body = list(bind_lines)
@@ -101,7 +102,7 @@ def _write_plan(plan, tuning: Tuning, functions: dict) -> KernelSource:
     for i, k in enumerate(kernels):
         local = {**ins, **outs}
         ptrs = [f"{local[b]}.data_ptr()" for b in k.inputs] + [f"{outs[b.name]}.data_ptr()" for b in k.plan.stored]
-        body.append(f"_k{i}({', '.join(ptrs + sizes)})")
+        body.append(f"_k{i}({', '.join(ptrs + sizes + ['_seed()'] * len(k.seeds))})")   # a seed per call
     locs = [outs[b.name] for b in plan.outputs()]
     body.append(f"return {locs[0]}" if len(locs) == 1 else f"return ({', '.join(locs)},)")
     lines += ["    " + ln for b in body for ln in b.split("\n")]

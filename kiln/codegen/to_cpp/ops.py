@@ -136,6 +136,28 @@ template <typename T> KILN_INLINE T kiln_floordiv_f(T a, T b) {   // eager's: fr
   return d != 0 ? f : (a / b) * (T)0;
 }
 template <typename T> KILN_INLINE T kiln_sign(T x) { return x > 0 ? (T)1 : (x < 0 ? (T)-1 : (T)0); }
+// random numbers as Triton draws them (philox 4x32-10, to_triton.ops' _kiln_philox): the same seed, the same
+// numbers on either target; the scalar log/cos (kiln_s_) keep a value equal in every loop recomputing it
+KILN_INLINE void kiln_philox(uint64_t seed, uint32_t c0, uint32_t* r0, uint32_t* r1) {
+  uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32), c1 = 0, c2 = 0, c3 = 0;
+  for (int i = 0; i < 10; i++) {
+    const uint32_t a = c0, b = c2;
+    c0 = (uint32_t)(((uint64_t)0xCD9E8D57u * b) >> 32) ^ c1 ^ k0;
+    c2 = (uint32_t)(((uint64_t)0xD2511F53u * a) >> 32) ^ c3 ^ k1;
+    c1 = b * 0xCD9E8D57u, c3 = a * 0xD2511F53u, k0 += 0x9E3779B9u, k1 += 0xBB67AE85u;
+  }
+  *r0 = c0, *r1 = c1;
+}
+KILN_INLINE float kiln_uniform(uint32_t u) { return (float)(int32_t)((int32_t)u < 0 ? ~u : u) * 4.6566127342e-10f; }
+KILN_INLINE float kiln_rand(int64_t seed, uint32_t offset) {
+  uint32_t a, b; kiln_philox((uint64_t)seed, offset, &a, &b); return kiln_uniform(a);
+}
+KILN_INLINE float kiln_randn(int64_t seed, uint32_t offset) {
+  uint32_t a, b; kiln_philox((uint64_t)seed, offset, &a, &b);
+  const float u1 = kiln_uniform(a) > 1.0e-7f ? kiln_uniform(a) : 1.0e-7f;
+  return sqrtf(-2.0f * """ + SCALAR_PREFIX + """logf(u1)) *
+         """ + SCALAR_PREFIX + """cosf(6.283185307179586f * kiln_uniform(b));
+}
 """
 
 # templates over {0}, {1} (operands) and {f} ('f' for float operands, '' for double)

@@ -52,8 +52,6 @@ class CppKernel(ExprWriter):
         plan = self.plan
         if plan.scatter is not None:
             raise Unsupported("cpp: scatter kernels run as ATen")
-        if plan.random:
-            raise Unsupported("cpp: random numbers (the kernel runs as ATen)")
         if plan.reduction:
             self._reduction()
         else:
@@ -439,7 +437,8 @@ class CppKernel(ExprWriter):
     def params(self, names) -> list:
         ins = [f"const {MEMORY[self.plan.buffers[b].dtype]}* __restrict__ {p}" for b, p in self.inputs.items()]
         outs = [f"{MEMORY[b.dtype]}* __restrict__ {self.out_args[b.name]}" for b in self.plan.stored]
-        return ins + outs + [f"int64_t {names[s]}" for s in sorted(names, key=str)]
+        ints = [names[s] for s in sorted(names, key=str)] + list(self.seeds.values())   # sizes, philox seeds
+        return ins + outs + [f"int64_t {v}" for v in ints]
 
     def define(self, name: str, names) -> str:
         """The function's text (``names``: size symbol -> parameter name, every kernel of the module's)."""
