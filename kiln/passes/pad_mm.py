@@ -182,13 +182,18 @@ def _bias_pads(biasv, out_shape, pad_m, pad_n):
     return pads
 
 
+def _per_row(bias, m: int) -> bool:
+    """Whether ``bias`` has a row per output row (sliced with the rows of a block), not broadcast over them."""
+    return bias is not None and bias.dim() == 2 and bias.shape[0] == m and m > 1
+
+
 def mm_rows(a: torch.Tensor, b: torch.Tensor, bias, n: int, rows: int, beta=1, alpha=1) -> torch.Tensor:
     """``beta * bias + alpha * a @ b`` (``bias`` None: mm) for ``b`` padded to [K, N'], as a contiguous [M, n]
     result made ``rows`` rows at a time: one block's padded product is alive, not a second result."""
     m = a.shape[0]
     out = a.new_empty((m, n))
+    per_row = _per_row(bias, m)
     for i in range(0, m, rows):
-        per_row = bias is not None and bias.dim() == 2 and bias.shape[0] == m and m > 1
         p = torch.mm(a[i:i + rows], b) if bias is None else \
             torch.addmm(bias[i:i + rows] if per_row else bias, a[i:i + rows], b, beta=beta, alpha=alpha)
         out[i:i + rows].copy_(p[:, :n])
@@ -218,7 +223,6 @@ def _cols_into(out, a, b, bias, align, cols, beta, alpha, levels):
     4096 rows at 8 blocks, 0.14 ms)."""
     m, n = out.shape
     tail = -(-(m * cols + align) // (n + cols))   # rows whose storage holds R * cols elements, aligned
-    per_row = bias is not None and bias.dim() == 2 and bias.shape[0] == m and m > 1
     if levels == 0 or tail >= m:
         if bias is None:
             torch.mm(a, b, out=out)
@@ -228,14 +232,13 @@ def _cols_into(out, a, b, bias, align, cols, beta, alpha, levels):
     r = m - tail
     start, flat = _round_up(r * n, align), out.view(-1)
     _col_blocks(out, a, b, bias, align, cols, beta, alpha, r, lambda w: flat[start:start + r * w].view(r, w))
-    _cols_into(out[r:], a[r:], b, bias[r:] if per_row else bias, align, cols, beta, alpha, levels - 1)
+    _cols_into(out[r:], a[r:], b, bias[r:] if _per_row(bias, m) else bias, align, cols, beta, alpha, levels - 1)
 
 
 def _col_blocks(out, a, b, bias, align, cols, beta, alpha, r, scratch_of):
     """Rows [0, r) of ``out`` by blocks of columns, each product computed into ``scratch_of(width)`` ([r,
     width], width aligned) and copied into place."""
-    n = out.shape[1]
-    per_row = bias is not None and bias.dim() == 2 and bias.shape[0] == out.shape[0] and out.shape[0] > 1
+    n, per_row = out.shape[1], _per_row(bias, out.shape[0])
     for j in range(0, n, cols):
         w = min(cols, n - j)
         pad = -w % align

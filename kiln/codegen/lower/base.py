@@ -293,17 +293,20 @@ def cheap(value: Pointwise, limit: int, loads: int = 1 << 30) -> bool:
     mask's bounds tests) are not counted: they read nothing. A residual stream summed over many layers is
     few ops but reads every layer's output: recomputing it reads them all in each user and keeps them alive."""
     idx = [sympy.Symbol(f"c{i}", integer=True, nonnegative=True) for i in range(len(value.shape))]
-    varying = {s for s, n in zip(idx, value.shape) if n != 1}
-    n, full = 0, set()
+    n, indices = 0, {}   # indices: buffer -> the index expressions it is loaded at
     reads: dict = {}
     for e in value(idx).walk():
         if e.op == "rand":
             return False
-        if e.op == "load" and varying <= sympy.sympify(e.args[1]).free_symbols:
-            full.add(e.args[0])
+        if e.op == "load":
+            indices.setdefault(e.args[0], []).append(e.args[1])
         if e.op not in ("load", "const", "index", "cast") and _reads(e, reads):
             n += 1
-    return n <= limit and len(full) <= loads
+    if n > limit or len(indices) <= loads:   # (no index is looked at while few buffers are read)
+        return n <= limit
+    varying = {s for s, size in zip(idx, value.shape) if size != 1}
+    full = [b for b, exprs in indices.items() if any(varying <= sympy.sympify(x).free_symbols for x in exprs)]
+    return len(full) <= loads
 
 
 def _reads(e, memo) -> bool:
