@@ -32,8 +32,11 @@ from kiln.codegen.to_triton.module import write_module
 from kiln.debug import counters, log
 from kiln.partition.ops import written_placeholders_of
 
+aten = torch.ops.aten
+
 
 UNFUSED = "kiln_unfused"   # gm.meta key: the ATen graph, kept when some kernel has no fallback of its own
+SEEDS = "kiln_seeds"       # node.meta key: a node drawing philox seeds (``seed_nodes``)
 
 
 class CodegenError(RuntimeError):
@@ -83,11 +86,13 @@ def fuse_graph(gm: torch.fx.GraphModule, example_inputs, opts, load_kernel, on_p
     try:
         generated = _generate(gm, opts, build)
         position = {n: i for i, n in enumerate(gm.graph.nodes)}
+        generated = generated[0], seed_nodes(gm.graph, generated[1], position)
         calls = [_kernel_call(generated[0], position, load_kernel, *k) for k in generated[1]]
     except Exception as e:
         if strict:
             raise
         counters["codegen"]["fallback"] += 1
+        counters["random"]["aten"] += len(random_nodes(gm.graph))
         log(1, f"codegen: graph stays ATen ({type(e).__name__}: {e})")
         return 0
     finally:
@@ -96,7 +101,29 @@ def fuse_graph(gm: torch.fx.GraphModule, example_inputs, opts, load_kernel, on_p
         on_plans([plan for plan, *_ in generated[1]])
     n = _rewrite(gm, *generated, position, calls)
     counters["codegen"]["kernels"] += n
+    _count_random(gm.graph, generated[0], generated[1])
     return n
+
+
+def random_nodes(graph) -> list:
+    """The graph's ATen calls that draw random numbers (torch's ``nondeterministic_seeded`` tag), kiln's own
+    seed draws aside."""
+    return [n for n in graph.nodes if n.op == "call_function" and not n.meta.get(SEEDS)
+            and torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())]
+
+
+def _count_random(graph, lw, kernels):
+    """``counters['random']``: ``fused``, the random ops drawn inside kernels, and ``aten``, those running as
+    ATen calls (not lowered, or in a kernel the emitter declined), each logged with its reason."""
+    fused = sum(src.seeds for _, src, *_ in kernels)
+    counters["random"]["fused"] += fused
+    left = random_nodes(graph)
+    declined = lw.seeds.count - fused
+    counters["random"]["aten"] += len(left) + declined
+    for n in left:
+        log(1, f"codegen: random op {n.target} runs as ATen ({n.meta.get('kiln_why', 'no lowering')})")
+    if declined:
+        log(1, f"codegen: {declined} random op(s) run as ATen in declined kernels")
 
 
 def target_for(plan, opts) -> TritonTarget:
@@ -136,6 +163,50 @@ def _generate(gm, opts, build=None):
         kernels.append((plan, src, sym_nodes, vals))
     _check_replaceable(gm, lw, plans)
     return lw, kernels
+
+
+def seed_nodes(graph, kernels, position) -> list:
+    """``kernels`` with the philox seeds each kernel's ``call`` takes appended to its size-symbol nodes: one
+    ``randint`` per device draws every seed of a graph call on that device, as an [n, 2] int64 tensor whose
+    rows (16-byte aligned, so launch sites keep their fast path) are the kernels' seeds. The draw uses torch's
+    generator of that device (``torch.manual_seed`` repeats it; CUDA graphs capture it), costs one launch per
+    graph call and no host synchronization. The new nodes come first (``position`` -1)."""
+    wanted = {}
+    for plan, src, *_ in kernels:
+        if src.seeds:
+            dev = (plan.copy if isinstance(plan, ScatterPlan) else plan).device
+            wanted[dev] = wanted.get(dev, 0) + src.seeds
+    if not wanted:
+        return kernels
+    fake = _FakeMaker(graph)
+    anchor = [n for n in graph.nodes if n.op == "placeholder"]
+    rows = {}
+    for dev, n in wanted.items():
+        make = (lambda *a, **k: graph.call_function(*a, **k))
+        ctx = graph.inserting_after(anchor[-1]) if anchor else graph.inserting_before(next(iter(graph.nodes)))
+        with ctx:
+            draw = make(aten.randint.low, (-2 ** 63, 2 ** 63 - 1, [n, 2]), {"dtype": torch.int64, "device": dev})
+        with graph.inserting_after(draw):
+            split = make(aten.unbind.int, (draw, 0))
+        draw.meta["val"] = fake.empty((n, 2), torch.int64, dev)
+        split.meta["val"] = tuple(fake.empty((2,), torch.int64, dev) for _ in range(n))
+        rows[dev] = []
+        last = split
+        for i in range(n):
+            with graph.inserting_after(last):
+                last = make(operator.getitem, (split, i))
+            last.meta["val"] = split.meta["val"][i]
+            rows[dev].append(last)
+        for node in (draw, split, *rows[dev]):
+            position[node] = -1
+            node.meta[SEEDS] = True
+    out = []
+    for plan, src, sym_nodes, vals in kernels:
+        if src.seeds:
+            dev = (plan.copy if isinstance(plan, ScatterPlan) else plan).device
+            sym_nodes = list(sym_nodes) + [rows[dev].pop(0) for _ in range(src.seeds)]
+        out.append((plan, src, sym_nodes, vals))
+    return out
 
 
 def _declined(src, lw):
@@ -201,6 +272,15 @@ class _FakeMaker:
                         self.table.setdefault(sympy.sympify(s.node.expr), s)
             elif isinstance(v, torch.SymInt):
                 self.table.setdefault(sympy.sympify(v.node.expr), v)
+
+    def empty(self, shape, dtype, device):
+        """A FakeTensor (or a meta tensor where the graph has no fake mode) of a new dense tensor."""
+        if self.table is None:
+            self._scan()
+        if self.mode is None:
+            return torch.empty(shape, dtype=dtype, device="meta")
+        with self.mode:
+            return torch.empty(shape, dtype=dtype, device=device)
 
     def __call__(self, buf):
         if buf.fake is not None:
@@ -285,9 +365,10 @@ def _rewrite(gm, lw, kernels, position, calls):
         buf = lw.buffers[name]
         if buf.node is not None:
             buf.node.replace_all_uses_with(repl)
-    keep = set(lw.kept) | set(new_nodes) | set(produced.values())
+    keep = set(lw.kept) | set(new_nodes) | set(produced.values()) | {n for n in graph.nodes if n.meta.get(SEEDS)}
     for n in reversed(list(graph.nodes)):
-        if n.op in ("placeholder", "output") or n in keep:
+        # a kept ATen node nothing reads any more (the ``empty`` a lowered ``bernoulli_`` wrote into) goes too
+        if n.op in ("placeholder", "output") or (n in keep and (n.users or n not in lw.kept or n.is_impure())):
             continue
         if n.users:
             raise CodegenError(f"codegen: lowered node {n.name} still has users {list(n.users)}")

@@ -66,7 +66,7 @@ def _record(mod, example_args):
 
     # ``mod`` is a private copy of the module: only its own ``launch`` name is replaced, so kernels
     # launching meanwhile on other threads (a backward compiling while another runs) are untouched
-    mod.launch = _Recorder(run=fake_run, launch=fake_launch, seed=lambda: 12345, empty_cuda=_fake_empty,
+    mod.launch = _Recorder(run=fake_run, launch=fake_launch, empty_cuda=_fake_empty,
                            cuda_here=lambda: torch.device("cuda", 0),
                            semaphore=lambda cache, device: torch.zeros(1, dtype=torch.int32, device=device))
     mode = next((a.fake_mode for a in example_args if hasattr(a, "fake_mode")), None)

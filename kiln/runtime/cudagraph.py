@@ -21,8 +21,9 @@ Outputs:
   wrapper normally: slower, never wrong. When the live alias is a user-visible output (the forward's
   first ``n_user`` outputs, any inference output), that graph clones its user outputs from then on.
 
-Graphs are not captured when they draw philox seeds on the host (kiln's RNG kernels: the seed would be
-frozen into the graph), take non-tensor or CPU inputs (dynamic shapes), or when capture fails; the
+Random ops are captured: a graph draws its kernels' philox seeds with one ``randint`` on the device, which
+torch's CUDA generator advances at every replay. Graphs are not captured when they take non-tensor or CPU
+inputs (dynamic shapes), or when capture fails; the
 reason is logged (KILN_DEBUG=1) and the wrapper runs normally. The static memory of a captured graph
 (its outputs) stays reserved for the life of the compiled function.
 """
@@ -78,11 +79,8 @@ def device_pool(index: Optional[int] = None) -> Pool:
     return _POOLS[index]
 
 
-def refusal(sources, example_inputs) -> Optional[str]:
-    """Why a wrapper whose generated ``sources`` (wrapper and kernel modules) take ``example_inputs``
-    cannot be captured (None: it can)."""
-    if any("launch.seed()" in s for s in sources):
-        return "its kernels draw philox seeds on the host (random ops)"
+def refusal(example_inputs) -> Optional[str]:
+    """Why a wrapper taking ``example_inputs`` cannot be captured (None: it can)."""
     for x in example_inputs:
         if x is None:
             continue
@@ -131,7 +129,7 @@ class Graphed:
 
     # -- capture ------------------------------------------------------------------------------
     def _capture(self, args):
-        why = refusal((), args)
+        why = refusal(args)
         if why:
             self._disable(why)
             return self.compiled(args)
@@ -274,8 +272,7 @@ def wrap(compiled, example_inputs, *, kind: str, n_user: int, mutated: set, pool
     """``compiled`` as a ``Graphed`` function, or unchanged (with the reason logged) if it cannot be.
     ``positions``: the AOTAutograd input position of each input of ``compiled`` when it takes only some
     (freezing drops the frozen ones), so that AOTAutograd's static inputs are found among them."""
-    sources = [compiled.source] + [k.source for k in compiled.wrapper.kernels]
-    why = refusal(sources, example_inputs)
+    why = refusal(example_inputs)
     if why:
         counters["cudagraph"]["refused"] += 1
         log(1, f"cudagraph {compiled.name}: not captured: {why}")

@@ -1,5 +1,5 @@
 """Launching kernels: autotuning, the launch fast path and the run-time helpers that generated kernel
-modules call (``run``, ``launch``, ``restride``, ``empty_cuda``, ``semaphore``, ``seed``). The text of
+modules call (``run``, ``launch``, ``restride``, ``empty_cuda``, ``semaphore``). The text of
 those modules, and the configurations of their launches, come from ``kiln/codegen/to_triton``.
 """
 from __future__ import annotations
@@ -107,7 +107,7 @@ class Sites:
 
         The common case costs one attribute read, one ``data_ptr`` per tensor and the C launcher: a
         site remembers the kernel compiled for 16-byte aligned tensors and integers that Triton does
-        not specialize (not 1, not a multiple of 16, 32-bit: the philox seeds), on one device; any
+        not specialize (not 1, not a multiple of 16, 32-bit), on one device; any
         other arguments, another device, or an installed launch hook take the general path."""
         site = getattr(kernel, "_kiln_site", None)
         if site is not None:
@@ -245,7 +245,3 @@ def semaphore(cache: dict, device) -> torch.Tensor:
         s = cache[key] = torch.zeros(1, dtype=torch.int32, device=device)
     return s
 
-
-def seed() -> int:
-    """A fresh philox seed from torch's default generator (repeatable under manual_seed)."""
-    return int(torch.randint(0, 2 ** 31 - 1, (), dtype=torch.int64).item())

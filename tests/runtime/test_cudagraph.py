@@ -31,10 +31,9 @@ def test_mutated_inputs_through_views():
 
 
 def test_refusals():
-    assert "philox" in cudagraph.refusal(["call(x)", "seed0 = launch.seed()"], [])
-    assert "non-tensor" in cudagraph.refusal([], [3])
-    assert "cpu" in cudagraph.refusal([], [torch.ones(1)])
-    assert cudagraph.refusal(["call(x)"], [None]) is None
+    assert "non-tensor" in cudagraph.refusal([3])
+    assert "cpu" in cudagraph.refusal([torch.ones(1)])
+    assert cudagraph.refusal([None]) is None
 
 
 def test_reduce_overhead_on_cpu_runs_normally():

@@ -74,6 +74,7 @@ class Lowering:
                     value = self._lower(node)
                 except Unsupported as e:
                     log(5, f"codegen: {node.name} ({node.target}) stays ATen: {e}")
+                    node.meta["kiln_why"] = str(e)   # read by the random-op count (``fuse_graph``)
                     self._extern(node)
                 else:
                     if value is KEEP:

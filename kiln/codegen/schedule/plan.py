@@ -170,7 +170,8 @@ class KernelSource:
     """What an emitter makes of a plan: a module's ``text`` (its kernel named by a placeholder), the
     buffers its ``call`` takes (``inputs``, in order) and returns (``outputs``), the size symbols passed
     as extra arguments (``scalars``), the kind of kernel, the inputs its output may be written into
-    (``reuse``, positions), and whether it runs in Triton's interpreter."""
+    (``reuse``, positions), whether it runs in Triton's interpreter, and how many philox seeds its ``call``
+    takes after the scalars (``seeds``: one-element int64 tensors the graph draws on the device)."""
     text: str
     inputs: tuple
     outputs: tuple
@@ -178,6 +179,7 @@ class KernelSource:
     kind: str
     reuse: tuple = ()
     interpret: bool = False
+    seeds: int = 0
 
 
 def red_ref(buf) -> Expr:

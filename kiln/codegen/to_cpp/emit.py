@@ -244,8 +244,7 @@ class ExprWriter:
         if op == "rand":
             kind, offset, slot = a
             seed = self.seeds.setdefault(slot, f"seed{len(self.seeds)}")
-            fn = "kiln_randn" if kind == "randn" else "kiln_rand"
-            return f"{fn}({seed}, (uint32_t)({self.index(offset, (), sub)}))"
+            return f"kiln_{kind}({seed}, (uint32_t)({self.index(offset, (), sub)}))"
         if op == "cast":
             x = sub(a[0])
             if e.dtype.is_floating_point and _truncated(a[0]):   # g++ folds float -> int -> float into a

@@ -80,12 +80,13 @@ def _write_plan(plan, tuning: Tuning, functions: dict) -> KernelSource:
     # the launcher runs once per kernel call: torch's functions, the device and the C functions are
     # module globals, and the checks are the cheapest that decide (``is_contiguous`` where it does)
     lines = [HEADER + f"# inputs: {dtypes}", "import torch", "from kiln.runtime import cpp_build"] + \
-        ["from kiln.runtime.launch import seed as _seed"] * any(k.seeds for k in kernels) + \
         ["", "_empty = torch.empty_strided", f"_device = torch.device({str(plan.device)!r})"]
     for i, (k, fname) in enumerate(zip(kernels, fnames)):
-        n_ptr = len(k.inputs) + len(k.plan.stored)
-        lines.append(f"_k{i} = cpp_build.function({fname!r}, {n_ptr}, {len(names) + len(k.seeds)})")
-    args = [f"in{i}" for i in range(len(inputs))] + [names[s] for s in scalars]
+        n_ptr = len(k.inputs) + len(k.plan.stored) + len(k.seeds)
+        lines.append(f"_k{i} = cpp_build.function({fname!r}, {n_ptr}, {len(names)})")
+    # the philox seeds: one-element int64 tensors the graph draws once per call (``fuse_graph.seed_nodes``)
+    seeds = [f"seed{j}" for j in range(sum(len(k.seeds) for k in kernels))]
+    args = [f"in{i}" for i in range(len(inputs))] + [names[s] for s in scalars] + seeds
     lines += ["", "", f"def call({', '.join(args)}):"]
     body = list(bind_lines)
     for i, b in enumerate(inputs):
@@ -99,15 +100,19 @@ def _write_plan(plan, tuning: Tuning, functions: dict) -> KernelSource:
         stride = "(" + "".join(pyexpr(x, names) + ", " for x in b.stride) + ")"
         body.append(f"{outs[b.name]} = _empty({shape}, {stride}, dtype={b.dtype}, device=_device)")
     sizes = [names[s] for s in sorted(names, key=str)]
+    taken = 0
     for i, k in enumerate(kernels):
         local = {**ins, **outs}
         ptrs = [f"{local[b]}.data_ptr()" for b in k.inputs] + [f"{outs[b.name]}.data_ptr()" for b in k.plan.stored]
-        body.append(f"_k{i}({', '.join(ptrs + sizes + ['_seed()'] * len(k.seeds))})")   # a seed per call
+        ptrs += [f"{s}.data_ptr()" for s in seeds[taken:taken + len(k.seeds)]]
+        taken += len(k.seeds)
+        body.append(f"_k{i}({', '.join(ptrs + sizes)})")
     locs = [outs[b.name] for b in plan.outputs()]
     body.append(f"return {locs[0]}" if len(locs) == 1 else f"return ({', '.join(locs)},)")
     lines += ["    " + ln for b in body for ln in b.split("\n")]
     kind = "reduction" if plan.reduction else "pointwise"
-    return KernelSource("\n".join(lines) + "\n", tuple(inputs), tuple(outs), tuple(scalars), kind, (), None)
+    return KernelSource("\n".join(lines) + "\n", tuple(inputs), tuple(outs), tuple(scalars), kind, (), None,
+                        len(seeds))
 
 
 def _tuple(xs):

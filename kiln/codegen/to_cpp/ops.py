@@ -152,6 +152,9 @@ KILN_INLINE float kiln_uniform(uint32_t u) { return (float)(int32_t)((int32_t)u 
 KILN_INLINE float kiln_rand(int64_t seed, uint32_t offset) {
   uint32_t a, b; kiln_philox((uint64_t)seed, offset, &a, &b); return kiln_uniform(a);
 }
+KILN_INLINE int64_t kiln_randint(int64_t seed, uint32_t offset) {
+  uint32_t a, b; kiln_philox((uint64_t)seed, offset, &a, &b); return (int64_t)a;
+}
 KILN_INLINE float kiln_randn(int64_t seed, uint32_t offset) {
   uint32_t a, b; kiln_philox((uint64_t)seed, offset, &a, &b);
   const float u1 = kiln_uniform(a) > 1.0e-7f ? kiln_uniform(a) : 1.0e-7f;

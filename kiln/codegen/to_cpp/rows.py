@@ -437,8 +437,8 @@ class CppKernel(ExprWriter):
     def params(self, names) -> list:
         ins = [f"const {MEMORY[self.plan.buffers[b].dtype]}* __restrict__ {p}" for b, p in self.inputs.items()]
         outs = [f"{MEMORY[b.dtype]}* __restrict__ {self.out_args[b.name]}" for b in self.plan.stored]
-        ints = [names[s] for s in sorted(names, key=str)] + list(self.seeds.values())   # sizes, philox seeds
-        return ins + outs + [f"int64_t {v}" for v in ints]
+        seeds = [f"const int64_t* __restrict__ {v}_ptr" for v in self.seeds.values()]   # philox seeds
+        return ins + outs + seeds + [f"int64_t {names[s]}" for s in sorted(names, key=str)]
 
     def define(self, name: str, names) -> str:
         """The function's text (``names``: size symbol -> parameter name, every kernel of the module's)."""
@@ -447,6 +447,7 @@ class CppKernel(ExprWriter):
                  f"  const {t} xnumel = {self.pexpr(self.plan.xnumel)};",
                  f"  const {t} rnumel = {self.pexpr(self.plan.rnumel)};",
                  "  (void)xnumel; (void)rnumel;"]
+        lines += [f"  const int64_t {v} = {v}_ptr[0];" for v in self.seeds.values()]
         for line in self.body:
             if isinstance(line, Scope):
                 render(line.lines, "  ", lines)

@@ -189,14 +189,15 @@ class ExprWriter:
             kind, offset, slot = a
             seed = self.seeds.setdefault(slot, f"seed{len(self.seeds)}")
             if self.interpret:
-                fn = "_kiln_randn" if kind == "randn" else "_kiln_rand"
+                fn = f"_kiln_{kind}"
                 self.helpers.update([fn, "_kiln_philox", "_kiln_uniform"])
             else:
-                fn = "tl.randn" if kind == "randn" else "tl.rand"
+                fn = f"tl.{kind}"
             off = self.index(offset, (), scope, mask)
             if self.level(e) is Level.CONST:
                 off = f"{off} + tl.full([1], 0, tl.int32)"
-            return f"{fn}({seed}, ({off}).to(tl.uint32))"
+            code = f"{fn}({seed}, ({off}).to(tl.uint32))"
+            return f"{code}.to(tl.int64)" if kind == "randint" else code   # 32 random bits, zero-extended
         if op == "cast":
             x = self._tensor(self.emit(a[0], scope, mask), a[0])
             if e.dtype == torch.bool:

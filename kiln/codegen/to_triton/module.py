@@ -121,7 +121,8 @@ def kernel_def(k: TritonKernel, name, names, extra_params=(), tail_lines=()):
     last = plan.programs is Programs.LAST
     params = [k.inputs[b] for b in k.inputs] + [k.out_args[b.name] for b in plan.stored]
     params += [p[4] for p in k.partials] + (["sem_ptr"] if last else []) + list(extra_params)
-    params += [names[s] for s in sorted(names, key=str)] + list(k.seeds.values())
+    params += [f"{s}_ptr" for s in k.seeds.values()]   # philox seeds: one device int64 each (``seed_loads``)
+    params += [names[s] for s in sorted(names, key=str)]
     # Triton's interpreter cannot loop to a runtime int: numels are constexpr there
     ann = ": tl.constexpr" if k.interpret else ""
     if not static_x:
@@ -131,7 +132,7 @@ def kernel_def(k: TritonKernel, name, names, extra_params=(), tail_lines=()):
     params.append("XBLOCK: tl.constexpr")
     if k.red:
         params.append("RBLOCK: tl.constexpr")
-    body = []
+    body = [f"{s} = tl.load({s}_ptr)" for s in k.seeds.values()]
     if static_x:
         body.append(f"xnumel = {int(k.xnumel)}")
     if k.red and static_r:
@@ -224,7 +225,7 @@ def kernel_args(k, ins, outs, names, extra_args=()):
     last = k.plan.programs is Programs.LAST
     args = [ins[b] for b in k.inputs] + [outs[b.name] for b in k.plan.stored]
     args += [f"part{i}" for i in range(len(k.partials))] + (["sem"] if last else []) + list(extra_args)
-    args += [names[s] for s in sorted(names, key=str)] + list(k.seeds.values())
+    args += list(k.seeds.values()) + [names[s] for s in sorted(names, key=str)]
     static_x, static_r = _static(k)
     if not static_x:
         args.append("xnumel")
@@ -263,9 +264,11 @@ def launch_line(k, name, args, names):
             f"launch.run({name}, ({', '.join(args)},), xnumel, rnumel, {cfg}, {meta!r})"]
 
 
-def module(kernels, defs, inputs, buffers, body_fn, into=False):
+def module(kernels, defs, inputs, buffers, body_fn, into=False, seeds=()):
     """(module text, scalars): imports, helpers, kernel ``defs`` (each ``def(names)``) and ``call``
-    (body from ``body_fn(names)``; ``into``: ``call`` takes an optional tensor to write its output into)."""
+    (body from ``body_fn(names)``; ``into``: ``call`` takes an optional tensor to write its output into;
+    ``seeds``: the names of the one-element int64 tensors holding the kernels' philox seeds, which ``call``
+    takes after the scalars: the graph draws them on the device once per call, ``fuse_graph.seed_nodes``)."""
     names, bind_lines, scalars = bind_sizes(kernels, inputs, buffers)
     # the input dtypes are part of the text: equal text then means an equal kernel for every
     # argument, which lets a launch site reuse its compiled kernel (``launch``) without re-checking
@@ -278,7 +281,8 @@ def module(kernels, defs, inputs, buffers, body_fn, into=False):
         lines += ["", HELPERS[h]]
     for d in defs:
         lines += ["", d(names)]
-    args = [f"in{i}" for i in range(len(inputs))] + [names[s] for s in scalars] + (["into=None"] if into else [])
+    args = [f"in{i}" for i in range(len(inputs))] + [names[s] for s in scalars] + list(seeds)
+    args += ["into=None"] if into else []
     lines += ["", "", f"def call({', '.join(args)}):"]
     lines += ["    " + b for b in bind_lines]
     for i, b in enumerate(inputs):
@@ -363,7 +367,6 @@ def write_module(plan, target: TritonTarget) -> KernelSource:
             out.append(f"part{i} = torch.empty(({n},), dtype={dt}, device={device or 'launch.cuda_here()'})")
         if counter:
             out.append(f"sem = launch.semaphore(SEMAPHORES, {device or 'launch.cuda_here()'})")
-        out += [f"{seed} = launch.seed()" for seed in k.seeds.values()]
         out += launch_line(k, name, kernel_args(k, ins, outs, names, extra_args), names)
         locs = [outs[b.name] for b in plan.stored] + [f"tail{i}" for i in range(len(tail_bufs))]
         out.append(f"return {locs[0]}" if len(locs) == 1 else f"return ({', '.join(locs)},)")
@@ -372,10 +375,10 @@ def write_module(plan, target: TritonTarget) -> KernelSource:
     defs += [lambda names: kernel_def(k, name, names, extra_params, tail_lines)]
     defs += [lambda names: "SEMAPHORES = {}   # device -> this kernel's counter"] if counter else []
     text, scalars = module([k] + ([tail] if tail is not None else []), defs, inputs, plan.buffers, body,
-                           into=bool(reuse))
+                           into=bool(reuse), seeds=k.seeds.values())
     kind = "reduction" if k.red else "pointwise"
     return KernelSource(text, tuple(inputs), tuple(b.name for b in plan.stored + tuple(tail_bufs)), tuple(scalars),
-                        kind, tuple(reuse), target.interpret)
+                        kind, tuple(reuse), target.interpret, len(k.seeds))
 
 
 def _scatter_module(plan: ScatterPlan, target: TritonTarget) -> KernelSource:
@@ -395,8 +398,7 @@ def _scatter_module(plan: ScatterPlan, target: TritonTarget) -> KernelSource:
     def body(names):
         out = [alloc_line("out0", buf, names, device)]
         out += launch_line(copy, f"{name}_copy", kernel_args(copy, ins, outs, names), names)
-        writes = [f"{seed} = launch.seed()" for seed in scatter.seeds.values()]
-        writes += launch_line(scatter, name, kernel_args(scatter, ins, outs, names), names)
+        writes = launch_line(scatter, name, kernel_args(scatter, ins, outs, names), names)
         numel = sympy.Mul(*buf.shape)
         if not numel.is_Integer:   # an empty output takes no write (its indices may point anywhere)
             writes = ["if out0.numel():"] + ["    " + ln for ln in writes]
@@ -404,8 +406,9 @@ def _scatter_module(plan: ScatterPlan, target: TritonTarget) -> KernelSource:
         out.append("return out0")
         return out
     defs = [lambda names: kernel_def(copy, f"{name}_copy", names), lambda names: kernel_def(scatter, name, names)]
-    text, scalars = module([copy, scatter], defs, inputs, plan.write.buffers, body)
-    return KernelSource(text, tuple(inputs), (buf.name,), tuple(scalars), "scatter", (), target.interpret)
+    text, scalars = module([copy, scatter], defs, inputs, plan.write.buffers, body, seeds=scatter.seeds.values())
+    return KernelSource(text, tuple(inputs), (buf.name,), tuple(scalars), "scatter", (), target.interpret,
+                        len(scatter.seeds))
 
 
 def _tuple(xs):

@@ -203,6 +203,11 @@ def _kiln_rand(seed, offset):
     a, b = _kiln_philox(seed, offset)
     return _kiln_uniform(a)
 ''',
+    "_kiln_randint": '''@triton.jit
+def _kiln_randint(seed, offset):
+    a, b = _kiln_philox(seed, offset)
+    return a
+''',
     "_kiln_randn": '''@triton.jit
 def _kiln_randn(seed, offset):
     a, b = _kiln_philox(seed, offset)
@@ -213,6 +218,7 @@ def _kiln_randn(seed, offset):
 ''',
 }
 HELPER_DEPS = {"_kiln_rand": ["_kiln_philox", "_kiln_uniform"], "_kiln_randn": ["_kiln_philox", "_kiln_uniform"],
+               "_kiln_randint": ["_kiln_philox"],
                "_kiln_fmod": ["_kiln_trunc"]}
 
 
