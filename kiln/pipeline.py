@@ -93,7 +93,7 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list, opts: Options, trac
     if trace.dir is not None:
         write_repro(trace, gm, example_inputs, opts, registered)
     target = resolve_target(opts, example_inputs)
-    freezing = opts.freezing and not torch.is_grad_enabled()
+    freezing = freeze.applies(opts)   # warns when a training graph asks for it
     session = cache.open_graph(gm, example_inputs, opts, cache_key(opts, registered), target,
                                frozen=freezing, registered=registered)
     hit = session.load() if session is not None else None

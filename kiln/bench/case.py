@@ -5,6 +5,10 @@ size)`` that returns a ``Workload``. A workload owns a pristine model and its in
 how to run one measured ``step(f)`` and one ``check(f)`` (forward and backward without the
 optimizer step, returning the tensors compared against eager). Every backend gets its own
 ``fresh()`` copy of the model, so optimizer steps of one backend never change another's weights.
+
+Steps train as users train, with the model's own dropout and stochastic depth; ``check`` runs with
+every dropout probability at 0 (``dropout.no_random``), so its values are deterministic. A compiled
+function first called in ``check`` has those zeros baked in: the runner compiles again for the steps.
 """
 from __future__ import annotations
 
@@ -14,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
+
+from kiln.bench.dropout import no_random
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOLERANCE = {"fp32": 1e-3, "bf16": 5e-2, "fp16": 5e-2, "amp_bf16": 5e-2, "amp_fp16": 5e-2}
@@ -106,6 +112,7 @@ class Workload:
         return TOLERANCE.get(self.dtype, 5e-2)
 
     def check(self, f) -> list:  # pragma: no cover - interface
+        """The tensors compared against eager, computed with every dropout probability at 0."""
         raise NotImplementedError
 
     def step(self, f) -> None:  # pragma: no cover - interface
@@ -162,6 +169,11 @@ class FnWorkload(Workload):
             t.grad = None
 
     def check(self, f) -> list:
+        """Output and input gradients of one forward and backward, dropout off (see ``no_random``)."""
+        with no_random(self.model):
+            return self._check(f)
+
+    def _check(self, f) -> list:
         self._zero()
         out = f(*self.inputs)
         if not self.train:
@@ -219,6 +231,11 @@ class ModelWorkload(Workload):
             return self.loss(out, self.inputs) if self.loss else out
 
     def check(self, f) -> list:
+        """Loss and parameter gradients (training) or the outputs (inference), dropout off (``no_random``)."""
+        with no_random(self.model):
+            return self._check(f)
+
+    def _check(self, f) -> list:
         if not self.train:
             with torch.no_grad(), self._ctx():
                 return [t.detach() for t in tensors(self.call(f, self.inputs))]

@@ -3,11 +3,17 @@
     kiln bench [--suite micro|models|all] [--backends eager,inductor,kiln] [--device cpu|cuda]
                [--dtype fp32,bf16] [--budget 1.0,0.5,0.1] [--cases 'gpt*,softmax']
                [--json out.json] [--md out.md] [--record-dir benchmarks] [--no-record]
+               [--no-guard | --guard 1.5,1.0] [--no-kernels]
 
 Each case runs every backend in turn (see ``runner``); a row is printed as soon as it is measured,
-under a progress bar. At the end the markdown summary is printed, appended to
-``<record-dir>/RESULTS.md`` with the JSON in ``<record-dir>/results/``, and budget sweeps are drawn.
-``--from-json a.json [b.json ...]`` re-renders saved runs (e.g. fetched from a GPU machine) instead.
+under a progress bar, with its step time (GPU time on the GPU), host time and kernels per step. At the
+end the markdown summary is printed, appended to ``<record-dir>/RESULTS.md`` with the JSON in
+``<record-dir>/results/``, and budget sweeps are drawn. ``--from-json a.json [b.json ...]`` re-renders
+saved runs (e.g. fetched from a GPU machine) instead.
+
+The cliff guard (``report.failures``): a line where kiln's step time is above 1.5x inductor's or above
+eager's, a failed check, or a kiln row that errored is printed as FAIL, and the exit status is 1.
+``--no-guard`` reports the same but exits 0 (unless ``--strict`` finds errors).
 """
 from __future__ import annotations
 
@@ -32,6 +38,14 @@ def _floats(text):
     if bad:
         raise argparse.ArgumentTypeError(f"budgets must lie in [0, 1]; got {bad}")
     return vals
+
+
+def _guard(text):
+    vals = [float(t) for t in _csv(text)]
+    if len(vals) != 2 or min(vals) <= 0:
+        raise argparse.ArgumentTypeError(f"--guard takes two positive limits, vs inductor and vs eager "
+                                         f"(e.g. 1.5,1.0); got {text!r}")
+    return {"inductor": vals[0], "eager": vals[1]}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -62,6 +76,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-stream", action="store_true",
                    help="skip the STREAM-style bandwidth measurement printed with memory-bound rows")
     p.add_argument("--strict", action="store_true", help="exit 1 when any row errored or failed its check")
+    p.add_argument("--guard", type=_guard, default=None, metavar="VS_INDUCTOR,VS_EAGER",
+                   help="the cliff guard's limits on kiln's step time (default 1.5,1.0: at most 1.5x inductor's "
+                        "and at most eager's)")
+    p.add_argument("--no-guard", action="store_true",
+                   help="report cliffs, failed checks and kiln errors but exit 0 for them")
+    p.add_argument("--no-kernels", action="store_true", help="skip the profiled pass that counts kernels per step")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
     p.add_argument("--from-json", nargs="+", default=None, metavar="JSON",
                    help="render and record saved runs instead of running")
@@ -104,14 +124,18 @@ def _run(args, cfg, cases, console, meta):
             def started(backend, budget, case=case, dtype=dtype):
                 tag = "" if budget is None else f"@{budget:g}"
                 progress.update(task, description=f"{case.name} {dtype} {backend}{tag}")
+            mine = []
             for row in runner.run_case(case, dtype, args.backends, args.budget, cfg, on_start=started):
                 if row.get("gbps") and meta.get("bandwidth"):   # achieved / this machine's STREAM bandwidth
                     row["bw_frac"] = row["gbps"] / meta["bandwidth"]["peak"]
                 rows.append(row)
+                mine.append(row)
                 if args.json:  # partial results survive a timeout or a crash of the process
                     report.write_json(args.json, {**meta, "partial": True}, rows)
                 progress.console.print(report.live_line(row), markup=False, highlight=False)
                 progress.advance(task)
+            for line in report.failures(mine, meta.get("guard") or report.GUARD):
+                progress.console.print(f"FAIL {line}", markup=False, highlight=False)
     return rows
 
 
@@ -136,7 +160,17 @@ def _finish(args, meta, rows, console) -> int:
     bad = [r for r in rows if r.get("status") != "ok" or r.get("ok") is False]
     if not rows or (rows and len(bad) == len(rows)):
         return 1
-    return 1 if (args.strict and bad) else 0
+    failed = report.failures(rows, meta.get("guard") or report.GUARD)
+    if failed:
+        console.print(f"guard: {len(failed)} failed" + (" (not enforced: --no-guard)" if args.no_guard else ""),
+                      markup=False, highlight=False)
+    return 1 if (args.strict and bad) or (failed and not args.no_guard) else 0
+
+
+def _limits(args) -> dict:
+    """The guard's limits and whether they are enforced, for the run's meta."""
+    from kiln.bench import report
+    return {"guard": args.guard or dict(report.GUARD), "guard_enforced": not args.no_guard}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_json:
         from kiln.bench import report
         loaded = [report.read_json(p) for p in args.from_json]
-        meta = dict(loaded[0][0], recorded_from=list(args.from_json))
+        meta = dict(loaded[0][0], recorded_from=list(args.from_json), **_limits(args))
         return _finish(args, meta, [r for _, rs in loaded for r in rs], console)
     import torch
     from kiln.bench import backends as B
@@ -175,8 +209,8 @@ def main(argv: list[str] | None = None) -> int:
                            min_iters=args.iters or d["min_iters"], max_iters=args.iters or d["max_iters"],
                            min_time=0.0 if args.iters else (args.min_time if args.min_time is not None
                                                             else d["min_time"]),
-                           warm_compile=not args.no_warm)
-    meta = _meta(args, argv, device, size, cases, skipped)
+                           warm_compile=not args.no_warm, kernels=not args.no_kernels)
+    meta = dict(_meta(args, argv, device, size, cases, skipped), **_limits(args))
     for name, why in skipped:
         console.print(f"skip {name}: {why}", markup=False, highlight=False)
     with B.fresh_caches(args.caches == "fresh") as cache_root:

@@ -1,8 +1,17 @@
 """Measurements: step times, compile times, memory, and the correctness check against eager.
 
-- Step time: CUDA events around each step on the GPU (synchronised), ``perf_counter`` on the CPU;
-  warm-up steps are excluded. ``summarize`` gives median, p25/p75, min and max in ms; ``steady_times``
-  measures in batches until the spread (half the IQR over the median) is small or a time cap is reached.
+- Step time: CUDA events around each step on the GPU (synchronised after the step), ``perf_counter`` on
+  the CPU; warm-up steps are excluded. ``summarize`` gives median, p25/p75, min and max in ms;
+  ``steady_times`` measures in batches until the spread (half the IQR over the median) is small or a time
+  cap is reached.
+- Host time (``step_times(..., host=[])``): wall time from a step's start until the step function returns,
+  i.e. until its last launch, with no synchronisation inside the step and no profiler. On the CPU it equals
+  the step time. It includes any wait the step makes itself (a ``.item()``, a full launch queue).
+- Kernels per step (``kernels_per_step``): a separate short pass under ``torch.profiler``. On the GPU: the
+  device kernels the profiler records (CUDA activity; memcpy, memset and the GPU ranges of
+  ``record_function`` annotations such as ``Optimizer.step#AdamW.step`` not counted). On the CPU: the
+  top-level ATen ops (ATen ops not called from another ATen op); the fused C++ kernels of inductor and
+  kiln are invisible to the profiler and not counted, so on the CPU it counts what a compiler left to ATen.
 - Memory on the GPU: ``torch.cuda.max_memory_allocated`` over one step (absolute, and above what
   was allocated when the step began).
 - Saved bytes (every device): the distinct storages saved for backward during one forward, seen
@@ -106,26 +115,29 @@ class CompileClock:
 
 
 def step_times(step, device: str, warmup: int = 3, min_iters: int = 5, max_iters: int = 100,
-               min_time: float = 0.5, clock: "GcClock | None" = None) -> list:
+               min_time: float = 0.5, clock: "GcClock | None" = None, host: "list | None" = None) -> list:
     """Milliseconds of each measured step: at least ``min_iters`` and until ``min_time`` seconds
     of steps have run, at most ``max_iters``; ``warmup`` steps run first and are not recorded.
-    ``clock``: a GcClock to charge the measured steps' garbage-collection time to."""
+    ``clock``: a GcClock to charge the measured steps' garbage-collection time to. ``host``: a list that
+    receives each measured step's host time in ms (see the module docstring)."""
     for _ in range(warmup):
         step()
     sync(device)
     times = []
     with clock or contextlib.nullcontext():
-        _measure(step, device, times, min_iters, max_iters, min_time)
+        _measure(step, device, times, min_iters, max_iters, min_time, [] if host is None else host)
     return times
 
 
-def _measure(step, device, times, min_iters, max_iters, min_time):
+def _measure(step, device, times, min_iters, max_iters, min_time, host):
     if device == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     while len(times) < max_iters and (len(times) < min_iters or sum(times) < min_time * 1e3):
         if device == "cuda":
             start.record()
+            t0 = time.perf_counter()
             step()
+            host.append((time.perf_counter() - t0) * 1e3)
             end.record()
             torch.cuda.synchronize()
             times.append(start.elapsed_time(end))
@@ -133,7 +145,39 @@ def _measure(step, device, times, min_iters, max_iters, min_time):
             t0 = time.perf_counter()
             step()
             times.append((time.perf_counter() - t0) * 1e3)
+            host.append(times[-1])
     return times
+
+
+def _top_level_aten(events) -> int:
+    n = 0
+    for e in events:
+        if not e.name.startswith("aten::"):
+            continue
+        parent = e.cpu_parent
+        while parent is not None and not parent.name.startswith("aten::"):
+            parent = parent.cpu_parent
+        n += parent is None
+    return n
+
+
+def kernels_per_step(step, device: str, steps: int = 2) -> dict:
+    """Kernels per step, counted under ``torch.profiler`` over ``steps`` steps (a pass of its own, never
+    timed): device kernels on the GPU, top-level ATen ops on the CPU (see the module docstring)."""
+    from torch.profiler import ProfilerActivity, profile
+    cuda = device == "cuda"
+    sync(device)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        for _ in range(steps):
+            step()
+        sync(device)
+    events = prof.events()
+    if cuda:
+        n = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+                and not getattr(e, "is_user_annotation", False)       # record_function ranges on the GPU
+                and not e.name.startswith(("Memcpy", "Memset")))
+        return {"kernels": n / steps, "kernels_kind": "CUDA kernels (profiler)"}
+    return {"kernels": _top_level_aten(events) / steps, "kernels_kind": "top-level ATen ops (profiler)"}
 
 
 def steady_times(step, device: str, batch: int = 10, target: float = 0.05, max_seconds: float = 3.0,

@@ -1,8 +1,14 @@
-"""Rows to text: the live console line, the markdown section for RESULTS.md, and JSON.
+"""Rows to text: the live console line, the markdown section for RESULTS.md, JSON, and the cliff guard.
 
 Rows are flat dicts (see ``runner.measure_backend``). The markdown pivots them to one line per
 (case, dtype, budget) with a column per backend and the ratios kiln/eager and kiln/inductor of the
-median step time (below 1 means kiln is faster), followed by the geometric means and the errors.
+median step time (below 1 means kiln is faster), host time and kernels per step of each backend, the
+guard's verdict, followed by the geometric means and the errors.
+
+The guard (``cliff``, ``failures``): a line where kiln's median step time is above ``GUARD['inductor']``
+times inductor's or ``GUARD['eager']`` times eager's fails (lines of a budget sweep below 1 are exempt:
+they trade time for memory on purpose); so does any failed check and any kiln row that errored.
+``kiln bench`` exits nonzero when anything fails, unless ``--no-guard``.
 """
 from __future__ import annotations
 
@@ -11,8 +17,9 @@ import math
 import os
 import time
 
-LIVE = [("case", 16), ("dtype", 8), ("backend", 9), ("budget", 6), ("step ms", 16), ("cold s", 7),
-        ("warm s", 7), ("mem MiB", 9), ("GB/s (of STREAM)", 17), ("check", 10)]
+LIVE = [("case", 16), ("dtype", 8), ("backend", 9), ("budget", 6), ("step ms", 16), ("host ms", 8),
+        ("kernels", 8), ("cold s", 7), ("warm s", 7), ("mem MiB", 9), ("GB/s (of STREAM)", 17), ("check", 10)]
+GUARD = {"inductor": 1.5, "eager": 1.0}   # kiln's step time may be at most these multiples of theirs
 
 
 def _num(x, digits=3):
@@ -66,8 +73,8 @@ def live_line(row) -> str:
         return " ".join(f"{v:<{w}}" for v, (_, w) in zip(head, LIVE)) + \
             f" ERROR in {row.get('stage')}: {row.get('error')}"
     cells = [row["case"], row["dtype"], row["backend"], budget_cell(row.get("budget")), step_cell(row),
-             _num(row.get("compile_s")), _num(row.get("warm_compile_s")), mem_cell(row),
-             bw_cell(row), row.get("check", "")[:40]]
+             _num(row.get("host_ms")), _num(row.get("kernels"), 4), _num(row.get("compile_s")),
+             _num(row.get("warm_compile_s")), mem_cell(row), bw_cell(row), row.get("check", "")[:40]]
     return " ".join(f"{str(v):<{w}}" for v, (_, w) in zip(cells, LIVE))
 
 
@@ -118,7 +125,14 @@ def markdown(meta: dict, rows: list) -> str:
     compiled = [b for b in backends if b != "eager"]
     pairs = (("kiln", "eager"), ("kiln", "inductor"), ("kiln-cg", "inductor-cg"), ("kiln-cg", "inductor"))
     ratios = [(n, d) for n, d in pairs if n in backends and d in backends]
+    limits = meta.get("guard") or GUARD
+    guarded = any(b.startswith("kiln") for b in backends)
+    has_host = any(r.get("host_ms") is not None for r in rows)
+    has_kernels = any(r.get("kernels") is not None for r in rows)
     head = ["case", "dtype", "budget"] + [f"{b} ms" for b in backends] + [f"{n}/{d}" for n, d in ratios]
+    head += [f"host ms {'/'.join(backends)}"] if has_host else []
+    head += [f"kernels {'/'.join(backends)}"] if has_kernels else []
+    head += ["guard"] if guarded else []
     head += [f"{b} compile s cold/warm" for b in compiled] + [f"mem MiB {'/'.join(backends)}"]
     has_saved = any(r.get("peak_bytes") is not None and r.get("saved_bytes") is not None for r in rows)
     if has_saved:
@@ -136,7 +150,9 @@ def markdown(meta: dict, rows: list) -> str:
              f"Check: max error relative to eager's max, or ok~fp64 when a float64 run shows the backend "
              f"no less accurate than eager. "
              f"Cold compile = first call (compile + one step) with empty caches; warm = the same after "
-             f"torch._dynamo.reset().", "",
+             f"torch._dynamo.reset(). Training steps run with the models' own dropout and stochastic depth; "
+             f"the check runs with them off. " + _host_note(meta, rows, has_host, has_kernels)
+             + (_guard_note(meta, limits) if guarded else ""), "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     if meta.get("note"):
         lines.insert(-2, f"Note: {meta['note']}\n")
@@ -151,6 +167,12 @@ def markdown(meta: dict, rows: list) -> str:
             x = ratio(cells.get(rt[0]), cells.get(rt[1]))
             per_ratio[rt].append(x)
             line.append(f"{x:.2f}" if x else "-")
+        if has_host:
+            line.append("/".join(_num(cells[b].get("host_ms")) if b in cells else "-" for b in backends))
+        if has_kernels:
+            line.append("/".join(_num(cells[b].get("kernels"), 4) if b in cells else "-" for b in backends))
+        if guarded:
+            line.append(_guard_cell(cells, budget, limits))
         for b in compiled:
             c = cells.get(b, {})
             line.append(f"{_num(c.get('compile_s'))}/{_num(c.get('warm_compile_s'))}" if c.get("status") == "ok"
@@ -178,9 +200,86 @@ def markdown(meta: dict, rows: list) -> str:
         if r.get("status") == "ok" and r.get("ok") is False:
             lines.append(f"- check failed: {r['case']} {r['dtype']} {r['backend']}"
                          f"{'@' + budget_cell(r.get('budget')) if r.get('budget') is not None else ''}: {r['check']}")
+    for r in rows:
+        if r.get("kernels_error"):
+            lines.append(f"- kernel count failed: {r['case']} {r.get('dtype')} {r['backend']}: {r['kernels_error']}")
     for name, why in meta.get("skipped", []):
         lines.append(f"- skipped: {name}: {why}")
+    if guarded:
+        bad = failures(rows, limits)
+        lines.append(f"- guard{'' if meta.get('guard_enforced', True) else ' (not enforced: --no-guard)'}: "
+                     + (f"**{len(bad)} FAILED**" if bad else "passed"))
+        lines += [f"  - {b}" for b in bad]
     return "\n".join(lines) + "\n"
+
+
+def _host_note(meta, rows, has_host, has_kernels) -> str:
+    out = ""
+    if has_host:
+        out += ("Host ms: median wall time from a step's start until the step function returns (its last "
+                "launch), no sync inside the step, no profiler" + ("; on the CPU it is the step time. "
+                                                                   if meta.get("device") == "cpu" else ". "))
+    kinds = sorted({r["kernels_kind"] for r in rows if r.get("kernels_kind")})
+    if has_kernels:
+        out += f"Kernels: {', '.join(kinds) or 'kernels'} per step, counted in a separate profiled pass. "
+    return out
+
+
+def _guard_note(meta, limits) -> str:
+    return (f"Guard: a line fails when kiln's step time is above {limits['inductor']:g}x inductor's or "
+            f"{limits['eager']:g}x eager's (budget sweeps below 1 exempt), or a check fails, or kiln errs.")
+
+
+def _vs(cells, kiln_name) -> list:
+    """``[(name, limit key, row)]``: what kiln_name's row is held against, its inductor (inductor-cg for
+    kiln-cg when measured) and eager."""
+    ind = "inductor-cg" if kiln_name == "kiln-cg" and "inductor-cg" in cells else "inductor"
+    return [(ind, "inductor", cells.get(ind)), ("eager", "eager", cells.get("eager"))]
+
+
+def cliff(cells, budget, limits=None):
+    """Why the kiln row of one pivoted line is a cliff ('6.08x inductor (limit 1.5x)'), '' when it is not, or
+    None when nothing was compared (no measured kiln row, a budget below 1, no baseline measured)."""
+    limits = limits or GUARD
+    if budget is not None and budget < 1.0:
+        return None
+    found, why = None, []
+    for name in ("kiln", "kiln-cg"):
+        for other, key, row in _vs(cells, name):
+            x = ratio(cells.get(name), row)
+            if x is None:
+                continue
+            found = found or ""
+            if x > limits[key]:
+                why.append(f"{name} {x:.2f}x {other} (limit {limits[key]:g}x)")
+    return "; ".join(why) if why else found
+
+
+def _guard_cell(cells, budget, limits) -> str:
+    """'ok', '-' (nothing compared) or '**FAIL** <why>' for one pivoted line."""
+    why = cliff(cells, budget, limits)
+    bad = [why] if why else []
+    bad += [f"{b} error" for b, r in cells.items() if b.startswith("kiln") and r.get("status") != "ok"]
+    bad += [f"{b} check" for b, r in cells.items() if r.get("status") == "ok" and r.get("ok") is False]
+    return f"**FAIL** {'; '.join(bad)}" if bad else ("ok" if why is not None else "-")
+
+
+def failures(rows, limits=None) -> list:
+    """What fails the guard, one line each: cliffs (see ``cliff``), failed checks of any backend, and
+    kiln rows that errored."""
+    out = []
+    for (case, dtype, budget), cells in pivot(rows):
+        why = cliff(cells, budget, limits)
+        if why:
+            out.append(f"cliff: {case} {dtype}{'' if budget is None else ' @' + budget_cell(budget)}: {why}")
+    for r in rows:
+        tag = f"{r['case']} {r.get('dtype')} {r['backend']}" + \
+            ("" if r.get("budget") is None else f" @{budget_cell(r['budget'])}")
+        if r.get("status") == "ok" and r.get("ok") is False:
+            out.append(f"check failed: {tag}: {r.get('check')}")
+        elif r.get("status") != "ok" and r["backend"].startswith("kiln"):
+            out.append(f"error: {tag} in {r.get('stage')}: {r.get('error')}")
+    return out
 
 
 def _passed(row) -> bool:

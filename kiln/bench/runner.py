@@ -1,9 +1,13 @@
 """Run one case for every backend in this process and yield one row (a dict) per backend and budget.
 
-Order per backend: fresh model copy, ``torch._dynamo.reset()``, compile, first call = cold compile
-time and the correctness check against eager, then (``warm``) reset and compile again (a cache hit)
-for the warm compile time, then timed steps, then memory. A failure in any stage becomes the row's
-``error`` (with the stage) and never stops the other backends or cases.
+Per case, eager's check runs twice first: the two must agree, or some random op is still on in the
+check (see ``dropout``) and every row of the case is an error. Order per backend: fresh model copy,
+``torch._dynamo.reset()``, compile, first call = cold compile time and the correctness check against
+eager (dropout off), then (``warm``) reset and compile again (a cache hit) for the warm compile time;
+then, when the model has dropout, reset and compile again with it on (``steps_compile_s``: that compile
+and one step), timed steps (GPU time and host time), memory, and a short profiled pass that counts
+kernels per step. A failure in any stage becomes the row's ``error`` (with the stage) and never stops
+the other backends or cases.
 """
 from __future__ import annotations
 
@@ -16,12 +20,14 @@ import torch
 
 from kiln.bench import backends as B
 from kiln.bench import measure as M
+from kiln.bench.dropout import random_sites
 from kiln.debug import log
 
 
 @dataclass
 class RunConfig:
-    """How long to measure: warm-up steps, iteration bounds, minimum measured time (s)."""
+    """How long to measure: warm-up steps, iteration bounds, minimum measured time (s); whether to
+    compile twice (warm compile time) and to count kernels."""
     device: str = "cpu"
     size: str = "cpu"
     warmup: int = 3
@@ -29,6 +35,7 @@ class RunConfig:
     max_iters: int = 100
     min_time: float = 0.5
     warm_compile: bool = True
+    kernels: bool = True          # count kernels per step in a profiled pass after the timed steps
 
 
 def variants(case, backends, budgets):
@@ -122,11 +129,20 @@ def measure_backend(case, wl_pristine, ref, backend, budget, cfg: RunConfig, ref
                 torch._dynamo.reset()
                 f = compile_model(backend, wl.model, case.options, budget)
                 _, row["warm_compile_s"] = M.timed(lambda: wl.check(f), cfg.device)
+            row["random_sites"] = _live_sites(wl.model)
+            if row["random_sites"] and backend != "eager":   # the check's graphs have dropout off
+                stage = "compile for steps"
+                torch._dynamo.reset()
+                f = compile_model(backend, wl.model, case.options, budget)
+                _, row["steps_compile_s"] = M.timed(lambda: wl.step(f), cfg.device)
             stage = "steps"
-            clock = M.GcClock()
+            clock, host = M.GcClock(), []
             times = M.step_times(lambda: wl.step(f), cfg.device, cfg.warmup, cfg.min_iters, cfg.max_iters,
-                                 cfg.min_time, clock)
+                                 cfg.min_time, clock, host)
+            hs = M.summarize(host)
             row.update(M.summarize(times), times_ms=[round(t, 4) for t in times],
+                       host_ms=hs["ms"], host_p25=hs["p25"], host_p75=hs["p75"],
+                       host_times_ms=[round(t, 4) for t in host],
                        gc_ms_per_step=clock.ms / max(1, len(times)), gc_runs=clock.runs)
             if case.memory_bound and wl.min_bytes:
                 row.update(min_bytes=wl.min_bytes, gbps=wl.min_bytes / (row["ms"] * 1e-3) / 1e9)
@@ -136,6 +152,8 @@ def measure_backend(case, wl_pristine, ref, backend, budget, cfg: RunConfig, ref
             if wl.train:
                 row.update(M.saved_bytes(lambda: wl.forward_for_memory(f), wl.backward_for_memory, wl.state()))
             row["mem_bytes"] = row.get("peak_bytes") if cfg.device == "cuda" else row.get("saved_bytes")
+            if cfg.kernels:
+                row.update(_kernels(lambda: wl.step(f), cfg.device))
     except Exception as e:  # a backend failure is a row, not a crash
         row.update(status="error", stage=stage, error=_error(e), traceback=traceback.format_exc(limit=8))
     finally:
@@ -144,25 +162,60 @@ def measure_backend(case, wl_pristine, ref, backend, budget, cfg: RunConfig, ref
     return row
 
 
+def _live_sites(model) -> int:
+    """Dropout probabilities that draw in the steps: those of ``random_sites``, none when every module is
+    in eval mode (inference rows)."""
+    if not isinstance(model, torch.nn.Module) or not any(m.training for m in model.modules()):
+        return 0
+    return len(random_sites(model))
+
+
+def _kernels(step, device) -> dict:
+    """Kernels per step (``measure.kernels_per_step``); a profiler failure is noted in the row and leaves
+    the timings standing."""
+    try:
+        return M.kernels_per_step(step, device)
+    except Exception as e:
+        return {"kernels": None, "kernels_error": _error(e)}
+
+
+class RandomCheckError(RuntimeError):
+    """Two runs of eager's check, with every dropout probability the bench knows set to 0, gave different
+    values: a random op the bench cannot turn off (a probability under a name without "drop", a bare
+    ``torch.rand``) still runs in the check, and comparing backends would compare random draws. Name the
+    probability with "drop" (see ``kiln.bench.dropout``) or leave the random op out of the case."""
+
+
+def _reference(pristine) -> list:
+    """Eager's check values, in CPU memory, after making sure a second run gives the same values."""
+    eager = pristine.fresh()
+    ref = _host(eager.check(eager.model))   # references live in CPU memory: GPU peaks stay clean
+    again = M.compare(ref, _host(eager.check(eager.model)), pristine.tol)
+    if not again["ok"]:
+        raise RandomCheckError(f"eager's check differs from itself ({again['check']}): random ops still on in "
+                               f"the check; see kiln.bench.dropout")
+    return ref
+
+
 def run_case(case, dtype: str, backend_names, budgets, cfg: RunConfig, on_start=None, compile_model=None):
     """Yield a row per (backend, budget) of ``case`` in ``dtype``; build errors yield error rows.
     ``compile_model``: see ``measure_backend``."""
     base = {"suite": case.suite, "case": case.name, "device": cfg.device, "dtype": dtype,
             "train": case.train, "options": dict(case.options)}
     pairs = variants(case, backend_names, budgets)
+    stage = "build"
     try:
         torch.manual_seed(0)
         pristine = case.build(cfg.device, dtype, cfg.size)
-        eager = pristine.fresh()
-        ref = _host(eager.check(eager.model))  # references live in CPU memory: GPU peaks stay clean
-        del eager
+        stage = "reference"
+        ref = _reference(pristine)
         pristine.park()
         base["dtype"] = pristine.dtype
         if pristine.min_bytes and case.memory_bound:
             base["min_bytes"] = pristine.min_bytes
     except Exception as e:
         for backend, budget in pairs:
-            yield {**base, "backend": backend, "budget": budget, "status": "error", "stage": "build",
+            yield {**base, "backend": backend, "budget": budget, "status": "error", "stage": stage,
                    "error": _error(e), "traceback": traceback.format_exc(limit=8)}
         _cleanup(cfg.device)
         return

@@ -15,12 +15,13 @@ The pipeline's inference path for ``freezing=True`` under ``torch.no_grad()`` (k
 5. With ``freezing_discard_parameters=True``, ``discard_parameters`` swaps the frozen tensors in every
    module holding them for an ``ErasedTensor``: the originals can be freed and eager calls fail loudly.
 
-Frozen values are never checked again: change a parameter after compiling and the compiled graph keeps
-the old value. Freezing is for inference only.
+Frozen values are snapshots: later in-place updates are not seen, as under Inductor; another instance or
+a replaced parameter recompiles (``guard_identity``). Inference only (``applies`` warns on training graphs).
 """
 from __future__ import annotations
 
 import gc
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -188,13 +189,29 @@ def freezing_passes(gm: fx.GraphModule, opts, target: str, trace, fake_mode=None
 
 
 # -- the compiled region (kiln/pipeline.py calls these in order) -----------------------------------
+def applies(opts) -> bool:
+    """Whether this graph freezes: ``freezing=True`` with grad disabled (AOTAutograd's inference path); a
+    training graph that asks for it freezes nothing and warns (Python shows the warning once)."""
+    if opts.freezing and torch.is_grad_enabled():
+        counters["kiln"]["freezing_skipped_training"] += 1
+        warnings.warn("kiln: freezing=True froze nothing in a graph traced with grad enabled (a training graph): "
+                      "freezing applies to inference graphs only. Call the compiled model under torch.no_grad() "
+                      "or torch.inference_mode() (after model.eval()) to freeze its parameters.", stacklevel=2)
+    return opts.freezing and not torch.is_grad_enabled()
+
+
 def module_region(gm: fx.GraphModule, example_inputs: list) -> "FrozenRegion | None":
-    """The freezing state of Dynamo's graph ``gm``: which AOT inputs are module state (None: none are)."""
+    """The freezing state of Dynamo's graph ``gm``: which AOT inputs are module state (None: none are);
+    only those ``guard_identity`` can guard (lifted ones belong to modules Dynamo guards by identity)."""
     lifted = _lifted_state(gm)
-    state = set(range(len(lifted))) | {len(lifted) + i for i in module_state(gm, example_inputs)}
+    sources = [None] * len(lifted) + [_source(n) for n in gm.graph.nodes if n.op == "placeholder"]
+    state = {len(lifted) + i for i in module_state(gm, example_inputs)}
+    unguarded = {i for i in state if sources[i] is None} if _dynamo_guards() is not None else state
+    if unguarded:
+        log(1, f"freeze: {len(unguarded)} module tensors not frozen: Dynamo cannot guard their identity")
+    state = set(range(len(lifted))) | (state - unguarded)
     if not state:
         return None
-    sources = [None] * len(lifted) + [_source(n) for n in gm.graph.nodes if n.op == "placeholder"]
     return FrozenRegion(real=lifted + list(example_inputs), state=state, lifted=len(lifted), sources=sources)
 
 
@@ -239,7 +256,34 @@ def finish(region: FrozenRegion, opts) -> None:
     and the region's references to the real inputs."""
     if opts.freezing_discard_parameters and region.frozen:
         _release(region)
+    guard_identity(region)
     region.real = []
+
+
+def _dynamo_guards():
+    """The guards Dynamo installs when this compile returns (None outside a Dynamo compile)."""
+    ctx = torch._guards.TracingContext.try_get()
+    return getattr(getattr(ctx, "guards_context", None), "dynamo_guards", None)
+
+
+def guard_identity(region: FrozenRegion) -> int:
+    """Guard the identity (Dynamo's ID_MATCH) of each frozen Dynamo input, by its source; returns how many.
+
+    Dynamo guards a parameter input by shape, dtype and strides only, so all instances of a module class
+    shared one compiled frame and the second ran with the first one's frozen weights. Now another tensor
+    (another instance's, a replaced parameter) recompiles, as under Inductor's freezing. Dynamo builds the
+    guards after this compile (a discarded parameter is guarded as its ``ErasedTensor``) and drops the frame
+    when a guarded object is freed. The local module a parameter is read from (``self``) is guarded too:
+    Dynamo counts recompile_limit per module (its accumulated_recompile_limit still caps all instances)."""
+    from torch._dynamo.guards import GuardBuilder
+    from torch._dynamo.source import LocalSource
+    todo = [region.sources[i] for i in region.frozen if i >= region.lifted]   # module_region: all guardable
+    for source in todo:
+        root = source.get_base() if hasattr(source, "get_base") else None
+        path = _source_text(source)[len(_source_text(root)):] if isinstance(root, LocalSource) else ""
+        for s in (source, root) if path.startswith(("._modules[", "._parameters[", "._buffers[")) else (source,):
+            _dynamo_guards().add(s.make_guard(GuardBuilder.ID_MATCH))
+    return len(todo)
 
 
 # -- discarding the originals -----------------------------------------------------------------------
@@ -254,8 +298,7 @@ def _unguard(source) -> bool:
     The compiled region never reads a frozen input again, so its guards would only cause a recompile
     (and a failure) once the original is erased. Other compiled regions keep their own guards on it.
     """
-    ctx = torch._guards.TracingContext.try_get()
-    guards = getattr(getattr(ctx, "guards_context", None), "dynamo_guards", None)
+    guards = _dynamo_guards()
     if source is None or guards is None or not hasattr(guards, "inner"):
         return False
     name = _source_text(source)

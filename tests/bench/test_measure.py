@@ -96,3 +96,20 @@ def test_peak_blocks_of_a_memory_trace():
     assert pb["peak"] == 280 and pb["at"] == 3 and pb["n_live"] == 3
     assert [b[0] for b in pb["blocks"]] == [200, 100, 30]
     assert pb["blocks"][0][1] == "wrapper_ab.py:11 call" and pb["at_where"] == "wrapper_ab.py:12 call"
+
+
+def test_kernels_per_step_counts_top_level_aten_ops_on_the_cpu():
+    """On the CPU the count is the ATen ops not called from another ATen op (a composite op counts once)."""
+    x = torch.randn(64)
+
+    def step():
+        torch.add(torch.sin(x), torch.cos(x))
+        torch.nn.functional.softmax(x, 0)          # one top-level op, whatever it calls inside
+    res = M.kernels_per_step(step, "cpu", steps=3)
+    assert res == {"kernels": 4.0, "kernels_kind": "top-level ATen ops (profiler)"}
+
+
+def test_step_times_report_host_time():
+    host = []
+    times = M.step_times(lambda: None, "cpu", warmup=1, min_iters=3, max_iters=3, min_time=0.0, host=host)
+    assert host == times and len(host) == 3

@@ -66,7 +66,11 @@ def test_from_json_records_and_plots(tmp_path):
     from kiln.bench.cli import main
     saved = report.write_json(str(tmp_path / "run.json"), META, ROWS)
     rec = tmp_path / "rec"
-    assert main(["--from-json", saved, "--record-dir", str(rec), "--md", str(tmp_path / "x.md")]) == 0
+    # ROWS hold a kiln row that errored: the guard fails the run, --no-guard only reports it
+    assert main(["--from-json", saved, "--no-record", "--md", str(tmp_path / "g.md")]) == 1
+    assert "| swish | fp32 | - |" in (tmp_path / "g.md").read_text() and "**FAIL** kiln error" in \
+        (tmp_path / "g.md").read_text()
+    assert main(["--from-json", saved, "--no-guard", "--record-dir", str(rec), "--md", str(tmp_path / "x.md")]) == 0
     text = (rec / "RESULTS.md").read_text()
     assert "(recorded from " in text and "| gpt | fp32 | 0.5 |" in text
     assert (rec / "budget_gpt_cpu.png").exists()

@@ -1,4 +1,5 @@
 """The runner: one row per backend and budget; failures become rows and never stop the run."""
+import pytest
 import torch
 
 from kiln.bench import backends as B
@@ -105,3 +106,85 @@ def test_a_case_leaves_no_compiled_function_alive():
     assert rows[0]["status"] == "ok" and seen
     gc.collect()
     assert all(r() is None for r in seen)
+
+
+def test_dropout_case_checks_without_and_times_with_random_ops():
+    """A zoo-like model with dropout, drop path, stochastic depth and HF-style attention dropout: the check
+    pass compiles with every probability at 0 and matches eager; the steps compile again with them on; every
+    backend's row has host time and kernels per step. (aot_eager stands in for inductor, whose C++ compile
+    takes minutes on this test machine; the slow test below runs inductor.)"""
+    from kiln.bench.dropout import random_sites
+    from tests.bench import dropnet
+
+    calls = []
+
+    def compile_model(backend, model, options=None, budget=None):
+        f = B.compile_model(backend, model, options, budget)
+
+        def run(*args):
+            calls.append((backend, len(random_sites(model))))
+            return f(*args)
+        return run
+    rows = {r["backend"]: r for r in runner.run_case(dropnet.case(), "auto", ["eager", "aot_eager", "kiln"], None,
+                                                     CFG, compile_model=compile_model)}
+    for b, r in rows.items():
+        assert r["status"] == "ok", (b, r.get("error"))
+        assert r["random_sites"] == 5 and r["ok"] and r["iters"] == 2
+        assert r["host_ms"] == r["ms"] > 0                     # the CPU: host time is step time
+        assert r["kernels"] > 0 and r["kernels_kind"].startswith("top-level ATen ops")
+    assert rows["eager"]["check"] == "ref" and "steps_compile_s" not in rows["eager"]
+    for b in ("aot_eager", "kiln"):
+        assert rows[b]["steps_compile_s"] > 0 and rows[b]["check"] == "ok"
+        mine = [n for backend, n in calls if backend == b]
+        assert mine[0] == 0 and mine[1:] and all(n == 5 for n in mine[1:])   # check off, then steps on
+    assert rows["kiln"]["kernels"] < rows["eager"]["kernels"]  # kiln fuses what eager runs op by op
+
+
+class _Hidden(torch.nn.Module):
+    """Random noise under a name the bench cannot know."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.noise = 0.5
+
+    def forward(self, x):
+        return self.lin(x) * (torch.rand_like(x) > self.noise)
+
+
+def test_random_op_left_in_the_check_fails_every_row():
+    from kiln.bench.case import ModelWorkload
+    build = lambda d, dt, s: ModelWorkload(_Hidden(), (torch.randn(4, 8),), "fp32", loss=lambda out, b: out.sum())
+    rows = list(runner.run_case(Case("hidden", "zoo", build, ("auto",)), "auto", ["eager", "kiln"], None, CFG))
+    assert [(r["backend"], r["status"], r["stage"]) for r in rows] == [("eager", "error", "reference"),
+                                                                      ("kiln", "error", "reference")]
+    assert "RandomCheckError" in rows[1]["error"] and "differs from itself" in rows[1]["error"]
+
+
+@pytest.mark.slow
+def test_dropout_case_through_inductor():
+    """The same case through the three backends of the table (inductor's CPU compile takes minutes here)."""
+    from tests.bench import dropnet
+    rows = {r["backend"]: r for r in runner.run_case(dropnet.case(), "auto", ["eager", "inductor", "kiln"], None,
+                                                     CFG)}
+    for b, r in rows.items():
+        assert r["status"] == "ok" and r["ok"] and r["host_ms"] > 0 and r["kernels"] > 0, (b, r.get("error"))
+    assert rows["inductor"]["steps_compile_s"] > 0
+
+
+@pytest.mark.gpu
+def test_dropout_case_on_the_gpu():
+    """On CUDA: GPU time from events, host time without a sync inside the step, CUDA kernels counted by the
+    profiler, for the three backends; the check passes with dropout off and the steps run with it on."""
+    from tests.bench import dropnet
+    cfg = runner.RunConfig(device="cuda", size="tiny", warmup=2, min_iters=5, max_iters=5, min_time=0.0,
+                           warm_compile=False)
+    case = dropnet.case()
+    case.devices = ("cuda",)
+    rows = {r["backend"]: r for r in runner.run_case(case, "auto", ["eager", "inductor", "kiln"], None, cfg)}
+    for b, r in rows.items():
+        assert r["status"] == "ok" and r["ok"], (b, r.get("error"), r.get("check"))
+        assert r["ms"] > 0 and 0 < r["host_ms"] and len(r["host_times_ms"]) == 5
+        assert r["kernels_kind"] == "CUDA kernels (profiler)" and r["kernels"] >= 1, (b, r.get("kernels_error"))
+        assert r["random_sites"] == 5
+    assert rows["kiln"]["kernels"] < rows["eager"]["kernels"]

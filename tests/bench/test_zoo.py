@@ -20,12 +20,26 @@ def _row(case, backend, ms, train, peak, ok=True):
 
 def test_zoo_is_wide():
     """At least 24 distinct architectures from the three libraries, training and inference rows both."""
-    models = {c.name.removeprefix("zoo_").removesuffix("_infer") for c in zoo.CASES}
+    models = {c.name.removeprefix("zoo_").removesuffix("_infer").removesuffix("_full") for c in zoo.CASES}
     assert len(models) >= 24, sorted(models)
     assert {m for c in zoo.CASES for m in c.needs} == {"transformers", "timm", "torchvision"}
     assert sum(c.train for c in zoo.CASES) >= 12 and sum(not c.train for c in zoo.CASES) >= 12
     assert len({c.name for c in all_cases("every")}) == len(all_cases("every"))
     assert not any(c.suite == "zoo" for c in all_cases("all"))   # `--suite all` stays micro + models
+
+
+def test_full_size_rows_and_no_regularization_overrides():
+    """The models at full depth are rows of their own, and no case turns its model's dropout off: the
+    timed steps train as users train (the check turns it off in a pass of its own)."""
+    import inspect
+    import re
+
+    from kiln.bench.suites import models
+    full = {c.name for c in zoo.CASES if c.name.endswith("_full") and c.train}
+    assert full >= {"zoo_swin_full", "zoo_vit_full", "zoo_convnext_full", "zoo_bert_full", "zoo_gpt2_full"}
+    for mod in (zoo, models):
+        src = inspect.getsource(mod)
+        assert not re.findall(r"(drop\w*|pdrop)\s*=\s*0\.0", src), mod.__name__
 
 
 def test_zoo_cases_build_tiny():

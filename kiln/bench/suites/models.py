@@ -2,7 +2,8 @@
 torchvision ResNet-18/50, all built from configs with random weights (never downloaded).
 
 Precision follows the anchors: on the GPU training runs under bf16 autocast and inference in fp16;
-on the CPU everything is fp32. Dropout is off in GPT-2 so the correctness check is deterministic.
+on the CPU everything is fp32. The HF models keep their default dropout (0.1) in the timed steps; the
+correctness check runs with it off (``kiln.bench.dropout.no_random``).
 The HuggingFace and ResNet-50 cases run on the GPU only (a 2-core CPU would take minutes per step).
 """
 from __future__ import annotations
@@ -100,7 +101,7 @@ def _gpt2(device, dtype, size):
     from transformers import GPT2Config, GPT2LMHeadModel
     big = _big(device, size)
     cfg = GPT2Config(n_layer=12 if big else 2, n_embd=768 if big else 64, n_head=12 if big else 2,
-                     n_positions=1024, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+                     n_positions=1024, use_cache=False)
     return _causal_lm(GPT2LMHeadModel, cfg, (8, 1024) if big else (2, 64), device)
 
 
@@ -128,9 +129,8 @@ def _bert(device, dtype, size):
 def _bert_mlm(device, dtype, size):
     from transformers import BertConfig, BertForMaskedLM
     big = _big(device, size)
-    drop = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    cfg = BertConfig(**drop) if big else BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-                                                    intermediate_size=128, **drop)
+    cfg = BertConfig() if big else BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                              intermediate_size=128)
     bs, seq = (16, 512) if big else (2, 64)
     torch.manual_seed(0)
     model = BertForMaskedLM(cfg).to(device)
@@ -177,13 +177,13 @@ CASES = [
     Case("cnn_infer_freezing", "models", functools.partial(_cnn, train=False), ("auto",), train=False,
          options={"freezing": True}, about="built-in CNN inference with freezing"),
     Case("gpt2", "models", _gpt2, ("auto",), ("cpu", "cuda"), True, needs=("transformers",),
-         about="HF GPT-2 small train step, bs 8 seq 1024, bf16 autocast, fused AdamW, dropout 0 "
+         about="HF GPT-2 small train step, bs 8 seq 1024, bf16 autocast, fused AdamW, dropout 0.1 "
                "(cpu: 2 layers, d 64, bs 2 x 64, fp32)"),
     Case("llama", "models", _llama, ("auto",), ("cuda",), True, needs=("transformers",),
          about="HF Llama-style decoder train step (8 layers, d 1024, GQA 16/4 heads, SwiGLU 2816), bs 4 seq 1024, "
                "bf16 autocast, fused AdamW"),
     Case("bert_train", "models", _bert_mlm, ("auto",), ("cpu", "cuda"), True, needs=("transformers",),
-         about="HF BERT masked-LM train step, dropout 0, AdamW; gpu: BERT-base bs 16 x 512, bf16 autocast; "
+         about="HF BERT masked-LM train step, dropout 0.1, AdamW; gpu: BERT-base bs 16 x 512, bf16 autocast; "
                "cpu: 2 layers, d 64, bs 2 x 64, fp32"),
     Case("bert", "models", _bert, ("auto",), ("cuda",), False, needs=("transformers",),
          about="HF BERT-base inference, bs 16 seq 512, fp16"),

@@ -5,9 +5,14 @@ The families are chosen for breadth: decoders with learned, rotary and partial-r
 sequential or parallel residuals, encoders, encoder-decoders, windowed and shifted attention, plain and
 depthwise-separable convolutions, squeeze-excitation, dense concatenation, channel shuffle, MLP mixing.
 Training rows run a step under bf16 autocast (fused AdamW, cross-entropy or the model's own loss);
-inference rows run fp16 weights under ``no_grad``. Dropout is off so the check against eager is
-deterministic. ``size='gpu'`` is the measured size (a few layers of the real widths, so a row compiles
-in seconds); ``'tiny'`` is for tests on a CPU.
+inference rows run fp16 weights under ``no_grad``. Models train as users train them: every config and
+constructor keeps its library's default dropout, attention dropout and drop path (timm's Swin-T: stochastic
+depth 0.1; HF GPT-2, BERT, OPT, T5, BART, DistilBERT: dropout 0.1). The check against eager runs in a pass
+of its own with those probabilities at 0 (``kiln.bench.dropout.no_random``); the timed steps keep them on.
+``size='gpu'`` is the measured size: most rows have a few layers of the real widths, so a row compiles in
+seconds; the ``*_full`` rows are the models at full depth as their libraries build them (GPT-2 small,
+BERT-base, ViT-B/16, Swin-T, ConvNeXt-T), where a shrunk model would hide how host time and compile time
+grow with depth. ``'tiny'`` is for tests on a CPU (every row, full ones included, is small there).
 """
 from __future__ import annotations
 
@@ -34,11 +39,11 @@ def _ids(vocab, big, device, shape=(8, 512)):
     return torch.randint(0, vocab, shape if big else (2, 32), device=device)
 
 
-def _decoder(config_name, model_name, make_cfg, device, dtype, size, train=True):
+def _decoder(config_name, model_name, make_cfg, device, dtype, size, train=True, layers=4):
     """A causal LM: train on its own next-token loss; inference returns the logits."""
     big = _big(device, size)
     torch.manual_seed(0)
-    cfg = make_cfg(*_dims(big))
+    cfg = make_cfg(*_dims(big, layers))
     model = _hf(config_name, model_name, use_cache=False, **cfg).to(device)
     ids = _ids(cfg["vocab_size"], big, device)
     if train:
@@ -47,8 +52,7 @@ def _decoder(config_name, model_name, make_cfg, device, dtype, size, train=True)
 
 
 def _gpt2_cfg(L, d, h, ffn):
-    return dict(vocab_size=50257, n_layer=L, n_embd=d, n_head=h, n_positions=1024, resid_pdrop=0.0,
-                embd_pdrop=0.0, attn_pdrop=0.0)
+    return dict(vocab_size=50257, n_layer=L, n_embd=d, n_head=h, n_positions=1024)
 
 
 def _llama_cfg(L, d, h, ffn):
@@ -59,19 +63,17 @@ def _llama_cfg(L, d, h, ffn):
 
 def _neox_cfg(L, d, h, ffn):   # rotary on a quarter of each head, attention and MLP in parallel
     return dict(vocab_size=50304, hidden_size=d, intermediate_size=ffn, num_hidden_layers=L,
-                num_attention_heads=h, rotary_pct=0.25, use_parallel_residual=True, hidden_dropout=0.0,
-                attention_dropout=0.0, max_position_embeddings=2048)
+                num_attention_heads=h, rotary_pct=0.25, use_parallel_residual=True, max_position_embeddings=2048)
 
 
 def _phi_cfg(L, d, h, ffn):    # partial rotary, one layer norm feeding attention and MLP in parallel
     return dict(vocab_size=51200, hidden_size=d, intermediate_size=ffn, num_hidden_layers=L,
-                num_attention_heads=h, partial_rotary_factor=0.5, resid_pdrop=0.0, embd_pdrop=0.0,
-                attention_dropout=0.0, max_position_embeddings=2048)
+                num_attention_heads=h, partial_rotary_factor=0.5, max_position_embeddings=2048)
 
 
 def _opt_cfg(L, d, h, ffn):    # ReLU MLP, learned positions with an offset
     return dict(vocab_size=50272, hidden_size=d, ffn_dim=ffn, num_hidden_layers=L, num_attention_heads=h,
-                word_embed_proj_dim=d, dropout=0.0, attention_dropout=0.0, max_position_embeddings=2048)
+                word_embed_proj_dim=d, max_position_embeddings=2048)
 
 
 def _qwen2_cfg(L, d, h, ffn):  # biased q/k/v, GQA, SwiGLU
@@ -79,10 +81,10 @@ def _qwen2_cfg(L, d, h, ffn):  # biased q/k/v, GQA, SwiGLU
                 num_attention_heads=h, num_key_value_heads=max(1, h // 6), max_position_embeddings=2048)
 
 
-def _mlm(config_name, model_name, extra, device, dtype, size, train=True):
+def _mlm(config_name, model_name, extra, device, dtype, size, train=True, layers=4):
     """A bidirectional encoder: masked-LM loss on its own ids (train) or the last hidden state (infer)."""
     big = _big(device, size)
-    L, d, h, ffn = _dims(big)
+    L, d, h, ffn = _dims(big, layers)
     torch.manual_seed(0)
     model = _hf(config_name, model_name, **extra(L, d, h, ffn)).to(device)
     ids = _ids(model.config.vocab_size, big, device, (16, 512))
@@ -92,17 +94,16 @@ def _mlm(config_name, model_name, extra, device, dtype, size, train=True):
 
 
 def _bert_cfg(L, d, h, ffn):
-    return dict(hidden_size=d, num_hidden_layers=L, num_attention_heads=h, intermediate_size=ffn,
-                hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return dict(hidden_size=d, num_hidden_layers=L, num_attention_heads=h, intermediate_size=ffn)
 
 
 def _distilbert_cfg(L, d, h, ffn):
-    return dict(dim=d, n_layers=L, n_heads=h, hidden_dim=ffn, dropout=0.0, attention_dropout=0.0)
+    return dict(dim=d, n_layers=L, n_heads=h, hidden_dim=ffn)
 
 
 def _albert_cfg(L, d, h, ffn):  # one layer's weights shared by every layer, factorized embeddings
     return dict(hidden_size=d, num_hidden_layers=L, num_attention_heads=h, intermediate_size=ffn,
-                embedding_size=128 if d > 128 else 32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+                embedding_size=128 if d > 128 else 32)
 
 
 def _seq2seq(config_name, model_name, extra, device, dtype, size):
@@ -116,14 +117,13 @@ def _seq2seq(config_name, model_name, extra, device, dtype, size):
 
 def _t5_cfg(L, d, h, ffn):      # RMSNorm, relative position buckets, gated-GELU (v1.1 style)
     return dict(vocab_size=32128, d_model=d, d_kv=d // h, d_ff=ffn * 2 // 3, num_layers=L,
-                num_decoder_layers=L, num_heads=h, dropout_rate=0.0, feed_forward_proj="gated-gelu",
+                num_decoder_layers=L, num_heads=h, feed_forward_proj="gated-gelu",
                 decoder_start_token_id=0, pad_token_id=0)
 
 
 def _bart_cfg(L, d, h, ffn):
     return dict(vocab_size=50265, d_model=d, encoder_layers=L, decoder_layers=L, encoder_attention_heads=h,
-                decoder_attention_heads=h, encoder_ffn_dim=ffn, decoder_ffn_dim=ffn, dropout=0.0,
-                attention_dropout=0.0, activation_dropout=0.0, max_position_embeddings=1024)
+                decoder_attention_heads=h, encoder_ffn_dim=ffn, decoder_ffn_dim=ffn, max_position_embeddings=1024)
 
 
 # --- vision: timm and torchvision ------------------------------------------------------------------
@@ -148,8 +148,7 @@ def _kwargs(kw: dict, tiny: dict, big: bool) -> dict:
 def _timm(name, tiny=None, **kw):
     def make(big):
         import timm
-        return timm.create_model(name, pretrained=False, drop_rate=0.0, drop_path_rate=0.0,
-                                 **_kwargs(kw, tiny or {}, big))
+        return timm.create_model(name, pretrained=False, **_kwargs(kw, tiny or {}, big))
     return make
 
 
@@ -172,12 +171,12 @@ _TIMM = ("timm", "torchvision")
 _TV = ("torchvision",)
 
 
-def _dec(cfg_name, model_name, make_cfg, train=True):
-    return functools.partial(_decoder, cfg_name, model_name, make_cfg, train=train)
+def _dec(cfg_name, model_name, make_cfg, train=True, layers=4):
+    return functools.partial(_decoder, cfg_name, model_name, make_cfg, train=train, layers=layers)
 
 
-def _enc(cfg_name, model_name, make_cfg, train=True):
-    return functools.partial(_mlm, cfg_name, model_name, make_cfg, train=train)
+def _enc(cfg_name, model_name, make_cfg, train=True, layers=4):
+    return functools.partial(_mlm, cfg_name, model_name, make_cfg, train=train, layers=layers)
 
 
 def _vis(make, train=True, hw=224):
@@ -186,7 +185,9 @@ def _vis(make, train=True, hw=224):
 
 TRAIN = [
     _case("zoo_gpt2", _dec("GPT2Config", "GPT2LMHeadModel", _gpt2_cfg), True, _TF,
-          "GPT-2 (4 layers, d 768), bs 8 x 512, learned positions, GELU-tanh MLP"),
+          "GPT-2 (4 layers, d 768, dropout 0.1), bs 8 x 512, learned positions, GELU-tanh MLP"),
+    _case("zoo_gpt2_full", _dec("GPT2Config", "GPT2LMHeadModel", _gpt2_cfg, layers=12), True, _TF,
+          "GPT-2 small at full depth (12 layers, d 768, dropout 0.1), bs 8 x 512"),
     _case("zoo_llama", _dec("LlamaConfig", "LlamaForCausalLM", _llama_cfg), True, _TF,
           "Llama (4 layers, d 768, GQA 12/3), rotary, RMSNorm, SwiGLU, bs 8 x 512"),
     _case("zoo_neox", _dec("GPTNeoXConfig", "GPTNeoXForCausalLM", _neox_cfg), True, _TF,
@@ -198,7 +199,9 @@ TRAIN = [
     _case("zoo_qwen2", _dec("Qwen2Config", "Qwen2ForCausalLM", _qwen2_cfg), True, _TF,
           "Qwen2 (4 layers, d 768, GQA 12/2, biased qkv), bs 8 x 512"),
     _case("zoo_bert", _enc("BertConfig", "BertForMaskedLM", _bert_cfg), True, _TF,
-          "BERT masked-LM (4 layers, d 768), bs 16 x 512"),
+          "BERT masked-LM (4 layers, d 768, dropout 0.1), bs 16 x 512"),
+    _case("zoo_bert_full", _enc("BertConfig", "BertForMaskedLM", _bert_cfg, layers=12), True, _TF,
+          "BERT-base masked-LM at full depth (12 layers, d 768, dropout 0.1), bs 16 x 512"),
     _case("zoo_albert", _enc("AlbertConfig", "AlbertForMaskedLM", _albert_cfg), True, _TF,
           "ALBERT masked-LM (4 layers sharing one set of weights, d 768, factorized embeddings), bs 16 x 512"),
     _case("zoo_t5", functools.partial(_seq2seq, "T5Config", "T5ForConditionalGeneration", _t5_cfg), True, _TF,
@@ -207,10 +210,13 @@ TRAIN = [
           True, _TF, "BART encoder-decoder (4+4 layers, d 768), bs 8 x 512"),
     _case("zoo_vit", _vis(_timm("vit_base_patch16_224", depth=6, tiny=_TINY_VIT)), True, _TIMM,
           "timm ViT-B/16 (6 blocks), bs 32, 224"),
-    _case("zoo_swin", _vis(_timm("swin_tiny_patch4_window7_224", tiny=dict(img_size=64, window_size=2))),
-          True, _TIMM, "timm Swin-T: windowed and shifted attention, bs 32, 224"),
-    _case("zoo_convnext", _vis(_timm("convnext_tiny")), True, _TIMM,
-          "timm ConvNeXt-T: 7x7 depthwise convolutions, channels-last LayerNorm, bs 32, 224"),
+    _case("zoo_vit_full", _vis(_timm("vit_base_patch16_224", tiny=dict(_TINY_VIT, depth=2))), True, _TIMM,
+          "timm ViT-B/16 at full depth (12 blocks) as timm builds it, bs 32, 224"),
+    _case("zoo_swin_full", _vis(_timm("swin_tiny_patch4_window7_224", tiny=dict(img_size=64, window_size=2))),
+          True, _TIMM, "timm Swin-T as timm builds it (stochastic depth 0.1): windowed and shifted attention, "
+                       "bs 32, 224"),
+    _case("zoo_convnext_full", _vis(_timm("convnext_tiny")), True, _TIMM,
+          "timm ConvNeXt-T as timm builds it: 7x7 depthwise convolutions, channels-last LayerNorm, bs 32, 224"),
     _case("zoo_efficientnet", _vis(_timm("efficientnet_b0")), True, _TIMM,
           "timm EfficientNet-B0: depthwise-separable convolutions, squeeze-excitation, SiLU, bs 32, 224"),
     _case("zoo_mixer", _vis(_timm("mixer_b16_224", tiny=_TINY_VIT)), True, _TIMM,
