@@ -72,10 +72,15 @@ def _main(argv) -> int:
 
 
 def cache_command(argv) -> int:
-    """``kiln cache info`` (where the compile cache is, its entries and size) or ``kiln cache clear``;
-    the directory is the options' (``cache_dir``, ``KILN_CACHE_DIR``)."""
+    """``kiln cache info`` (where kiln writes: the kernel directory and the compile cache's, its entries and
+    size, and why the cache is off when it is) or ``kiln cache clear`` (deletes the cache's entries, no other
+    file); the directories are the options' (``cache_dir``, ``KILN_CACHE_DIR``, ``KILN_KERNEL_DIR``)."""
+    import os
+
+    from kiln import cache
     from kiln.cache import store
     from kiln.options import current
+    from kiln.runtime import private
     what = argv[0] if argv else "info"
     if what in ("-h", "--help"):
         print("usage: kiln cache info | kiln cache clear")
@@ -84,17 +89,24 @@ def cache_command(argv) -> int:
         print(f"kiln cache: unknown command {what!r}; use 'kiln cache info' or 'kiln cache clear'")
         return 2
     opts = current()
-    try:
-        root = store.directory(opts.cache_dir)
-    except (OSError, store.CacheDirError) as e:
-        print(f"kiln cache: {e}")
-        return 1
+    root, why = cache.status(opts)
+    usable = not why or why.startswith("cache=False")
     if what == "clear":
+        if not usable:
+            print(f"kiln cache: {why}")
+            return 1
         print(f"removed {store.clear(root)} entries from {root}")
         return 0
-    i = store.info(root)
-    print(f"directory: {i['dir']}\nentries:   {i['entries']}\nsize:      {i['bytes'] / 2**20:.2f} MiB "
-          f"(limit {opts.cache_size_mb} MiB)\nenabled:   {opts.cache}")
+    kernels = os.environ.get("KILN_KERNEL_DIR") or private.user_dir("kernels")
+    try:
+        private.directory(kernels, "KILN_KERNEL_DIR")
+        kernel_note = ""
+    except (OSError, private.DirRefused) as e:
+        kernel_note = f"\n           refused ({e}): kernels go to a private temporary directory per process"
+    i = store.info(root) if usable else {"entries": 0, "bytes": 0}
+    print(f"kernels:   {kernels}{kernel_note}\ndirectory: {root}\nentries:   {i['entries']}\n"
+          f"size:      {i['bytes'] / 2**20:.2f} MiB (limit {opts.cache_size_mb} MiB)\n"
+          f"enabled:   {'yes' if not why else 'no: ' + why}")
     return 0
 
 

@@ -292,8 +292,8 @@ class Options:
     tuning: Tuning = _opt(Tuning(), "tuning constants of code generation and passes: the tuning.* rows", env=False)
     # the compile cache (kiln/cache): compiled graphs kept on disk for later processes
     cache: bool = _opt(True, "reuse graphs compiled by earlier processes (and keep new ones) in cache_dir", cache=False)
-    cache_dir: Optional[str] = _opt(None, "the compile cache's directory (made 0700); None: $XDG_CACHE_HOME/kiln or "
-                                          "~/.cache/kiln", cache=False, check="path")
+    cache_dir: Optional[str] = _opt(None, "the compile cache's directory (made 0700); None: $XDG_CACHE_HOME/kiln/graphs "
+                                          "or ~/.cache/kiln/graphs", cache=False, check="path")
     cache_size_mb: int = _opt(2048, "the compile cache's size limit in MB: the entries used longest ago go first",
                               cache=False, check="pos")
     # debugging

@@ -1,29 +1,44 @@
 """The compile cache: graphs compiled by one process, reused by the next.
 
 ``open_graph`` decides whether a Dynamo graph may use the cache and computes its key
-(``key.graph_key``). ``Session.load`` returns the compiled callable of a hit: the stored wrappers,
+(``key.graph_key``: the code of the graph and of its subgraphs, the identity of what it calls
+(``identity``), its inputs, the global state and options that change a trace; a graph calling something
+without an identity across processes, or compiled with a custom pass without ``uuid()``, bypasses the
+cache, logged). ``Session.load`` returns the compiled callable of a hit: the stored wrappers,
 kernels and C++ libraries loaded (``serial``), AOTAutograd's runtime wrappers put back together
 (``aot``), the stored shape guards checked and added to Dynamo's; tracing, passes, partitioning and
 code generation are skipped. On a miss the pipeline compiles as usual; kiln's compilers hand their
 results to ``Session.recorder`` and ``Session.save`` writes the entry once the graph is complete (a
 training graph when its backward compiles, at its first ``backward()``). Entries live in ``store``'s
-directory (``cache_dir``, ``KILN_CACHE_DIR``); ``kiln cache info|clear`` reads and empties it.
+directory (``cache_dir``, ``KILN_CACHE_DIR``; by default ``graphs/`` in the user's cache directory),
+authenticated with the directory's key; a directory that is not private or takes no file turns the cache
+off with one warning naming the option (``status`` says why); ``kiln cache info|clear`` reads and empties it.
 
 Counters (``kiln.counters['cache']``): ``hit``, ``miss``, ``saved``, ``bypass`` (not cacheable),
+``off`` (the directory is refused or read-only),
 ``damaged`` (an entry failed its check and was deleted), ``guard_miss`` (stored for other shapes),
 ``load_failed`` (an entry that did not load: compiled again).
 """
 from __future__ import annotations
 
 import pickle
-import warnings
 
 import torch
 
-from kiln.cache import aot, key, serial, store
+from kiln.cache import aot, identity, key, serial, store
 from kiln.debug import counters, log
+from kiln.runtime import private
 
-_WARNED: set = set()
+
+def status(opts):
+    """``(directory, reason)``: the cache's directory (checked, made when missing) and '' when it is in
+    use, else why the cache is off (``cache=False``, a directory refused or read-only)."""
+    path = opts.cache_dir or store.default_dir()
+    try:
+        path = store.directory(opts.cache_dir)
+    except (OSError, store.CacheDirError) as e:
+        return path, f"directory not usable: {e}"
+    return path, "" if opts.cache else "cache=False (KILN_CACHE=0)"
 
 
 def open_graph(gm, inputs, opts, options_key: str, target: str, frozen: bool = False, registered=()):
@@ -31,18 +46,23 @@ def open_graph(gm, inputs, opts, options_key: str, target: str, frozen: bool = F
     if not opts.cache:
         return None
     why = key.bypass(gm, inputs, opts, frozen, registered)
+    try:
+        ident = "" if why else identity.graph_identity(gm)
+    except identity.Unkeyable as e:
+        why = str(e)
+    except Exception as e:   # noqa: BLE001  (an object of the user's that fails to describe itself)
+        why = f"the graph's identity could not be computed ({type(e).__name__}: {e})"
     if why:
         counters["cache"]["bypass"] += 1
-        log(2, f"cache: not cached ({why})")
+        log(1, f"cache: not cached ({why})")
         return None
     try:
         root = store.directory(opts.cache_dir)
     except (OSError, store.CacheDirError) as e:
-        if str(e) not in _WARNED:
-            _WARNED.add(str(e))
-            warnings.warn(f"kiln: compile cache disabled: {e}", stacklevel=2)
+        private.warn_once(f"kiln: compile cache disabled: {e} (or turn it off: cache=False, KILN_CACHE=0)")
+        counters["cache"]["off"] += 1
         return None
-    return Session(root, key.graph_key(gm, inputs, opts, options_key, target), opts, inputs)
+    return Session(root, key.graph_key(gm, inputs, opts, options_key, target, ident), opts, inputs)
 
 
 def _backed_symints(inputs) -> list:

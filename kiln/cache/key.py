@@ -1,17 +1,23 @@
 """The compile cache's key: everything a compiled graph depends on, hashed.
 
 - the graph: the code of Dynamo's GraphModule (its node names come from the user's source, so they are
-  the same in every process) and, per input, its kind, dtype, device, sizes and strides (symbols by
-  name under dynamic shapes), storage offset and whether it requires grad;
-- the state a trace reads: grad mode, autocast, deterministic algorithms;
+  the same in every process) with the code of its subgraphs and the identity of the Python functions
+  and custom operators it calls (``identity.graph_identity``) and, per input, its kind, dtype, device,
+  sizes and strides (symbols by name under dynamic shapes), storage offset, conjugate and negative bits,
+  view and inference flags and whether it requires grad;
+- the state a trace reads (``_state``): grad mode, autocast, deterministic algorithms (and their
+  warn-only and fill settings), the default dtype and device, matmul precision and the
+  ``torch.backends`` flags that change numerics or the kernels picked, AOTAutograd's configuration;
 - the options that change what a compile produces (``Options.cache_key``) with the passes registered
-  through ``kiln.passes.register`` (by their uuid() or source), and the resolved target;
+  through ``kiln.passes.register`` (by their uuid()), and the resolved target;
 - the versions: kiln's own source (a hash of its files, so an edited checkout misses), torch, Triton,
   Python, and for C++ kernels the compiler and the host's CPU flags; the CUDA device's name and
   capability for CUDA graphs.
 
 ``bypass`` says why a graph is not cached at all (the cache stores no AOTAutograd wrappers for input
-subclasses, aliased inputs or module-held parameters; freezing and CUDA graphs keep process state).
+subclasses, aliased inputs or module-held parameters; freezing and CUDA graphs keep process state; a
+custom pass or callable option without ``uuid()`` could change behind the same name, as Inductor's rule
+has it; ``identity.Unkeyable``: the graph calls something without an identity across processes).
 """
 from __future__ import annotations
 
@@ -19,13 +25,13 @@ import dataclasses
 import functools
 import hashlib
 import importlib.metadata
-import inspect
 import os
 import platform
 
 import torch
 
-from kiln.options import HOOK, Options
+from kiln.cache import identity
+from kiln.options import Options
 from kiln.runtime import cpp_build
 
 KILN_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -58,7 +64,8 @@ def _versions() -> str:
 def _input(x) -> str:
     if isinstance(x, torch.Tensor):
         return (f"T({x.dtype},{x.device},{tuple(str(s) for s in x.shape)},{tuple(str(s) for s in x.stride())},"
-                f"{x.storage_offset()},{x.requires_grad},{x.layout},{type(x).__name__ == 'Parameter'})")
+                f"{x.storage_offset()},{x.requires_grad},{x.layout},{type(x).__name__ == 'Parameter'},"
+                f"conj={x.is_conj()},neg={x.is_neg()},view={x._is_view()},inference={x.is_inference()})")
     if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         return f"S({type(x).__name__},{x.node.expr})"
     return f"{type(x).__name__}({x!r})"
@@ -74,43 +81,86 @@ def _devices(inputs, target: str, opts) -> str:
     return "|".join(out)
 
 
+def _flags() -> list:
+    """``torch.backends`` settings that change numerics or the kernels a trace picks (those this torch has)."""
+    b = torch.backends
+    names = ["cuda.matmul.allow_tf32", "cuda.matmul.allow_fp16_reduced_precision_reduction",
+             "cuda.matmul.allow_bf16_reduced_precision_reduction", "cuda.matmul.allow_fp16_accumulation",
+             "cuda.matmul.fp32_precision", "cudnn.enabled", "cudnn.allow_tf32", "cudnn.deterministic",
+             "cudnn.benchmark", "cudnn.fp32_precision", "cudnn.conv.fp32_precision", "cudnn.rnn.fp32_precision",
+             "mkldnn.enabled", "mkldnn.fp32_precision", "mkldnn.matmul.fp32_precision",
+             "mkldnn.conv.fp32_precision", "fp32_precision", "opt_einsum.enabled", "opt_einsum.strategy"]
+    out = []
+    for name in names:
+        obj = b
+        for part in name.split("."):
+            obj = getattr(obj, part, None)
+        out.append(f"{name}={obj}")
+    for sdp in ("flash", "mem_efficient", "math", "cudnn"):
+        fn = getattr(b.cuda, f"{sdp}_sdp_enabled", None)
+        out.append(f"sdp.{sdp}={fn() if fn is not None else None}")
+    return out
+
+
 def _state() -> str:
+    """The global state that changes what a trace produces (as Dynamo, AOTAutograd and Inductor key it)."""
     auto = []
-    for dev in ("cpu", "cuda"):
+    for dev in ("cpu", "cuda", "xpu", "mps"):
         try:
             if torch.is_autocast_enabled(dev):
                 auto.append(f"{dev}:{torch.get_autocast_dtype(dev)}")
         except (AttributeError, RuntimeError, TypeError):
             pass
-    return f"grad={torch.is_grad_enabled()}|autocast={auto}|det={torch.are_deterministic_algorithms_enabled()}"
+    functorch = torch._functorch.config.get_config_copy()
+    aot = sorted(f"{k}={v!r}" for k, v in functorch.items()
+                 if isinstance(v, (type(None), bool, int, float, str)) and not k.startswith("_"))
+    fill = getattr(getattr(torch.utils, "deterministic", None), "fill_uninitialized_memory", None)
+    return "|".join([f"grad={torch.is_grad_enabled()}", f"autocast={auto}",
+                     f"det={torch.are_deterministic_algorithms_enabled()}",
+                     f"det_warn={torch.is_deterministic_algorithms_warn_only_enabled()}", f"det_fill={fill}",
+                     f"dtype={torch.get_default_dtype()}", f"device={torch.get_default_device()}",
+                     f"matmul={torch.get_float32_matmul_precision()}", *_flags(), *aot])
 
 
-def graph_key(gm: torch.fx.GraphModule, inputs, opts, options_key: str, target: str) -> str:
-    """``options_key``: ``pipeline.cache_key`` (the options and the registered passes)."""
-    parts = [gm.code, *(_input(x) for x in inputs), _state(), options_key, target, _versions(),
+def graph_key(gm: torch.fx.GraphModule, inputs, opts, options_key: str, target: str, ident: str = None) -> str:
+    """``options_key``: ``pipeline.cache_key`` (the options and the registered passes); ``ident``: the
+    graph's ``identity.graph_identity`` (computed here when None; raises ``identity.Unkeyable``)."""
+    ident = identity.graph_identity(gm) if ident is None else ident
+    parts = [gm.code, ident, *(_input(x) for x in inputs), _state(), options_key, target, _versions(),
              _devices(inputs, target, opts)]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
 
-HOOKS = tuple(f.name for f in dataclasses.fields(Options) if f.metadata.get("choices") is HOOK)   # custom passes
+# options holding callables: the custom passes, a runtime estimator
+CALLABLE_OPTIONS = tuple(f.name for f in dataclasses.fields(Options)
+                         if isinstance(f.metadata.get("choices"), tuple) and "callable" in f.metadata["choices"])
 
 
 def unkeyed_pass(fn) -> str:
-    """Why custom pass ``fn`` cannot key a stored compile ('' when it can): a pass is known by its
-    ``uuid()``, or by its source when it is a plain function; a closure or bound state could differ
-    between processes behind the same source."""
-    if callable(getattr(fn, "uuid", None)):
-        return ""
-    if inspect.isfunction(fn) and not fn.__closure__ and not fn.__defaults__ and not fn.__kwdefaults__:
-        return ""
-    return f"custom pass {getattr(fn, '__qualname__', type(fn).__name__)} has no uuid() (closures and objects need one)"
+    """Why custom pass (or callable option) ``fn`` cannot key a stored compile ('' when it can): it is
+    known by its ``uuid()`` only, as Inductor's rule has it; its source would miss a helper it calls in
+    another module, a closure or bound state that differs between processes."""
+    uuid = getattr(fn, "uuid", None)
+    if callable(uuid):
+        try:
+            value = uuid()
+        except Exception as e:   # noqa: BLE001  (the user's method)
+            return f"custom pass {_pass_name(fn)}: uuid() raised {type(e).__name__}: {e}"
+        return "" if value is not None else f"custom pass {_pass_name(fn)}: uuid() returned None"
+    return (f"custom pass {_pass_name(fn)} has no uuid() method (a pass is keyed by its uuid(); give it one "
+            f"that changes whenever the pass or a helper it calls changes)")
+
+
+def _pass_name(fn) -> str:
+    return getattr(fn, "__qualname__", type(fn).__name__)
 
 
 def bypass(gm: torch.fx.GraphModule, inputs, opts, frozen: bool, registered=()) -> str:
     """Why this graph is compiled without the cache ('' when it may use it). ``registered``: the
     passes registered through ``kiln.passes.register`` (a snapshot)."""
-    for fn in [getattr(opts, h) for h in HOOKS] + [p.fn for p in registered]:
-        why = unkeyed_pass(fn) if fn is not None else ""
+    hooks = [getattr(opts, h) for h in CALLABLE_OPTIONS]
+    for fn in [h for h in hooks if callable(h) and not isinstance(h, str)] + [p.fn for p in registered]:
+        why = unkeyed_pass(fn)
         if why:
             return why
     if frozen:

@@ -1,74 +1,54 @@
-"""The compile cache's directory: entries written atomically, checked before they are read.
+"""The compile cache's directory: entries written atomically, authenticated before they are read.
 
-An entry is one file, ``<key>.kiln``: a header line (a magic word, the sha256 of the payload and its
-length) and the payload (pickled bytes). ``read`` returns the payload only when the file is whole and
-its hash matches; a truncated or garbled file is deleted and reported as a miss, so the caller compiles
-again and writes a good entry. Writers write a private temporary file and rename it over the entry:
-several processes filling one cache (ranks of one job) never see a partial file, and the last
-rename wins with an equal entry. The directory is made with mode 0700 and refused when other users
-may write to it. ``evict`` keeps the directory under a size limit, dropping the entries read
-longest ago first (a hit touches its file's modification time).
+An entry is one file, ``kiln_<key>.kiln``: a header line (a magic word, the HMAC-SHA256 of the payload
+under the directory's key, ``private.secret``, and its length) and the payload (pickled bytes). ``read``
+returns the payload only when the file is whole and its MAC verifies; a truncated, garbled or foreign
+file (one that no kiln of this user wrote: it could hand this process code) is deleted and reported as a
+miss, so the caller compiles again and writes a good entry. Writers write a private temporary file
+(``kiln_*.tmp``) and rename it over the entry: several processes filling one cache (ranks of one job)
+never see a partial file, and the last rename wins with an equal entry. The directory
+(``$XDG_CACHE_HOME/kiln/graphs`` unless ``cache_dir`` names one) is made with mode 0700 and refused when
+it is another user's, others may write to it or it takes no file (``private.directory``). ``evict``
+keeps it under a size limit, dropping the entries read longest ago first (a hit touches its file's
+modification time); it and ``clear`` delete only files kiln named (``kiln_*.kiln``, ``kiln_*.tmp``), so a
+directory holding other files (``cache_dir=$PWD``) keeps them.
 """
 from __future__ import annotations
 
-import hashlib
 import os
-import stat
-import tempfile
 import threading
-import time
-from kiln.options import UserError
 
-MAGIC = b"kiln-cache-1"
+from kiln.runtime import private
+
+MAGIC = b"kiln-cache-2"
 SUFFIX = ".kiln"
-
-
-class CacheDirError(RuntimeError, UserError):
-    """The cache directory cannot be used safely (made by another user, writable by others)."""
+HOW = "cache_dir (KILN_CACHE_DIR)"
+CacheDirError = private.DirRefused   # the cache directory cannot be used safely
 
 
 def default_dir() -> str:
-    """``$XDG_CACHE_HOME/kiln``, else ``~/.cache/kiln`` (``cache_dir`` and ``KILN_CACHE_DIR`` override)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "kiln")
+    """``$XDG_CACHE_HOME/kiln/graphs``, else ``~/.cache/kiln/graphs`` (``cache_dir``, ``KILN_CACHE_DIR``
+    override)."""
+    return private.user_dir("graphs")
 
 
 def directory(path=None) -> str:
-    """The cache directory, made with mode 0700 when missing; raises ``CacheDirError`` when it is not
-    the user's own or others may write to it (a shared directory could hand this process code)."""
-    path = os.path.abspath(os.path.expanduser(str(path or default_dir())))
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    st = os.stat(path)
-    if hasattr(os, "getuid") and st.st_uid != os.getuid():
-        raise CacheDirError(f"compile cache {path} belongs to another user (uid {st.st_uid}); set cache_dir "
-                            f"(KILN_CACHE_DIR) to a directory of your own")
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise CacheDirError(f"compile cache {path} is writable by other users (mode {oct(st.st_mode & 0o777)}); "
-                            f"chmod 700 it or set cache_dir (KILN_CACHE_DIR) elsewhere")
-    return path
+    """The cache directory, made with mode 0700 when missing; raises ``CacheDirError`` when it is not the
+    user's own, others may write to it or it is read-only (``private.directory``), OSError when it cannot
+    be made. Its key is made or read here too."""
+    root = private.directory(path or default_dir(), HOW)
+    private.secret(root)
+    return root
 
 
 def entry_path(root: str, key: str) -> str:
-    return os.path.join(root, key + SUFFIX)
+    return os.path.join(root, private.PREFIX + key + SUFFIX)
 
 
 def write(root: str, key: str, payload: bytes) -> str:
-    """Write entry ``key`` atomically; returns its path."""
-    digest = hashlib.sha256(payload).hexdigest()
-    header = MAGIC + b" " + digest.encode() + b" " + str(len(payload)).encode() + b"\n"
-    fd, tmp = tempfile.mkstemp(prefix=f".{key}.", suffix=".tmp", dir=root)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(header)
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
-        path = entry_path(root, key)
-        os.replace(tmp, path)
-    except BaseException:
-        _remove(tmp)
-        raise
-    return path
+    """Write entry ``key`` atomically, signed; returns its path."""
+    header = MAGIC + b" " + private.sign(root, payload).encode() + b" " + str(len(payload)).encode() + b"\n"
+    return private.write(root, os.path.basename(entry_path(root, key)), header + payload, sync=True)
 
 
 def read(root: str, key: str):
@@ -76,8 +56,7 @@ def read(root: str, key: str):
     damaged one (deleted here, reason says what was wrong)."""
     path = entry_path(root, key)
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        data = private.read(path)
     except FileNotFoundError:
         return None, "missing"
     except OSError as e:
@@ -89,10 +68,10 @@ def read(root: str, key: str):
         why = "not a kiln cache entry (bad header)"
     elif not parts[2].isdigit() or int(parts[2]) != len(payload):
         why = f"truncated ({len(payload)} of {parts[2].decode(errors='replace')} bytes)"
-    elif hashlib.sha256(payload).hexdigest().encode() != parts[1]:
-        why = "content hash mismatch"
+    elif not private.verify(root, payload, parts[1]):
+        why = "its MAC does not verify (damaged, or not written by kiln for this user)"
     if why is not None:
-        _remove(path)
+        private.remove(path)
         return None, why
     touch(path)
     return payload, None
@@ -113,7 +92,7 @@ def entries(root: str) -> list:
     except FileNotFoundError:
         return out
     for name in names:
-        if not name.endswith(SUFFIX):
+        if not (name.startswith(private.PREFIX) and name.endswith(SUFFIX)):
             continue
         try:
             st = os.stat(os.path.join(root, name))
@@ -128,24 +107,16 @@ _EVICT_LOCK = threading.Lock()
 
 
 def evict(root: str, limit_bytes: int) -> int:
-    """Delete the oldest entries until the rest fit in ``limit_bytes``; also stale temporary files (an
-    hour old: a writer that died). Returns how many entries went."""
+    """Delete the oldest entries until the rest fit in ``limit_bytes``; also kiln's stale temporary files
+    (an hour old: a writer that died). Returns how many entries went."""
     with _EVICT_LOCK:
-        now = time.time()
-        for name in os.listdir(root):
-            if name.endswith(".tmp"):
-                p = os.path.join(root, name)
-                try:
-                    if now - os.stat(p).st_mtime > 3600:
-                        _remove(p)
-                except FileNotFoundError:
-                    pass
+        private.remove_stale(root)
         found = entries(root)
         total, gone = sum(size for _, size, _ in found), 0
         for path, size, _ in found:
             if total <= limit_bytes:
                 break
-            _remove(path)
+            private.remove(path)
             total -= size
             gone += 1
         return gone
@@ -158,17 +129,9 @@ def info(root: str) -> dict:
 
 
 def clear(root: str) -> int:
-    """Delete every entry (and temporary file); returns how many entries went."""
-    n = 0
-    for name in os.listdir(root) if os.path.isdir(root) else ():
-        if name.endswith(SUFFIX) or name.endswith(".tmp"):
-            n += name.endswith(SUFFIX)
-            _remove(os.path.join(root, name))
-    return n
-
-
-def _remove(path: str) -> None:
-    try:
-        os.remove(path)
-    except FileNotFoundError:
-        pass
+    """Delete every entry and kiln's temporary files (no other file); returns how many entries went."""
+    found = entries(root)
+    for path, _, _ in found:
+        private.remove(path)
+    private.remove_stale(root, 0.0)
+    return len(found)

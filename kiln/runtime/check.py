@@ -9,13 +9,11 @@ for ``GPUTarget('cuda', arch, 32)``.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from kiln.codegen.to_triton.config import Blocks, config
 from kiln.runtime import launch
-from kiln.runtime.kernels import cache_dir, import_file, module_file
+from kiln.runtime.kernels import import_file, module_file, subdir
 
 _TL = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
        torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
@@ -30,10 +28,8 @@ class TargetCompileError(RuntimeError):
 
 def _exec_compiled(kernel):
     """The kernel's module executed with ``@triton.jit`` building compiled (not interpreted) kernels."""
-    d = os.path.join(cache_dir(), "check")
-    os.makedirs(d, exist_ok=True)
-    path = module_file(kernel.name, kernel.source, d, overwrite=True)
-    return import_file(f"kiln_check.{kernel.name}", path, interpret=False)
+    path = module_file(kernel.name, kernel.source, subdir("check"), overwrite=True)
+    return import_file(f"kiln_check.{kernel.name}", path, interpret=False, source=kernel.source)
 
 
 def _sig(v):

@@ -1,11 +1,14 @@
 """Build, cache and load the C++ emitter's translation units; the functions its launchers call.
 
 ``build(unit, opts)`` compiles a ``CppUnit`` with the system compiler (``Options.cpp_compiler``: 'auto'
-is $CXX, else g++, else clang++) and ``Options.cpp_flags`` into a shared library in kiln's kernel cache
-directory, named by a hash of the source, the compiler's version, the flags and this host's CPU flags
-(``-march=native`` builds for the build host: a cache directory shared with another machine never
-hands it a library for another ISA). A library is written under a temporary name and renamed into
-place, so processes building the same one race harmlessly. With glibc's vector math library present,
+is $CXX, else g++, else clang++) and ``Options.cpp_flags`` into a shared library in the ``cpp/`` folder of
+kiln's private kernel directory (``kernels.cache_dir``), named by a hash of the source, the compiler's
+version, the flags and this host's CPU flags (``-march=native`` builds for the build host: a cache
+directory shared with another machine never hands it a library for another ISA). A library is written
+under a temporary name and renamed into place, so processes building the same one race harmlessly; its
+MAC under the directory's key (``private.sign``) goes beside it (``.so.mac``), and a library whose MAC
+does not verify is never loaded: it is built again (logged, ``counters['codegen']['cpp_unauthenticated']``).
+With glibc's vector math library present,
 math calls in ``omp simd`` loops use its vector variants (``KILN_LIBMVEC``).
 
 A missing compiler or a failed build raises ``CppBuildError`` after one warning naming the cause; the
@@ -32,7 +35,8 @@ import torch
 from kiln.codegen.to_cpp.ops import VECTOR_MATH
 from kiln.debug import counters, log
 from kiln.options import Options, active
-from kiln.runtime.kernels import cache_dir
+from kiln.runtime import private
+from kiln.runtime.kernels import subdir
 
 _LOCK = threading.Lock()
 _LIBRARIES: dict = {}   # key -> CDLL
@@ -120,12 +124,11 @@ def _probe(cxx: str, flags: str) -> str:
         return f"{cxx} --version failed: {e}"
     opts_flags = shlex.split(flags) + ["-shared", "-fPIC"]
     key = hashlib.sha256("\0".join([version, *opts_flags, host_isa()]).encode()).hexdigest()[:20]
-    directory = os.path.join(cache_dir(), "cpp")
-    os.makedirs(directory, exist_ok=True)
-    marker = os.path.join(directory, f"probe_{key}.ok")
-    if os.path.exists(marker):
+    directory = subdir("cpp")
+    marker = f"kiln_probe_{key}.ok"
+    if os.path.exists(os.path.join(directory, marker)):
         return ""
-    with tempfile.TemporaryDirectory(dir=directory) as tmp:
+    with tempfile.TemporaryDirectory(prefix=private.PREFIX, dir=directory) as tmp:
         src, out = os.path.join(tmp, "probe.cpp"), os.path.join(tmp, "probe.so")
         with open(src, "w") as f:
             f.write(PROBE)
@@ -140,7 +143,7 @@ def _probe(cxx: str, flags: str) -> str:
             ctypes.CDLL(out)
         except OSError as e:
             return f"cannot load a test library built by {cxx}: {e}"
-    open(marker, "w").close()
+    private.write(directory, marker, b"")
     return ""
 
 
@@ -164,17 +167,19 @@ def build(unit, opts: Options = None, binary=None) -> str:
         raise _fail(f"no C++ compiler found (cpp_compiler={opts.cpp_compiler!r}, CXX={os.environ.get('CXX')!r})")
     flags = command(cxx, opts)
     libs = ["-lmvec"] if has_libmvec() else []
-    key = hashlib.sha256("\0".join([unit.source, compiler_version(cxx), *flags, *libs, host_isa()]).encode())
-    key = key.hexdigest()[:20]
+    key = _key(unit, cxx, flags, libs)
     with _LOCK:
         lib = _LIBRARIES.get(key)
     if lib is None:
-        directory = os.path.join(cache_dir(), "cpp")
-        os.makedirs(directory, exist_ok=True)
+        directory = subdir("cpp")
         path = os.path.join(directory, f"kiln_{key}.so")
-        if not os.path.exists(path):
+        try:
+            private.secret(_root(path))
+        except private.DirRefused as e:   # a key file that is not this user's private one
+            raise _fail(str(e)) from None
+        if not _authentic(path):
             if binary is not None and binary[0] == os.path.basename(path):
-                _install(binary[1], directory, path)
+                _install(binary[1], path)
             else:
                 _compile(cxx, flags, libs, unit.source, directory, path)
         try:
@@ -189,16 +194,53 @@ def build(unit, opts: Options = None, binary=None) -> str:
     return lib._name
 
 
-def _install(data: bytes, directory: str, path: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".so.tmp")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+def _key(unit, cxx: str, flags, libs) -> str:
+    return hashlib.sha256("\0".join([unit.source, compiler_version(cxx), *flags, *libs, host_isa()]).encode()
+                          ).hexdigest()[:20]
+
+
+def library_path(unit, opts: Options = None) -> str:
+    """Where ``build`` keeps (or would keep) the library of ``unit``."""
+    opts = opts or active()
+    cxx = find_compiler(opts)
+    key = _key(unit, cxx, command(cxx, opts), ["-lmvec"] if has_libmvec() else [])
+    return os.path.join(subdir("cpp"), f"kiln_{key}.so")
+
+
+def _root(path: str) -> str:
+    """The kernel directory whose key signs the libraries of ``path``'s folder."""
+    return os.path.dirname(os.path.dirname(path))
+
+
+def _authentic(path: str) -> bool:
+    """Whether library ``path`` is there with a MAC (``path.mac``) that verifies under the directory's key."""
+    try:
+        data = private.read(path)
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        log(1, f"codegen: {path} is not readable as a file ({e}); building it again")
+        return False
+    try:
+        ok = private.verify(_root(path), data, private.read(path + ".mac"))
+    except OSError:
+        ok = False
+    if not ok:
+        counters["codegen"]["cpp_unauthenticated"] += 1
+        log(1, f"codegen: {path} has no valid MAC (kiln did not build it for this user); building it again")
+    return ok
+
+
+def _install(data: bytes, path: str) -> None:
+    """Put library bytes (``data``: built here, or from an authenticated cache entry) at ``path``, signed."""
+    directory, name = os.path.split(path)
+    private.write(directory, name, data)
+    private.write(directory, name + ".mac", private.sign(_root(path), data))
 
 
 def _compile(cxx, flags, libs, source, directory, path):
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory(dir=directory) as tmp:
+    with tempfile.TemporaryDirectory(prefix=private.PREFIX, dir=directory) as tmp:
         src = os.path.join(tmp, "unit.cpp")
         with open(src, "w") as f:
             f.write(source)
@@ -208,13 +250,14 @@ def _compile(cxx, flags, libs, source, directory, path):
         except (OSError, subprocess.TimeoutExpired) as e:
             raise _fail(f"{cxx} did not run: {e}") from None
         if res.returncode != 0:
-            kept = path[:-3] + ".failed.cpp"
-            shutil.copy(src, kept)
+            kept = private.write(directory, os.path.basename(path)[:-3] + ".failed.cpp", source)
             first = next((ln for ln in res.stderr.splitlines() if "error" in ln), res.stderr.strip()[:300])
             first = first.replace(src, os.path.basename(kept))   # not the temporary folder's name
             raise _fail(f"{os.path.basename(cxx)} exited with {res.returncode}: {first.strip()} (source: {kept})")
-        shutil.copy(src, path[:-3] + ".cpp")
-        os.replace(out, path)   # atomic: another process building the same library loses nothing
+        private.write(directory, os.path.basename(path)[:-3] + ".cpp", source)
+        with open(out, "rb") as f:   # in this process's own temporary folder
+            data = f.read()
+        _install(data, path)   # atomic: another process building the same library loses nothing
     counters["codegen"]["cpp_builds"] += 1
     log(2, f"codegen: built {path} in {time.perf_counter() - start:.2f}s")
 

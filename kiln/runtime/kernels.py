@@ -22,11 +22,11 @@ import hashlib
 import importlib.util
 import os
 import sys
-import tempfile
 import threading
 
 from kiln.codegen.to_triton.module import PLACEHOLDER
 from kiln.debug import counters, log
+from kiln.runtime import private
 
 _CACHE: dict = {}
 _LOCK = threading.Lock()
@@ -38,9 +38,25 @@ class KernelLoadError(RuntimeError):
 
 
 def cache_dir() -> str:
-    d = os.environ.get("KILN_KERNEL_DIR") or os.path.join(tempfile.gettempdir(), f"kiln_kernels_{os.getuid()}")
-    os.makedirs(d, exist_ok=True)
-    return d
+    """kiln's kernel directory: ``$KILN_KERNEL_DIR``, else ``kernels/`` in the user's cache directory
+    (``private.user_dir``), made with mode 0700 and checked (``private.directory``). One that is refused
+    (another user's, writable by others, read-only) is not used at all: kernels go to a private
+    temporary directory of this process, after one warning naming KILN_KERNEL_DIR and the fix."""
+    path = os.environ.get("KILN_KERNEL_DIR") or private.user_dir("kernels")
+    try:
+        return private.directory(path, "KILN_KERNEL_DIR")
+    except (OSError, private.DirRefused) as e:
+        return private.fallback("kernel directory", e, "KILN_KERNEL_DIR")
+
+
+def subdir(name: str) -> str:
+    """Folder ``name`` of the kernel directory (made 0700, checked as the directory is)."""
+    root = cache_dir()
+    try:
+        return private.directory(os.path.join(root, name), "KILN_KERNEL_DIR")
+    except (OSError, private.DirRefused) as e:
+        return private.directory(os.path.join(private.fallback("kernel directory", e, "KILN_KERNEL_DIR"), name),
+                                 "KILN_KERNEL_DIR")
 
 
 @contextlib.contextmanager
@@ -89,40 +105,41 @@ class Kernel:
 
 def module_file(name: str, source: str, directory=None, overwrite: bool = False) -> str:
     """The path of kernel module ``name`` (``@triton.jit`` reads its source back from the file). A file
-    already there is used only when it holds ``source`` exactly: one left truncated by a crash, or edited
-    by hand, is written again (atomically: a temporary file renamed over it)."""
-    path = os.path.join(directory or cache_dir(), f"{name}.py")
+    already there is used only when it holds ``source`` exactly (a file is authenticated by its whole
+    text, which kiln generated or read from an authenticated cache entry): one left truncated by a
+    crash, or changed by anyone, is written again (``private.write``: a new file renamed over it)."""
+    directory = directory or cache_dir()
+    path = os.path.join(directory, f"{name}.py")
     if overwrite or not _holds(path, source):
-        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-        with open(tmp, "w") as f:
-            f.write(source)
-        os.replace(tmp, path)
+        private.write(directory, f"{name}.py", source)
     return path
 
 
 def _holds(path: str, source: str) -> bool:
     try:
-        with open(path) as f:
-            return f.read() == source
+        return private.read(path) == source.encode()
     except OSError:
         return False
 
 
-def import_file(modname: str, path: str, interpret: bool):
+def import_file(modname: str, path: str, interpret: bool, source=None):
     """A new module object executed from ``path`` (not registered in ``sys.modules``), with
     ``@triton.jit`` building interpreter (True) or compiled (False) kernels (None: a module without
-    Triton kernels, the C++ emitter's launchers)."""
+    Triton kernels, the C++ emitter's launchers). ``source``: the text to run (the file's, checked by
+    ``module_file``), so that what runs is what was checked even if the file changes meanwhile; without
+    it, the file's text, read without following a link. No bytecode cache is written or read."""
     spec = importlib.util.spec_from_file_location(modname, path)
     mod = importlib.util.module_from_spec(spec)
+    text = private.read(path).decode() if source is None else source
     with interpret_mode(interpret) if interpret is not None else contextlib.nullcontext():
-        spec.loader.exec_module(mod)
+        exec(compile(text, path, "exec"), mod.__dict__)   # noqa: S102  (a module kiln generated)
     return mod
 
 
 def _load_module(name, source, interpret):
     path = module_file(name, source)
     try:
-        mod = import_file(f"kiln_kernels.{name}", path, interpret)
+        mod = import_file(f"kiln_kernels.{name}", path, interpret, source)
     except Exception as e:
         raise KernelLoadError(f"codegen: kernel {name} failed to load ({e}); see {path}") from e
     sys.modules[mod.__name__] = mod

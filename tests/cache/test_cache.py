@@ -98,17 +98,10 @@ def test_changed_option_or_pass_misses(tmp_path):
     _train_step(m, x, codegen="aten", joint_custom_post_pass=Noop("b"), **_cache(tmp_path))
     assert (_count("miss"), _count("hit")) == (5, 1)
 
-    def plain(graph):   # a plain function is keyed by its source
+    def plain(graph):   # without uuid(): a helper it calls could change behind the same source
         pass
     _train_step(m, x, codegen="aten", post_grad_custom_pre_pass=plain, **_cache(tmp_path))
-    _train_step(m, x, codegen="aten", post_grad_custom_pre_pass=plain, **_cache(tmp_path))
-    assert (_count("miss"), _count("hit")) == (6, 2)
-    scale = 2.0
-
-    def closure(graph):   # its closure could differ between processes behind the same source
-        return scale
-    _train_step(m, x, codegen="aten", post_grad_custom_pre_pass=closure, **_cache(tmp_path))
-    assert (_count("miss"), _count("hit"), _count("bypass")) == (6, 2, 1)
+    assert (_count("miss"), _count("hit"), _count("bypass")) == (5, 1, 1)
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "garbage"])
@@ -152,9 +145,69 @@ def test_eviction_keeps_the_newest(tmp_path):
         store.write(root, f"k{i}", bytes(1000))
         os.utime(store.entry_path(root, f"k{i}"), (1000 + i, 1000 + i))
     assert store.evict(root, 2500) == 3
-    assert sorted(os.path.basename(p) for p, _, _ in store.entries(root)) == ["k3.kiln", "k4.kiln"]
+    assert sorted(os.path.basename(p) for p, _, _ in store.entries(root)) == ["kiln_k3.kiln", "kiln_k4.kiln"]
     assert store.read(root, "k4")[0] == bytes(1000)
     assert store.clear(root) == 2 and store.info(root)["entries"] == 0
+
+
+def test_the_cache_deletes_only_files_it_named(tmp_path):
+    """#32 item 7: a cache directory holding other files (``cache_dir=$PWD`` passes the directory check)
+    keeps them through stores, eviction and ``kiln cache clear``; kiln's own stale temporary files go."""
+    project = tmp_path / "project"
+    project.mkdir(mode=0o755)
+    theirs = {"notes.tmp": b"draft", "data.kiln": b"user data", "k1.kiln": b"x", "report.txt": b"r"}
+    for name, data in theirs.items():
+        (project / name).write_bytes(data)
+    stale = project / "kiln_dead.tmp"
+    stale.write_bytes(b"")
+    for p in [project / "notes.tmp", stale]:
+        os.utime(p, (1000, 1000))   # hours old
+    root = store.directory(project)
+    store.write(root, "k1", bytes(100))
+    store.write(root, "k2", bytes(100))
+    assert store.evict(root, 300) == 1 and not stale.exists()
+    assert store.clear(root) == 1 and store.info(root)["entries"] == 0
+    for name, data in theirs.items():
+        assert (project / name).read_bytes() == data, name
+
+
+def test_an_entry_signed_with_another_key_is_not_loaded(tmp_path):
+    """#32 item 4: entries are authenticated (HMAC under the directory's key), not only hashed: an entry
+    someone else wrote, whole and well formed, is refused, deleted and compiled again."""
+    mine, theirs = store.directory(tmp_path / "mine"), store.directory(tmp_path / "theirs")
+    store.write(theirs, "k", b"payload of theirs")
+    assert store.read(theirs, "k") == (b"payload of theirs", None)
+    os.replace(store.entry_path(theirs, "k"), store.entry_path(mine, "k"))
+    payload, why = store.read(mine, "k")
+    assert payload is None and "MAC" in why and not os.path.exists(store.entry_path(mine, "k"))
+    assert stat.S_IMODE(os.stat(os.path.join(mine, "kiln_secret.key")).st_mode) == 0o600
+
+
+def _read_only_dir(tmp_path):
+    """A directory of this user's that takes no new file (for root, whom modes do not stop: /proc's)."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    os.chmod(ro, 0o500)
+    return str(ro) if not os.access(ro, os.W_OK) else "/proc/self/fdinfo"
+
+
+def test_read_only_cache_dir_warns_once_and_info_says_why(tmp_path, capsys):
+    ro = _read_only_dir(tmp_path)
+    m, x = _model(), torch.randn(8, 16)
+    with pytest.warns(UserWarning, match=r"compile cache disabled: .*takes no new file.*cache_dir \(KILN_CACHE_DIR\)"):
+        _train_step(m, x, codegen="aten", cache=True, cache_dir=ro)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # one warning, not one per graph
+        _, stages = _train_step(m, x, codegen="aten", cache=True, cache_dir=ro)
+    assert stages and _count("off") == 2 and _count("saved") == 0
+    from kiln.cli import main
+    with kiln.config.patch(cache_dir=ro):
+        assert main(["cache", "info"]) == 0
+        assert main(["cache", "clear"]) == 1
+    out = capsys.readouterr().out
+    assert f"directory: {ro}" in out and "enabled:   no: directory not usable" in out and "takes no new file" in out
+    assert "kernels:" in out
 
 
 def test_not_cacheable_graphs_compile_as_usual(tmp_path):
