@@ -252,6 +252,19 @@ def _real_only(decomposition, declines=None):
     return decompose
 
 
+def _fma(a, b, c):
+    """``prims.fma`` as a product and a sum: Dynamo writes ``addcmul_``/``addcdiv_`` with a ``value`` and
+    ``add_`` with a tensor ``alpha`` as Inductor's ``fma`` prim (every Adam/AdamW step), for which no
+    compiler but Inductor has a kernel; as ATen ops they fuse into the optimizer's kernels."""
+    return aten.add.Tensor(aten.mul.Tensor(a, b), c)
+
+
 def decomposition_table(target: str = "aten") -> dict:
-    """The op -> decomposition dict for ``target`` ('aten' or 'triton'); a fresh copy each call."""
-    return dict(_table(target))
+    """The op -> decomposition dict for ``target`` ('aten' or 'triton'); a fresh copy each call. The
+    ``fma`` prim exists once Dynamo has registered it (it imports Inductor's prims when it traces an
+    optimizer), so it is looked up at each call."""
+    table = dict(_table(target))
+    fma = getattr(getattr(torch.ops.prims, "fma", None), "default", None)
+    if fma is not None:
+        table[fma] = _fma
+    return table
