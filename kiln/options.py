@@ -282,6 +282,10 @@ class Options:
     emit_for: str = _opt("auto", "Triton kernels for CPU tensors: 'auto' (run in Triton's interpreter) or 'cuda' "
                                  "(written as for a GPU, to read them on a machine without one; they cannot run)",
                          ("auto", "cuda"))
+    index_checks: str = _opt("auto", "bounds checks of indirect indices (x[i], embedding, gather, nll_loss targets...): "
+                                     "'auto' (check what kiln cannot prove in range; C++ raises eager's IndexError, "
+                                     "Triton asserts on the device), 'always' (check every one), 'never' (no checks: "
+                                     "an out-of-range index reads out of bounds)", ("auto", "always", "never"))
     round_low_precision: bool = _opt(True, "fused kernels round each float16/bfloat16 op's result to its dtype, as "
                                            "eager's ops do (False: keep float32 until the store, inductor's default)")
     max_autotune: bool = _opt(False, "benchmark launch configurations for generated kernels")

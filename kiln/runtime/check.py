@@ -109,7 +109,8 @@ def compile_for_target(kernel, example_args, arch: int = 90) -> None:
             sig[n] = "constexpr" if n in consts else _sig(next(values))
         try:
             src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
-            triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+            options = {"num_warps": warps, **(getattr(fn, "kiln_options", None) or {})}   # device asserts
+            triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
         except Exception as e:
             first = (str(e).strip().splitlines() or [""])[0]
             raise TargetCompileError(

@@ -262,16 +262,17 @@ def _compile(cxx, flags, libs, source, directory, path):
     log(2, f"codegen: built {path} in {time.perf_counter() - start:.2f}s")
 
 
-def function(name: str, n_pointers: int, n_sizes: int):
+def function(name: str, n_pointers: int, n_sizes: int, checked: bool = False):
     """The C function ``name`` of a library ``build`` loaded, taking ``n_pointers`` pointers then
-    ``n_sizes`` int64 sizes."""
+    ``n_sizes`` int64 sizes; ``checked``: a function checking indirect indices, which takes the address of an
+    int64 error cell last and returns an int (0, or the number of a failed check: ``kiln.runtime.bounds.fail``)."""
     with _LOCK:
         lib = _OWNER.get(name)
     if lib is None:
         raise CppBuildError(f"C++ kernel {name} is not in any library built by this process")
     fn = getattr(lib, name)
-    fn.argtypes = [ctypes.c_void_p] * n_pointers + [ctypes.c_int64] * n_sizes
-    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p] * n_pointers + [ctypes.c_int64] * n_sizes + [ctypes.c_void_p] * checked
+    fn.restype = ctypes.c_int if checked else None
     return fn
 
 

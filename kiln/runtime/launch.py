@@ -41,10 +41,12 @@ def run(kernel, args, xnumel, rnumel, cfg, meta):
 
 
 def _jit_launch(kernel, grid, args, consts, warps):
-    """Launch through Triton's JIT entry point (binds, specializes, compiles when new)."""
+    """Launch through Triton's JIT entry point (binds, specializes, compiles when new), with the compile
+    options a module set on its kernel (``kiln_options``: device asserts for bounds checks)."""
+    opts = getattr(kernel, "kiln_options", None) or {}
     if len(consts) == 1:
-        return kernel[grid](*args, XBLOCK=consts[0], num_warps=warps)
-    return kernel[grid](*args, XBLOCK=consts[0], RBLOCK=consts[1], num_warps=warps)
+        return kernel[grid](*args, XBLOCK=consts[0], num_warps=warps, **opts)
+    return kernel[grid](*args, XBLOCK=consts[0], RBLOCK=consts[1], num_warps=warps, **opts)
 
 
 # -- the fast path ------------------------------------------------------------------------------

@@ -162,7 +162,8 @@ def _warm(task, env, target=None, state=None) -> bool:
         if driver._active is None:
             driver.set_active(target_only_driver(GPUTarget(*target)))
     mod = import_file(modname, path, interpret=False)
-    compiled = getattr(mod, fn_name).warmup(*args, grid=(1,), num_warps=warps, **consts)
+    fn = getattr(mod, fn_name)   # with the options its launches use (``launch._jit_launch``: device asserts)
+    compiled = fn.warmup(*args, grid=(1,), num_warps=warps, **consts, **(getattr(fn, "kiln_options", None) or {}))
     build_launcher(compiled)
     return True
 

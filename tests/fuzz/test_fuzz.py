@@ -48,9 +48,15 @@ def test_long_run_every_target(tmp_path):
           suppress_health_check=list(HealthCheck))
 @given(generate.programs(max_ops=6))
 def test_programs_strategy_runs_eagerly(prog):
-    """Every drawn program renders, survives JSON, and runs eagerly (each statement was checked)."""
+    """Every drawn program renders, survives JSON, and runs eagerly (each statement was checked), or, tagged
+    'raises', raises eager's error for an out-of-range index at its last statement."""
     assert Program.from_dict(prog.to_dict()) == prog
     ns = namespace(prog)
+    if "raises" in prog.tags:
+        import torch
+        with pytest.raises((IndexError, RuntimeError), match="out of (bounds|range)"), torch.no_grad():
+            ns["program"](*ns["make_inputs"]())
+        return
     if prog.train:
         out = ns["program"](*ns["make_inputs"]())
     else:

@@ -32,6 +32,7 @@ SIZES = [1, 1, 2, 3, 4, 5, 7, 8, 16]
 LAYOUTS = ["contiguous"] * 6 + ["transposed", "sliced", "offset", "expanded", "overlapping", "channels_last"]
 ALIAS_VIEWS = ["[1:]", "[::2]", ".t()", ".view(-1)", ".transpose(0, -1)", "[..., :1]", ".unsqueeze(0)"]
 MAX_NUMEL = 512
+OOB = 0.03   # how often an index input holds one index out of range (eager raises, or wraps it: take_along_dim)
 INEXACT = None   # Value.exact for a float that rounding may have touched
 
 
@@ -53,6 +54,7 @@ class Gen:
         self.pool: list[Value] = []
         self.env: dict = {}
         self.n_vals = 0
+        self.raised = False   # the last statement raises eager's out-of-range index error (``try_spec``)
 
     # -- drawing helpers -----------------------------------------------------------------------------------
     def choice(self, seq):
@@ -128,8 +130,11 @@ class Gen:
         return v
 
     def index(self, shape, n: int, kind="index") -> Value:
-        """A new integer input of ``shape`` holding indices into a dim of size ``n``."""
+        """A new integer input of ``shape`` holding indices into a dim of size ``n``; now and then (``OOB``) one
+        of them out of range ('index' and 'sindex' kinds: ``harness._values``), which eager may reject."""
         dtype = "int64" if self.chance(0.8) else "int32"
+        if kind in ("index", "sindex") and self.chance(OOB):
+            kind = "oob" + kind
         return self.new_input(shape, dtype, values=f"{kind}:{n}", plain=True)
 
     def mask(self, shape) -> Value:
@@ -166,7 +171,13 @@ class Gen:
                 else:
                     exec(line, ns, self.env)
                     out = None
-        except Exception:
+        except Exception as e:
+            oob = any(self.inputs[v.input].values.startswith("oob") for v in args if v.input is not None)
+            if oob and spec.out and harness.index_error(e):   # the program's last statement: kiln must raise too
+                self.ops.append(Op(spec.text, tuple(spec.args), name, family))
+                self.n_vals += 1
+                self.raised = True
+                return True
             return False
         if spec.out and (not isinstance(out, torch.Tensor) or out.numel() > 4 * MAX_NUMEL or out.dim() > 6):
             return False
@@ -216,11 +227,16 @@ def build(draw, max_ops: int = 8, families=None) -> Program:
             spec = ops.FAMILIES[family][0](g)
             if spec is not None and g.try_spec(spec, family):
                 break
+        if g.raised:
+            break
     used = {a for op in g.ops for a in op.args}
     outs = [op.out for op in g.ops if op.out and (op.out not in used or g.chance(0.15))]
     if not outs and g.ops:
         outs = [op.out for op in g.ops if op.out][-1:]
-    return Program(tuple(g.inputs), tuple(g.ops), tuple(outs[-6:]), g.train, g.dynamic).pruned()
+    if g.raised:   # the raising statement is returned (kept by shrinking) and says so
+        outs = [o for o in outs if o != g.ops[-1].out][-5:] + [g.ops[-1].out]
+    return Program(tuple(g.inputs), tuple(g.ops), tuple(outs[-6:]), g.train, g.dynamic,
+                   tags=("raises",) if g.raised else ()).pruned()
 
 
 @st.composite

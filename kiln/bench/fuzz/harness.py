@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kiln.bench.fuzz.compare import compare, same
+from kiln.bench.fuzz.compare import Problem, compare, same
 from kiln.bench.fuzz.watch import Watch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -48,9 +48,14 @@ def _values(n: int, dtype, seed: int, values: str, special: bool):
     kind, _, arg = values.partition(":")
     if dtype == torch.bool or kind == "mask":
         return torch.randint(0, 2, (n,), generator=g).to(dtype)
-    if kind in ("index", "sindex"):
+    if kind in ("index", "sindex", "oobindex", "oobsindex"):
         hi = max(int(arg), 1)
-        return torch.randint(-hi if kind == "sindex" else 0, hi, (n,), generator=g).to(dtype)
+        v = torch.randint(-hi if kind.endswith("sindex") else 0, hi, (n,), generator=g)
+        if kind.startswith("oob") and n:   # one index out of range (``generate.Gen.index``)
+            wide = 2 ** 31 - 1 if dtype == torch.int32 else 10 ** 12
+            bad = [hi, hi + 2, -hi - 1, wide] + ([-1] if kind == "oobindex" else [])
+            v[int(torch.randint(0, n, (), generator=g))] = bad[int(torch.randint(0, len(bad), (), generator=g))]
+        return v.to(dtype)
     if kind == "perm":
         return torch.randperm(max(int(arg), n), generator=g)[:n].to(dtype)
     if not (dtype.is_floating_point or dtype.is_complex):
@@ -393,6 +398,29 @@ def _eager_inconsistent(program) -> str:
     return ""
 
 
+_INDEX_ERROR = re.compile(r"out of bounds|out of range")
+
+
+def index_error(e: BaseException) -> bool:
+    """Whether ``e`` is eager's error for an out-of-range index (``x[i]``, gather, embedding, nll_loss...)."""
+    return isinstance(e, (IndexError, RuntimeError)) and bool(_INDEX_ERROR.search(str(e)))
+
+
+def _expect_error(make_inputs, program, target, train, dynamic, options, error) -> Result:
+    """Where eager raises for an out-of-range index (``error``), kiln must raise an exception of its type (not
+    read out of bounds, not return values)."""
+    typ, msg = _error(error)
+    try:
+        _kiln_run(make_inputs, program, target, train, dynamic, options)
+    except Exception as e:
+        got, got_msg = _error(e)
+        if got == typ:
+            return Result("pass", excused=[f"eager and kiln raise {typ}"])
+        return Result("wrong", problems=[Problem("error", "error_type", f"eager raises {msg}; kiln {got_msg}")],
+                      traceback=traceback.format_exc()[-4000:])
+    return Result("wrong", problems=[Problem("error", "no_error", f"eager raises {msg}; kiln returns values")])
+
+
 def _check(make_inputs, program, target, train, dynamic, baseline, options, zero_sign) -> Result:
     seconds = {}
     t = time.perf_counter()
@@ -400,6 +428,8 @@ def _check(make_inputs, program, target, train, dynamic, baseline, options, zero
         eager = execute(program, make_inputs(), train, track=True)
         again = execute(program, make_inputs(), train)
     except Exception as e:
+        if index_error(e):
+            return _expect_error(make_inputs, program, target, train, dynamic, options, e)
         return Result("discard", error=_error(e)[1], error_type=_error(e)[0])
     if not same(eager, again):
         return Result("discard", error="eager is not deterministic")

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True)
 class Input:
     """One input tensor. ``values``: 'grid' (multiples of 1/4, exact in fp32 sums and products), 'index:N'
-    (integers in [0, N)), 'sindex:N' ([-N, N)), 'perm:N' (distinct integers in [0, N)), 'mask' (bools).
+    (integers in [0, N)), 'sindex:N' ([-N, N)), 'perm:N' (distinct integers in [0, N)), 'mask' (bools);
+    'oobindex:N', 'oobsindex:N': the same with one index out of range (eager raises, or wraps it).
     ``layout``: 'contiguous', 'transposed', 'sliced', 'offset', 'expanded', 'overlapping', 'channels_last'.
     ``alias``: (index of an earlier input, view text such as '[1:]'): this input is that view of it."""
     shape: tuple

@@ -1,4 +1,4 @@
-"""The micro suite: the seed-000 activations, layer norm, T5 RMSNorm, softmax and cross-entropy.
+"""The micro suite: the seed-000 activations, layer norm, T5 RMSNorm, softmax, cross-entropy and an embedding.
 
 Each case is forward+backward of one function of leaf inputs (``FnWorkload``), in fp32 and bf16.
 Sizes: ``gpu`` as in the H100 anchors (2^26 elements, layer_norm 8192x4096, RMSNorm 256x256x1024),
@@ -73,11 +73,16 @@ def cross_entropy(logits, target):
     return F.cross_entropy(logits, target)
 
 
+def embedding(weight, ids):
+    return F.embedding(ids, weight)
+
+
 # --- sizes -----------------------------------------------------------------------------------------
 N = {"tiny": 1 << 12, "cpu": 1 << 20, "gpu": 1 << 26}
 ROWS = {"tiny": (64, 64), "cpu": (1024, 1024), "gpu": (8192, 4096)}      # layer_norm
 RMS = {"tiny": (2, 16, 64), "cpu": (4, 256, 1024), "gpu": (256, 256, 1024)}
 SQUARE = {"tiny": (64, 64), "cpu": (1024, 1024), "gpu": (8192, 8192)}   # softmax, cross-entropy
+EMBED = {"tiny": (128, 32, 64), "cpu": (8192, 256, 8192), "gpu": (50304, 768, 65536)}   # vocab, dim, tokens
 
 
 def _leaves(shapes, device, dtype, seed=0):
@@ -112,6 +117,13 @@ def _cross_entropy(device, dtype, size):
     return FnWorkload(cross_entropy, [logits, target], dtype)
 
 
+def _embedding(device, dtype, size):
+    vocab, dim, tokens = EMBED[size]
+    (weight,) = _leaves([(vocab, dim)], device, dtype)
+    ids = torch.randint(0, vocab, (tokens,), generator=torch.Generator().manual_seed(3)).to(device)
+    return FnWorkload(embedding, [weight, ids], dtype)
+
+
 def _act(name, fn, n_args=1):
     return Case(name, "micro", functools.partial(_elementwise, fn, n_args), memory_bound=True,
                 about=f"{name} forward+backward on {N['gpu']} elements (gpu)")
@@ -129,4 +141,6 @@ CASES = [
     Case("softmax", "micro", _softmax, memory_bound=True, about="softmax over the last dim, 8192x8192 (gpu)"),
     Case("cross_entropy", "micro", _cross_entropy, memory_bound=True,
          about="F.cross_entropy, 8192 rows x 8192 classes (gpu)"),
+    Case("embedding", "micro", _embedding, memory_bound=True,
+         about="F.embedding, 65536 ids into 50304 x 768 (gpu): a gather whose indices are bounds-checked"),
 ]

@@ -6,6 +6,7 @@ Opcodes of ``Expr`` (one scalar computation at one point of a kernel's iteration
                               maps ``ind*`` symbols in ``index`` to Exprs (indirect indexing)
     const(value)              a Python number
     index(expr)               an index expression used as a value (arange, iota, masks)
+    checked(raw, size, info)  an indirect index into a dim of ``size``, checked in range (``ir/bounds.py``)
     cast(x)                   convert ``x`` to ``dtype``
     masked(cond, body, other) ``body`` where ``cond`` holds (its loads are masked), else ``other``
     rand(kind, offset, slot)  philox uniform/normal at flat ``offset`` with the kernel's seed ``slot``

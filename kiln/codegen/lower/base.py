@@ -301,7 +301,7 @@ def cheap(value: Pointwise, limit: int, loads: int = 1 << 30) -> bool:
             return False
         if e.op == "load":
             indices.setdefault(e.args[0], []).append(e.args[1])
-        if e.op not in ("load", "const", "index", "cast") and _reads(e, reads):
+        if e.op not in ("load", "const", "index", "cast", "checked") and _reads(e, reads):
             n += 1
     if n > limit or len(indices) <= loads:   # (no index is looked at while few buffers are read)
         return n <= limit

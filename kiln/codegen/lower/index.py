@@ -2,15 +2,17 @@
 cat, stack, constant_pad_nd, select/slice_scatter, and the scatters (scatter_add, index_put with
 accumulate, embedding backward) that write through an index.
 
-Indirect indexing puts an ``ind*`` symbol bound to the loaded index value into a load's index.
-Concatenation and padding read each source under a mask (``masked``), so out-of-range lanes never
-touch memory.
+Indirect indexing puts an ``ind*`` symbol bound to the loaded index value into a load's index; that
+value is a ``checked`` index (``ir/bounds.py``) naming the error eager raises for the op when it is out
+of range (``Options.index_checks``). Concatenation and padding read each source under a mask
+(``masked``), so out-of-range lanes never touch memory.
 """
 from __future__ import annotations
 
 import sympy
 import torch
 
+from kiln.codegen.ir.bounds import CheckInfo, checked
 from kiln.codegen.ir.indexing import ZERO, FloorDiv, contiguous_strides, flat_index, size_expr
 from kiln.codegen.ir.loops import (Buffer, Pointwise, Scatter, Unsupported, indirect_symbol, meta_layout, new_name, ops,
                                   upcast)
@@ -32,29 +34,62 @@ def _size(size):
     return ops.const(int(size), torch.int64) if size.is_Integer else ops.index(size)
 
 
-def indirect(v: Pointwise, idx, dim, e):
-    """``v`` at ``idx`` with position ``dim`` replaced by the runtime int value ``e``."""
+# ops whose decompositions index (the node's ``original_aten``): their error, and whether they wrap
+MADE_BY = {"nll_loss_forward": ("nll", False), "nll_loss2d_forward": ("nll", False), "embedding": ("self", False),
+           "take": ("take", True), "index_copy": ("index_copy", False)}
+
+
+def checker(ctx, kind: str, wraps: bool = False):
+    """``sym(e, size, dim)``: the index symbol of runtime int value ``e`` into dim ``dim`` of ``size`` for the
+    lowering running now, checked as eager checks op ``kind`` (``ir.bounds.CheckInfo``; ``wraps``: a negative
+    index counts from the end), or wrapped and unchecked under ``index_checks='never'``. Made when the lowering
+    runs (its values are computed later, when another node is current)."""
+    mode = ctx.opts.index_checks
+    made_by = getattr(ctx.node.meta.get("original_aten"), "_opname", "") if ctx.node is not None else ""
+    kind, wraps = MADE_BY.get(made_by, (kind, wraps))   # a decomposed op's error: nll_loss's gather, take's index
+    if made_by == "index_add":   # its index_put: eager's index_add raises as a scatter, or (1-D) as index_select
+        kind, wraps = ("self" if _rank(ctx.node.args[0]) == 1 else "scatter"), False
+
+    def sym(e, size, dim):
+        if mode == "never":
+            return indirect_symbol(wrap(e, size))
+        # a message without a dim: one check of a value read at two dims (a target picking a logit and a weight)
+        info = CheckInfo(kind, 0 if kind in ("self", "dim1", "nll", "take") else dim, wraps, mode == "always")
+        return indirect_symbol(checked(e, size, info))
+    return sym
+
+
+def _rank(node) -> int:
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return val.dim() if isinstance(val, torch.Tensor) else -1
+
+
+def indirect(sym, v: Pointwise, idx, dim, e):
+    """``v`` at ``idx`` with position ``dim`` replaced by the runtime int value ``e`` (``checker``'s ``sym``)."""
     idx = list(idx)
-    idx[dim] = indirect_symbol(wrap(e, v.shape[dim]))
+    idx[dim] = sym(e, v.shape[dim], dim)
     return v(idx)
 
 
 @register(aten.gather.default)
 def _gather(ctx, x, dim, index, sparse_grad=False):
     d = dim % max(len(x.shape), 1)
-    return ctx.pointwise(lambda idx: indirect(x, idx, d, index(idx)) if len(x.shape) else x([]))
+    sym = checker(ctx, "gather")
+    return ctx.pointwise(lambda idx: indirect(sym, x, idx, d, index(idx)) if len(x.shape) else x([]))
 
 
 @register(aten.index_select.default)
 def _index_select(ctx, x, dim, index):
     d = dim % max(len(x.shape), 1)
-    return ctx.pointwise(lambda idx: indirect(x, idx, d, index([idx[d]] if len(index.shape) else [])))
+    sym = checker(ctx, "dim1" if d == 1 else "self")   # eager's CPU kernel for dim 1 has a message of its own
+    return ctx.pointwise(lambda idx: indirect(sym, x, idx, d, index([idx[d]] if len(index.shape) else [])))
 
 
 @register(aten.embedding.default)
 def _embedding(ctx, weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
     k = len(indices.shape)
-    return ctx.pointwise(lambda idx: indirect(weight, [None, idx[k]], 0, indices(idx[:k])))
+    sym = checker(ctx, "self")
+    return ctx.pointwise(lambda idx: indirect(sym, weight, [None, idx[k]], 0, indices(idx[:k])))
 
 
 @register(aten.index.Tensor)
@@ -69,6 +104,7 @@ def _index(ctx, x, indices):
     bshape = _broadcast_shape([indices[i].shape for i in pos])
     adjacent = pos == list(range(pos[0], pos[-1] + 1))
     nb = len(bshape)
+    sym = checker(ctx, "index", True)
 
     def fn(idx):
         if adjacent:
@@ -82,7 +118,8 @@ def _index(ctx, x, indices):
                 full.append(next(it))
             else:
                 t = indices[i]
-                full.append(indirect_symbol(wrap(t(broadcast(bidx, t.shape, bshape)), x.shape[i])))
+                # eager's message counts the dims indexed by tensors (x[:, i] is its dimension 0)
+                full.append(sym(t(broadcast(bidx, t.shape, bshape)), x.shape[i], pos.index(i)))
         return x(full)
     return ctx.pointwise(fn)
 
@@ -240,10 +277,11 @@ def _scatter_add(ctx, x, dim, index, src):
     compute = upcast(ctx.meta.dtype)
     mode = "add" if ctx.node.target == aten.scatter_add.default else "set"
     out_shape = _shape(ctx.meta)
+    sym = checker(ctx, "scatter")
 
     def target(idx):
         full = list(idx)
-        full[d] = indirect_symbol(wrap(index(idx), x.shape[d]))
+        full[d] = sym(index(idx), x.shape[d], d)
         return _flat(out_shape, full)
     value = (lambda idx: value_at(src, idx, index.shape, compute))
     return _scatter(ctx, x, index.shape, target, value, mode)
@@ -263,10 +301,11 @@ def _index_put(ctx, x, indices, values, accumulate=False):
     compute = upcast(ctx.meta.dtype)
     out_shape = _shape(ctx.meta)
     nb = len(bshape)
+    sym = checker(ctx, "index", True)
 
     def target(idx):
-        full = [indirect_symbol(wrap(indices[i](broadcast(idx[:nb], indices[i].shape, bshape)), x.shape[i]))
-                for i in pos] + list(idx[nb:])
+        full = [sym(indices[i](broadcast(idx[:nb], indices[i].shape, bshape)), x.shape[i], i) for i in pos] + \
+            list(idx[nb:])
         return _flat(out_shape, full)
     value = (lambda idx: value_at(values, idx, shape, compute))
     return _scatter(ctx, x, shape, target, value, "add" if accumulate else "set")
@@ -277,10 +316,11 @@ def _index_add(ctx, x, dim, index, source, alpha=1):
     d = dim % max(len(x.shape), 1)
     compute = upcast(ctx.meta.dtype)
     out_shape = _shape(ctx.meta)
+    sym = checker(ctx, "self" if len(x.shape) == 1 else "scatter")   # eager's two messages
 
     def target(idx):
         full = list(idx)
-        full[d] = indirect_symbol(wrap(index([idx[d]]), x.shape[d]))
+        full[d] = sym(index([idx[d]]), x.shape[d], d)
         return _flat(out_shape, full)
 
     def value(idx):
@@ -297,9 +337,10 @@ def _embedding_backward(ctx, grad, indices, num_weights, padding_idx, scale_grad
     k = len(indices.shape)
     out_shape = _shape(ctx.meta)
     zeros = Pointwise(out_shape, ctx.meta.dtype, grad.device, lambda idx: ops.const(0, compute))
+    sym = checker(ctx, "self")
 
     def target(idx):
-        return _flat(out_shape, [indirect_symbol(wrap(indices(idx[:k]), out_shape[0])), idx[k]])
+        return _flat(out_shape, [sym(indices(idx[:k]), out_shape[0], 0), idx[k]])
 
     def value(idx):
         g = ops.cast(grad(idx), compute)

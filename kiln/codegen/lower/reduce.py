@@ -13,7 +13,7 @@ import torch
 from kiln.codegen.ir.indexing import ONE, ZERO, size_expr
 from kiln.codegen.ir.loops import Pointwise, Reduction, Unsupported, ops, upcast
 from kiln.codegen.lower.base import aten, register, value_at
-from kiln.codegen.lower.index import indirect
+from kiln.codegen.lower.index import checker, indirect
 from kiln.codegen.lower.pointwise import E, add, div, mul, sub, un
 from kiln.codegen.lower.split import (SPLITTABLE, SplitSource, fold_split, numel, split_count, split_final,
                                       split_partial)
@@ -304,6 +304,7 @@ def _nll_parts(ctx, x, target, weight, ignore_index):
     """Per-sample (loss, weight) value functions for nll_loss over class dim 1 (or 0 for 1-D)."""
     cdim = 1 if len(x.shape) >= 2 else 0
     acc = upcast(x.dtype)
+    sym = checker(ctx, "nll")
 
     def t_of(idx):
         return target(idx)
@@ -313,8 +314,8 @@ def _nll_parts(ctx, x, target, weight, ignore_index):
         valid = E.bin("ne", t, ignore_index)
         safe = ops.where(valid, t, E.c(0, t))
         full = list(idx[:cdim]) + [None] + list(idx[cdim:])
-        xv = indirect(x, full, cdim, safe)
-        wv = indirect(weight, [None], 0, safe) if weight is not None else ops.const(1, acc)
+        xv = indirect(sym, x, full, cdim, safe)
+        wv = indirect(sym, weight, [None], 0, safe) if weight is not None else ops.const(1, acc)
         wv = ops.where(valid, ops.cast(wv, acc), ops.const(0, acc))
         return ops.cast(xv, acc), wv
     return pick, acc

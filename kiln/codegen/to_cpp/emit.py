@@ -10,6 +10,7 @@ from __future__ import annotations
 import sympy
 import torch
 
+from kiln.codegen.ir.bounds import parts, proof
 from kiln.codegen.ir.index_source import index_source
 from kiln.codegen.ir.indexing import RINDEX, XINDEX, Ranges, simplify
 from kiln.codegen.ir.loops import Expr, Unsupported, ops
@@ -18,6 +19,7 @@ from kiln.codegen.schedule.colpart import XPID
 from kiln.codegen.schedule.plan import KernelPlan, Level
 from kiln.codegen.to_cpp.ops import (DISCRETE, DISCRETE_REDUCE, MEMORY, VALUE, ZERO_ROW_BYTES, calls_vector_math,
                                      literal, scalar_math, template)
+from kiln.debug import counters
 from kiln.options import Tuning
 
 XO = sympy.Symbol("xo", integer=True, nonnegative=True)   # a pointwise kernel's outer position
@@ -121,6 +123,8 @@ class ExprWriter:
         # the variables computed there (values that do not depend on ``xi`` go there)
         self.xo_scope, self.xo_vars, self.xi_n, self._xi_free_memo = None, set(), None, {}
         self.seeds = {}   # random ops' seed slot -> the int64 parameter holding its philox seed
+        # bounds checks of indirect indices: checked Expr -> (its variable, size code, CheckInfo) (``_checked``)
+        self.checks, self.proofs = {}, {}
 
     def tmp(self, prefix="tmp"):
         self.count += 1
@@ -238,6 +242,8 @@ class ExprWriter:
             idx = self.index(a[1], a[2], sub)
             code = load_code(ptr, idx, self.plan.buffers[a[0]].dtype)
             return f"({mask[0]} ? {code} : ({VALUE[e.dtype]})0)" if mask is not None else code
+        if op == "checked":
+            return self._checked(e, scope, mask, sub)
         if op == "index":
             idx = self.index(a[0], a[2], sub)
             return f"(({idx}) != 0)" if e.dtype == torch.bool else f"(({VALUE[e.dtype]})({idx}))"
@@ -288,6 +294,34 @@ class ExprWriter:
         if self.scalar_math:
             t = scalar_math(t)
         return t.format(*args, f="f" if VALUE[dt] == "float" else "", t=VALUE[dt])
+
+    def _checked(self, e, scope, mask, sub) -> str:
+        """An indirect index (``ir.bounds.checked``): the raw value where it is proven in range, else the
+        wrapped value clamped to ``size - 1`` as unsigned (a negative index is huge), its largest value kept in
+        the check's variable ``kiln_mK``, a ``max`` reduction of every loop (``rows.CppKernel.define``), which
+        the function compares with the size after its loops. Masked-off lanes count as 0. An unsigned min and
+        max a lane: the loop still vectorizes."""
+        raw, size, info = parts(e)
+        r = sub(raw)
+        how = proof(e, self.plan.ranges, self.plan.buffers, self.proofs)
+        if how is not None:
+            counters["codegen"]["index_proven"] += 1
+        if how == "in":
+            return r
+        s = self.pexpr(size)
+        w = f"({r} < 0 ? {r} + (int64_t)({s}) : {r})" if info.wraps else r
+        if how == "wrap":
+            return w
+        if e not in self.checks:
+            counters["codegen"]["index_checks"] += 1
+            self.checks[e] = (f"kiln_m{len(self.checks)}", s, info)
+        m = self.checks[e][0]
+        var = self.tmp("ix")
+        scope.lines.append(f"const int64_t {var} = {w};")
+        seen = f"(uint64_t){var}" if mask is None else f"({mask[0]} ? (uint64_t){var} : (uint64_t)0)"
+        scope.lines.append(f"{m} = {m} > {seen} ? {m} : {seen};")
+        last = f"((uint64_t)({s}) - 1)"   # an unsigned min: one instruction a lane (a negative index is huge)
+        return f"(int64_t)((uint64_t){var} < {last} ? (uint64_t){var} : {last})"
 
     def _row_index_compare(self, e, row):
         """``r == t`` (or ``!=``) with ``t`` a 64-bit integer the same along the row, compared in the loop's

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import sympy
 
+from kiln.codegen.ir.bounds import parts
 from kiln.codegen.ir.loops import Unsupported
 from kiln.codegen.schedule.plan import KernelSource, ScatterPlan
 from kiln.codegen.to_cpp.ops import PREAMBLE
@@ -80,10 +81,13 @@ def _write_plan(plan, tuning: Tuning, functions: dict) -> KernelSource:
     # the launcher runs once per kernel call: torch's functions, the device and the C functions are
     # module globals, and the checks are the cheapest that decide (``is_contiguous`` where it does)
     lines = [HEADER + f"# inputs: {dtypes}", "import torch", "from kiln.runtime import cpp_build"] + \
+        ["from kiln.runtime import bounds as _bounds", "_cell, _cell_at = _bounds.error_cell()"] * any(
+            k.checks for k in kernels) + \
         ["", "_empty = torch.empty_strided", f"_device = torch.device({str(plan.device)!r})"]
     for i, (k, fname) in enumerate(zip(kernels, fnames)):
         n_ptr = len(k.inputs) + len(k.plan.stored) + len(k.seeds)
-        lines.append(f"_k{i} = cpp_build.function({fname!r}, {n_ptr}, {len(names)})")
+        lines.append(f"_k{i} = cpp_build.function({fname!r}, {n_ptr}, {len(names)}"
+                     f"{', checked=True' if k.checks else ''})")
     # the philox seeds: one-element int64 tensors the graph draws once per call (``fuse_graph.seed_nodes``)
     seeds = [f"seed{j}" for j in range(sum(len(k.seeds) for k in kernels))]
     args = [f"in{i}" for i in range(len(inputs))] + [names[s] for s in scalars] + seeds
@@ -106,13 +110,23 @@ def _write_plan(plan, tuning: Tuning, functions: dict) -> KernelSource:
         ptrs = [f"{local[b]}.data_ptr()" for b in k.inputs] + [f"{outs[b.name]}.data_ptr()" for b in k.plan.stored]
         ptrs += [f"{s}.data_ptr()" for s in seeds[taken:taken + len(k.seeds)]]
         taken += len(k.seeds)
-        body.append(f"_k{i}({', '.join(ptrs + sizes)})")
+        body += _checked(f"_k{i}({', '.join(ptrs + sizes)})", k, names)
     locs = [outs[b.name] for b in plan.outputs()]
     body.append(f"return {locs[0]}" if len(locs) == 1 else f"return ({', '.join(locs)},)")
     lines += ["    " + ln for b in body for ln in b.split("\n")]
     kind = "reduction" if plan.reduction else "pointwise"
     return KernelSource("\n".join(lines) + "\n", tuple(inputs), tuple(outs), tuple(scalars), kind, (), None,
                         len(seeds))
+
+
+def _checked(call: str, k, names) -> list:
+    """The launcher lines of kernel call ``call``: with bounds checks, the call passes the error cell and
+    a failed check raises eager's error (``kiln.runtime.bounds``)."""
+    if not k.checks:
+        return [call]
+    checks = ", ".join(f"({info.kind!r}, {info.dim}, {pyexpr(parts(e)[1], names)}, {info.wraps})"
+                       for e, (_, _, info) in k.checks.items())
+    return [f"_c = {call[:-1]}, _cell_at)", "if _c:", f"    _bounds.fail(_c, _cell, ({checks},))"]
 
 
 def _tuple(xs):

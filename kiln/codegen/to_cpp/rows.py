@@ -438,21 +438,29 @@ class CppKernel(ExprWriter):
         ins = [f"const {MEMORY[self.plan.buffers[b].dtype]}* __restrict__ {p}" for b, p in self.inputs.items()]
         outs = [f"{MEMORY[b.dtype]}* __restrict__ {self.out_args[b.name]}" for b in self.plan.stored]
         seeds = [f"const int64_t* __restrict__ {v}_ptr" for v in self.seeds.values()]   # philox seeds
-        return ins + outs + seeds + [f"int64_t {names[s]}" for s in sorted(names, key=str)]
+        sizes = [f"int64_t {names[s]}" for s in sorted(names, key=str)]
+        return ins + outs + seeds + sizes + ["int64_t* kiln_err"] * bool(self.checks)
 
     def define(self, name: str, names) -> str:
-        """The function's text (``names``: size symbol -> parameter name, every kernel of the module's)."""
+        """The function's text (``names``: size symbol -> parameter name, every kernel of the module's). With
+        bounds checks of indirect indices (``emit.ExprWriter._checked``) it returns an int: 0, or K + 1 when
+        check K failed, the failing index (wrapped) then in ``kiln_err[0]``."""
         t = self.idx_t
-        lines = [f'extern "C" void {name}({", ".join(self.params(names))}) {{',
+        checks = list(self.checks.values())
+        lines = [f'extern "C" {"int" if checks else "void"} {name}({", ".join(self.params(names))}) {{',
                  f"  const {t} xnumel = {self.pexpr(self.plan.xnumel)};",
                  f"  const {t} rnumel = {self.pexpr(self.plan.rnumel)};",
                  "  (void)xnumel; (void)rnumel;"]
         lines += [f"  const int64_t {v} = {v}_ptr[0];" for v in self.seeds.values()]
-        for line in self.body:
-            if isinstance(line, Scope):
-                render(line.lines, "  ", lines)
-            else:
-                render([line], "  ", lines)
+        body = [ln for line in self.body for ln in (line.lines if isinstance(line, Scope) else [line])]
+        if checks:   # the loops that update the checks' variables reduce them (per thread, per vector lane)
+            lines.append("  uint64_t " + ", ".join(f"{m} = 0" for m, _, _ in checks) + ";")
+            body = _reducing(body, " reduction(max:" + ",".join(m for m, _, _ in checks) + ")")[0]
+        render(body, "  ", lines)
+        if checks:
+            for k, (m, s, _) in enumerate(checks):
+                lines.append(f"  if ({m} >= (uint64_t)({s})) {{ kiln_err[0] = (int64_t){m}; return {k + 1}; }}")
+            lines.append("  return 0;")
         return "\n".join(lines + ["}"])
 
 
@@ -525,6 +533,25 @@ def row_split(plan, minimum: int):
     ranges = Ranges({**bounds, R0: int(n) // int(k), R1: int(k)})
     subst = {RINDEX: R0 * int(k) + R1}
     return None if _divides(exprs, subst, ranges, R1) else (int(k), subst, ranges)
+
+
+def _reducing(lines, clause: str) -> tuple:
+    """(``lines`` with ``clause`` added to the OpenMP pragma of every loop whose body updates a bounds check's
+    variable ``kiln_mK``, whether any of ``lines`` does)."""
+    out, hit = [], False
+    for ln in lines:
+        if isinstance(ln, tuple):
+            header, scope, trailer = ln
+            inner, updates = _reducing(scope.lines, clause)
+            if updates:
+                header = [h + clause if h.lstrip().startswith(("#pragma omp parallel for", "#pragma omp simd"))
+                          else h for h in header]
+            out.append((header, _scope_of(inner), trailer))
+            hit |= updates
+        else:
+            out.append(ln)
+            hit |= ln.startswith("kiln_m")
+    return out, hit
 
 
 def _scope_of(lines) -> Scope:

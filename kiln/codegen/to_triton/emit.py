@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kiln.codegen.ir.bounds import parts, proof
 from kiln.codegen.ir.index_source import index_source
 from kiln.codegen.ir.indexing import RINDEX, XINDEX, simplify
 from kiln.codegen.ir.loops import Expr, Unsupported
@@ -22,6 +23,7 @@ from kiln.codegen.ir.scope import Scope
 from kiln.codegen.schedule.colpart import XPID
 from kiln.codegen.schedule.plan import KernelPlan, Level
 from kiln.codegen.to_triton.ops import TL_DTYPE, convert, helpers_in, reduce_code, template
+from kiln.debug import counters
 from kiln.options import Tuning
 
 
@@ -61,6 +63,7 @@ class ExprWriter:
         self.post = Scope() if plan.outer or plan.chunks else None
         self.pre = []
         self.pass_index = None   # the plan's row pass being written (looped kernels)
+        self.checks, self.proofs = {}, {}   # bounds checks of indirect indices: checked Expr -> number (``_checked``)
 
     # -- expression emission ------------------------------------------------------------
     def tmp(self, prefix="tmp"):
@@ -182,6 +185,8 @@ class ExprWriter:
             if lv is Level.ELEMENT and self.red and not self.persistent and not sfx:
                 sfx = self._eviction(a[0])
             return f"tl.load({ptr} + ({idx}), {m}, other=0{sfx})" if m else f"tl.load({ptr} + ({idx}){sfx})"
+        if op == "checked":
+            return self._checked(e, scope, mask, lv)
         if op == "index":
             idx = self.index(a[0], a[2], scope, mask)
             return f"({idx}) + tl.full([1], 0, {TL_DTYPE[e.dtype]})" if e.dtype != torch.bool else f"(({idx}) != 0)"
@@ -227,6 +232,41 @@ class ExprWriter:
         elif all(v.op == "const" for v in a):
             args[0] = self._tensor(args[0], a[0])
         return t.format(*args, d=TL_DTYPE.get(e.dtype, ""))
+
+    def _checked(self, e, scope, mask, lv) -> str:
+        """An indirect index (``ir.bounds.checked``): the raw value where it is proven in range, else the
+        wrapped value where it is in ``[0, size)`` and 0 where not (no access leaves the tensor). A compiled
+        kernel asserts it in range (``tl.device_assert``: the module launches it with ``debug``, as eager's
+        CUDA kernels assert); an interpreted one, whose asserts Triton 3.6 drops, writes a flag and the raw
+        index of check K to ``err_ptr[2K]`` and ``err_ptr[2K + 1]``, which its launcher reads
+        (``kiln.runtime.bounds.check_tensor``)."""
+        raw, size, info = parts(e)
+        r = self._tensor(self.emit(raw, scope, mask), raw)
+        how = proof(e, self.ranges, self.plan.buffers, self.proofs)
+        if how is not None:
+            counters["codegen"]["index_proven"] += 1
+        if how == "in":
+            return r
+        s = self.pexpr(size)
+        w = f"tl.where({r} < 0, {r} + {s}, {r})" if info.wraps else r
+        if how == "wrap":
+            return w
+        if e not in self.checks:
+            counters["codegen"]["index_checks"] += 1
+        k = self.checks.setdefault(e, len(self.checks))
+        wv, ok = self.tmp("ix"), self.tmp("ok")
+        scope.lines += [f"{wv} = {w}", f"{ok} = ({wv} >= 0) & ({wv} < {s})"]
+        m = self._mask(lv, mask)
+        if self.interpret:
+            bad = self.tmp("bad")
+            scope.lines.append(f"{bad} = ({ok} == 0)" + (f" & ({m})" if m else ""))
+            at = f"err_ptr + {bad}.to(tl.int32) * 0"
+            scope.lines += [f"tl.store({at} + {2 * k}, {bad}.to(tl.int64), mask={bad})",
+                            f"tl.store({at} + {2 * k + 1}, {r} + {bad}.to(tl.int64) * 0, mask={bad})"]
+        else:
+            cond = ok if not m else f"{ok} | (({m}) == 0)"
+            scope.lines.append(f"tl.device_assert({cond}, 'index out of bounds: 0 <= index < {size}')")
+        return f"tl.where({ok}, {wv}, 0)"
 
     # -- reductions ---------------------------------------------------------------------
     def reduce(self, kind, x, dtype, axis=1) -> str:

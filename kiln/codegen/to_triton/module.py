@@ -10,7 +10,9 @@ from __future__ import annotations
 import sympy
 import torch
 
+from kiln.codegen.ir.bounds import parts
 from kiln.codegen.ir.indexing import RINDEX, XINDEX, FloorDiv, ModIdx, next_pow2
+from kiln.codegen.ir.loops import Unsupported
 from kiln.codegen.schedule.plan import KernelPlan, KernelSource, Programs, ScatterPlan
 from kiln.codegen.to_triton.config import Blocks, config, grid_of
 from kiln.codegen.to_triton.emit import TritonTarget, past_l1
@@ -121,7 +123,8 @@ def kernel_def(k: TritonKernel, name, names, extra_params=(), tail_lines=()):
     last = plan.programs is Programs.LAST
     params = [k.inputs[b] for b in k.inputs] + [k.out_args[b.name] for b in plan.stored]
     params += [p[4] for p in k.partials] + (["sem_ptr"] if last else []) + list(extra_params)
-    params += [f"{s}_ptr" for s in k.seeds.values()]   # philox seeds: one device int64 each (``seed_loads``)
+    params += [f"{s}_ptr" for s in k.seeds.values()]   # philox seeds: one device int64 each
+    params += ["err_ptr"] * error_buffer(k)
     params += [names[s] for s in sorted(names, key=str)]
     # Triton's interpreter cannot loop to a runtime int: numels are constexpr there
     ann = ": tl.constexpr" if k.interpret else ""
@@ -220,12 +223,14 @@ def last_program_if(plan: KernelPlan) -> list:
     return LAST_PROGRAM_IF
 
 
-def kernel_args(k, ins, outs, names, extra_args=()):
-    """Launcher-side argument names for kernel ``k`` (``ins``/``outs``: buffer name -> local)."""
+def kernel_args(k, ins, outs, names, extra_args=(), err="err"):
+    """Launcher-side argument names for kernel ``k`` (``ins``/``outs``: buffer name -> local; ``err``: its
+    error buffer's, see ``error_buffer``)."""
     last = k.plan.programs is Programs.LAST
     args = [ins[b] for b in k.inputs] + [outs[b.name] for b in k.plan.stored]
     args += [f"part{i}" for i in range(len(k.partials))] + (["sem"] if last else []) + list(extra_args)
-    args += list(k.seeds.values()) + [names[s] for s in sorted(names, key=str)]
+    args += list(k.seeds.values()) + [err] * error_buffer(k)
+    args += [names[s] for s in sorted(names, key=str)]
     static_x, static_r = _static(k)
     if not static_x:
         args.append("xnumel")
@@ -264,6 +269,31 @@ def launch_line(k, name, args, names):
             f"launch.run({name}, ({', '.join(args)},), xnumel, rnumel, {cfg}, {meta!r})"]
 
 
+def error_buffer(k) -> bool:
+    """Whether kernel ``k`` takes an error buffer: an interpreted kernel with bounds checks (``emit._checked``)."""
+    return bool(k.interpret and k.checks)
+
+
+def checked_launch(k, launch, err, device, names) -> list:
+    """Launcher lines around ``launch`` (lines) of kernel ``k``: an interpreted kernel with bounds checks gets a
+    zeroed error buffer ``err`` and raises eager's error for a failed check after it ran."""
+    if not error_buffer(k):
+        return launch
+    checks = ", ".join(f"({info.kind!r}, {info.dim}, {pyexpr(size, names)}, {info.wraps})"
+                       for size, info in (parts(e)[1:] for e in k.checks))
+    return [f"{err} = torch.zeros(({2 * len(k.checks)},), dtype=torch.int64, device={device})"] + launch + \
+        [f"if {err}.any():", f"    _bounds.check_tensor({err}, ({checks},))"]
+
+
+def assert_options(k, name) -> list:
+    """Module lines making compiled kernel ``name`` (``k``, with its chained tail if any) launch with device
+    asserts on (``tl.device_assert`` is dropped otherwise) and Triton's integer overflow checks off (philox
+    multiplies 32-bit integers modulo 2**32), when it has bounds checks; read by ``launch._jit_launch``."""
+    if not any(x is not None and x.checks and not x.interpret for x in k):
+        return []
+    return [f"{name}.kiln_options = {{'debug': True, 'sanitize_overflow': False}}"]
+
+
 def module(kernels, defs, inputs, buffers, body_fn, into=False, seeds=()):
     """(module text, scalars): imports, helpers, kernel ``defs`` (each ``def(names)``) and ``call``
     (body from ``body_fn(names)``; ``into``: ``call`` takes an optional tensor to write its output into;
@@ -276,7 +306,8 @@ def module(kernels, defs, inputs, buffers, body_fn, into=False, seeds=()):
     lines = [HEADER + f"# inputs: {dtypes}", "import torch", "import triton", "import triton.language as tl"]
     if any(k.libdevice for k in kernels):
         lines.append("from triton.language.extra import libdevice")
-    lines += ["from kiln.runtime import launch", ""]
+    lines += ["from kiln.runtime import launch"] + ["from kiln.runtime import bounds as _bounds"] * any(
+        error_buffer(k) for k in kernels) + [""]
     for h in sorted(set().union(*[k.helpers for k in kernels])):
         lines += ["", HELPERS[h]]
     for d in defs:
@@ -346,6 +377,8 @@ def write_module(plan, target: TritonTarget) -> KernelSource:
     tail = None
     if plan.tail is not None:
         tail = TritonKernel(plan.tail, TritonTarget(target.interpret, False, target.tuning)).write()
+        if error_buffer(tail):
+            raise Unsupported("triton: bounds checks in an interpreted chained tail")
     name = PLACEHOLDER
     inputs = list(k.inputs)
     ins = {b: f"in{i}" for i, b in enumerate(inputs)}
@@ -367,12 +400,15 @@ def write_module(plan, target: TritonTarget) -> KernelSource:
             out.append(f"part{i} = torch.empty(({n},), dtype={dt}, device={device or 'launch.cuda_here()'})")
         if counter:
             out.append(f"sem = launch.semaphore(SEMAPHORES, {device or 'launch.cuda_here()'})")
-        out += launch_line(k, name, kernel_args(k, ins, outs, names, extra_args), names)
+        out += checked_launch(k, launch_line(k, name, kernel_args(k, ins, outs, names, extra_args), names), "err",
+                              device, names)
         locs = [outs[b.name] for b in plan.stored] + [f"tail{i}" for i in range(len(tail_bufs))]
         out.append(f"return {locs[0]}" if len(locs) == 1 else f"return ({', '.join(locs)},)")
         return out
     defs = [lambda names: kernel_def(tail, tail_name, names)] if tail is not None else []
     defs += [lambda names: kernel_def(k, name, names, extra_params, tail_lines)]
+    asserts = assert_options([k, tail], name)
+    defs += [lambda names: "\n".join(asserts)] * bool(asserts)
     defs += [lambda names: "SEMAPHORES = {}   # device -> this kernel's counter"] if counter else []
     text, scalars = module([k] + ([tail] if tail is not None else []), defs, inputs, plan.buffers, body,
                            into=bool(reuse), seeds=k.seeds.values())
@@ -397,8 +433,11 @@ def _scatter_module(plan: ScatterPlan, target: TritonTarget) -> KernelSource:
 
     def body(names):
         out = [alloc_line("out0", buf, names, device)]
-        out += launch_line(copy, f"{name}_copy", kernel_args(copy, ins, outs, names), names)
-        writes = launch_line(scatter, name, kernel_args(scatter, ins, outs, names), names)
+        out += checked_launch(copy, launch_line(copy, f"{name}_copy", kernel_args(copy, ins, outs, names, (),
+                                                                                   "err_copy"), names),
+                              "err_copy", device, names)
+        writes = checked_launch(scatter, launch_line(scatter, name, kernel_args(scatter, ins, outs, names), names),
+                                "err", device, names)
         numel = sympy.Mul(*buf.shape)
         if not numel.is_Integer:   # an empty output takes no write (its indices may point anywhere)
             writes = ["if out0.numel():"] + ["    " + ln for ln in writes]
@@ -406,6 +445,8 @@ def _scatter_module(plan: ScatterPlan, target: TritonTarget) -> KernelSource:
         out.append("return out0")
         return out
     defs = [lambda names: kernel_def(copy, f"{name}_copy", names), lambda names: kernel_def(scatter, name, names)]
+    asserts = assert_options([copy], f"{name}_copy") + assert_options([scatter], name)
+    defs += [lambda names: "\n".join(asserts)] * bool(asserts)
     text, scalars = module([copy, scatter], defs, inputs, plan.write.buffers, body, seeds=scatter.seeds.values())
     return KernelSource(text, tuple(inputs), (buf.name,), tuple(scalars), "scatter", (), target.interpret,
                         len(scatter.seeds))
