@@ -25,8 +25,7 @@ def _compile(fn, target, **opts):
 
 
 @pytest.fixture(autouse=True)
-def _interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def _counters():
     counters.clear()
 
 
@@ -207,18 +206,3 @@ def test_random_kernels_cost_no_host_time_in_steady_state():
         torch.cuda.synchronize()
     assert counters["random"]["aten"] == 0
     assert worst < 0.05, f"a step took {worst * 1e3:.1f} ms of host time"
-
-
-@pytest.mark.gpu
-def test_reduce_overhead_captures_random_ops_and_redraws_each_replay():
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 64), nn.Dropout(0.5)).cuda()
-    fn = kiln.compile(model, mode="reduce-overhead")
-    x = torch.randn(32, 64, device="cuda")
-    masks = []
-    with torch.no_grad():
-        for _ in range(4):
-            masks.append((fn(x) != 0).clone())
-    assert counters["cudagraph"]["refused"] == 0
-    assert not torch.equal(masks[-1], masks[-2])
-    assert 0.4 < masks[-1].float().mean().item() < 0.6

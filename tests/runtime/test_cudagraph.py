@@ -154,14 +154,18 @@ def test_two_forwards_before_backward_fall_back_correctly():
 
 
 @gpu
-def test_dropout_is_not_captured():
+def test_dropout_is_captured_and_draws_fresh_masks_each_replay():
+    """The graph draws its philox seeds on the device (one randint, which torch's CUDA generator advances
+    at every replay), so random ops are captured (#31; they were refused when seeds came from the host)."""
     counters.clear()
     model = nn.Sequential(nn.Linear(32, 32), nn.Dropout(0.5)).cuda()
     f = kiln.compile(model, mode="reduce-overhead")
     x = torch.ones(64, 32, device="cuda")
-    outs = [f(x) for _ in range(4)]
-    assert not torch.equal(outs[2], outs[3])                 # fresh masks every call
-    assert counters["cudagraph"]["refused"] >= 1
+    outs = [f(x).detach().clone() for _ in range(5)]
+    assert counters["cudagraph"]["refused"] == 0 and counters["cudagraph"]["captured"] >= 1
+    assert counters["cudagraph"]["replays"] >= 2
+    assert not torch.equal(outs[3], outs[4]) and not torch.equal(outs[2], outs[3])   # fresh masks every replay
+    assert 0.4 < (outs[4] != 0).float().mean().item() < 0.6
 
 
 def test_pool_holds_graphs_weakly():
