@@ -41,6 +41,8 @@ bench: $(STAMP)
 	  $(VENV)/bin/kiln bench --suite models --cases gpt --device cpu --budget 1.0,0.5,0.1; \
 	fi
 
+# the compiler (kiln/) by folder, then the tools beside it (kiln_bench/)
 lines:
 	@for d in kiln/*/ ; do printf "%-20s %6s\n" $$d $$(cat $$d*.py $$d*/*.py 2>/dev/null | wc -l); done
-	@printf "%-20s %6s\n" total $$(find kiln -name '*.py' | xargs cat | wc -l)
+	@printf "%-20s %6s\n" "kiln (compiler)" $$(find kiln -name '*.py' | xargs cat | wc -l)
+	@printf "%-20s %6s\n" "kiln_bench (tools)" $$(find kiln_bench -name '*.py' | xargs cat | wc -l)

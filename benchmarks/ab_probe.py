@@ -24,7 +24,7 @@ if __name__ == "__main__":
         parse_value(a.option, v)   # a bad name or value fails here, listing what is valid
         print(f"== {a.option} = {v}", flush=True)
         env = {**os.environ, ENV_NAMES[a.option]: v}
-        out = subprocess.run([sys.executable, "-m", "kiln.bench", "--suite", "micro", "--backends", "kiln", "--device",
+        out = subprocess.run([sys.executable, "-m", "kiln_bench", "--suite", "micro", "--backends", "kiln", "--device",
                               "cuda", "--dtype", a.dtype, "--cases", a.cases, "--no-warm", "--no-record"],
                              capture_output=True, text=True, env=env)
         print("\n".join(ln for ln in out.stdout.splitlines() if ln.startswith("| ")) or out.stderr[-2000:], flush=True)

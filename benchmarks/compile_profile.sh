@@ -18,7 +18,7 @@ for c in "${cases[@]}"; do
   export KILN_CACHE_DIR=$root/kiln TRITON_CACHE_DIR=$root/triton KILN_KERNEL_DIR=$root/kernels KILN_CACHE=1 \
          TORCHINDUCTOR_CACHE_DIR=$root/inductor
   for phase in cold warm; do
-    KILN_DEBUG=1 $py -m cProfile -o "$out/$c.$phase.prof" -m kiln.bench.compile_times --child "$c" "${BACKEND:-kiln}" "$device" \
+    KILN_DEBUG=1 $py -m cProfile -o "$out/$c.$phase.prof" -m kiln_bench.compile_times --child "$c" "${BACKEND:-kiln}" "$device" \
       > "$out/$c.$phase.json" 2> "$out/$c.$phase.debug.txt" || echo "$c $phase failed: $(tail -1 "$out/$c.$phase.debug.txt")"
     echo "== $c $phase: $(tail -1 "$out/$c.$phase.json")"
     $py - "$out/$c.$phase.prof" <<'PY' > "$out/$c.$phase.top.txt"

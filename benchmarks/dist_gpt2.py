@@ -63,7 +63,7 @@ def hf_gpt2(shape: dict) -> nn.Module:
 
 
 def kiln_gpt(shape: dict) -> nn.Module:
-    from kiln.bench.models import GPT, GPTConfig
+    from kiln_bench.models import GPT, GPTConfig
     return GPT(GPTConfig(vocab=shape["vocab"], seq=shape["seq"], n_layer=shape["n_layer"], n_head=shape["n_head"],
                          n_embd=shape["n_embd"], batch=shape["batch"], sdpa=True))
 

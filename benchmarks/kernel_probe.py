@@ -18,7 +18,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from kiln.bench.case import FnWorkload
+from kiln_bench.case import FnWorkload
 
 
 def _extra(name):
@@ -34,7 +34,7 @@ def _extra(name):
     if name == "ln768":
         return FnWorkload(lambda x, w, b: F.layer_norm(x, (768,), w, b), [leaf(8192, 768), leaf(768), leaf(768)],
                           "bf16")
-    from kiln.bench.suites import all_cases
+    from kiln_bench.suites import all_cases
     for c in all_cases("all"):
         if c.name == name:
             return c.build("cuda", "fp32", "gpu")
@@ -55,7 +55,7 @@ def gpu_ms(wl, backend, steps=5):
     """(kernel ms per step, [(ms, kernel name)] top 4) of ``wl`` compiled with ``backend``."""
     from torch.profiler import ProfilerActivity, profile
 
-    from kiln.bench import backends as B
+    from kiln_bench import backends as B
     torch._dynamo.reset()
     f = B.compile_model(backend, wl.model)
     for _ in range(3):

@@ -20,7 +20,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 import kiln  # noqa: E402,F401
-from kiln.bench.suites import models as suite  # noqa: E402
+from kiln_bench.suites import models as suite  # noqa: E402
 from kiln.codegen import precompile  # noqa: E402
 from kiln.debug import counters  # noqa: E402
 

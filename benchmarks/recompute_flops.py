@@ -2,7 +2,7 @@
 
 Issue #5's target asks that kiln spend no more recompute FLOPs than Inductor to reach a given peak.
 FLOPs do not depend on the device, so this runs on a machine without a GPU: it captures a bench case
-on meta tensors (as ``kiln.bench.offline`` does, under CPU bf16 autocast), partitions the joint graph
+on meta tensors (as ``kiln_bench.offline`` does, under CPU bf16 autocast), partitions the joint graph
 with kiln's partitioner (kiln's whole pipeline, the backward graph recorded before post-grad passes)
 and with Inductor's (``min_cut_rematerialization_partition`` with Inductor's decompositions), and
 counts the matmul/attention FLOPs of each backward graph with FlopCounterMode.
@@ -52,7 +52,7 @@ def kiln_backward(gm, ins, budget):
     """kiln's backward graphs (as partitioned) for one captured graph."""
     import importlib
 
-    from kiln.bench import offline
+    from kiln_bench import offline
     kc = importlib.import_module("kiln.compile")   # ``kiln.compile`` the attribute is the function
     got, orig = [], kc.lower
 
@@ -75,7 +75,7 @@ def inductor_backward(gm, ins, budget):
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._inductor.decomposition import select_decomp_table
 
-    from kiln.bench import offline
+    from kiln_bench import offline
     got = []
 
     def fw(g, inputs):
@@ -93,8 +93,8 @@ def inductor_backward(gm, ins, budget):
 
 
 def main(argv=None):
-    from kiln.bench import offline
-    from kiln.bench.profile import _case
+    from kiln_bench import offline
+    from kiln_bench.profile import _case
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("case")
     p.add_argument("--budgets", default="1,0.5,0.1")

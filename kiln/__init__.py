@@ -68,7 +68,7 @@ def __getattr__(name):
         "lowerings": ("kiln.passes.match.fx_lowerings", None),
         "passes": ("kiln.passes", None),
         "memory_efficient_fusion": ("kiln.mef", "memory_efficient_fusion"),
-        "explain_memory": ("kiln.partition", "explain_memory"),
+        "explain_memory": ("kiln.memory", "explain_memory"),
         "resume": ("kiln.repro", "resume"),
     }
     if name not in lazy:

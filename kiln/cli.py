@@ -9,6 +9,26 @@ USAGE = ("usage: kiln demo | kiln bench [--suite micro|models|all] [...] | kiln 
          " | kiln bench-compile [--cases gpt] | kiln options | kiln cache info|clear | kiln --version")
 
 
+# The commands of the tools beside the compiler (the kiln_bench package): each module is imported only when
+# its command runs, so kiln itself never imports the tools (tests/test_layers.py checks)
+TOOLS = {"demo": "kiln_bench.demo", "bench": "kiln_bench.cli", "check-ops": "kiln_bench.opinfo",
+         "bench-compile": "kiln_bench.compile_times"}
+
+
+def tool(cmd: str):
+    """The ``main(argv)`` of the tool behind ``kiln cmd``; a clear error when the tools are not installed."""
+    import importlib
+    try:
+        importlib.import_module("kiln_bench")
+    except ModuleNotFoundError as e:
+        if e.name != "kiln_bench":
+            raise
+        raise ModuleNotFoundError(
+            f"kiln {cmd}: the tools (the kiln_bench package) are not installed; they come with kiln's source: "
+            f"pip install -e . in a checkout of kiln (or run from its root)", name=e.name) from None
+    return importlib.import_module(TOOLS[cmd]).main
+
+
 def version() -> str:
     """kiln's version and the versions it runs with."""
     import platform
@@ -25,11 +45,15 @@ def version() -> str:
 
 
 def main(argv=None) -> int:
-    """Run a ``kiln`` command; one that draws tables or plots without the bench extra says how to get it."""
+    """Run a ``kiln`` command; one that draws tables or plots without the bench extra, or a tool's command
+    without the tools installed, says how to get them."""
     try:
         return _main(argv)
     except ModuleNotFoundError as e:
         top = (e.name or "").split(".")[0]
+        if e.name == "kiln_bench":   # (raised by ``tool``)
+            print(f"kiln: {e}", file=sys.stderr)
+            return 1
         if top not in ("rich", "matplotlib"):
             raise
         print(f"kiln: this command needs {top}: pip install 'kiln[bench]'", file=sys.stderr)
@@ -42,18 +66,8 @@ def _main(argv) -> int:
     if cmd in ("--version", "-V", "version"):
         print(version())
         return 0
-    if cmd == "demo":
-        from kiln.bench.demo import main as demo
-        return demo(argv)
-    if cmd == "bench":
-        from kiln.bench.cli import main as bench
-        return bench(argv)
-    if cmd == "check-ops":
-        from kiln.bench.opinfo import main as check_ops
-        return check_ops(argv)
-    if cmd == "bench-compile":
-        from kiln.bench.compile_times import main as bench_compile
-        return bench_compile(argv)
+    if cmd in TOOLS:
+        return tool(cmd)(argv)
     if cmd == "cache":
         return cache_command(argv)
     if cmd == "options":

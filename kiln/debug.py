@@ -67,7 +67,7 @@ _OBSERVERS: list = []      # callables (event, data) while ``observe`` scopes ru
 def observe(fn):
     """Call ``fn(event, data)`` with what the pipeline does in this scope: ``"graph"`` with
     ``{trace, stage, gm}`` for every graph a stage produces, ``"partition"`` with ``{joint, saved,
-    num_fwd_outputs}`` for every cut of a joint graph. Tools (``kiln.bench.graph_peak``,
+    num_fwd_outputs}`` for every cut of a joint graph. Tools (``kiln_bench.graph_peak``,
     ``peak_sweep``) read the pipeline this way instead of patching it."""
     _OBSERVERS.append(fn)
     try:

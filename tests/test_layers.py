@@ -2,6 +2,11 @@
 bigger than 600 lines; no module-level switches; tests and tools set knobs through options, never by
 patching kiln's modules.
 
+Two parts: the compiler (everything under ``kiln/``) and the tools beside it (``kiln_bench/``: bench,
+demo, check-ops, the fuzzer, the offline dumps). The tools import kiln through its public API, the few
+internals they read listed in ``kiln_bench/_internal.py``; kiln never imports the tools (its command line
+names them as data and loads one when its command runs).
+
 Every import counts, at module level or inside a function: a cycle hidden in a function is still a
 cycle, and an upward import is still an upward import.
 """
@@ -29,9 +34,15 @@ LAYERS = [
     ("code generation", ["kiln.codegen"]),
     ("runtime", ["kiln.runtime"]),
     ("compile cache", ["kiln.cache"]),
-    ("pipeline", ["kiln.pipeline", "kiln.repro", "kiln.mef", "kiln.capture.dynamo", "kiln"]),
-    ("tools", ["kiln.bench", "kiln.cli", "kiln.__main__"]),
+    ("pipeline", ["kiln.pipeline", "kiln.repro", "kiln.mef", "kiln.memory", "kiln.capture.dynamo", "kiln"]),
+    ("command line", ["kiln.cli", "kiln.__main__"]),
 ]
+
+TOOLS = "kiln_bench"   # the tools' package, beside kiln
+# what the tools may take from kiln (None: any name): the public API, the option scope and parser, the
+# pipeline's events and log. kiln_bench/_internal.py lists the rest, and only it may import more.
+PUBLIC = {"kiln": None, "kiln.config": None, "kiln.debug": {"log", "observe", "counters"}}
+INTERNAL = f"{TOOLS}._internal"
 
 
 def _modules(top="kiln") -> dict:
@@ -58,8 +69,8 @@ def _imports(path: str, modules: dict) -> set:
     return out
 
 
-def _graph():
-    modules = _modules()
+def _graph(top="kiln"):
+    modules = _modules(top)
     return modules, {m: _imports(p, modules) - {m} for m, p in modules.items()}
 
 
@@ -81,7 +92,7 @@ def test_imports_run_down_the_layers():
 
 
 def test_no_import_cycles():
-    _, edges = _graph()
+    edges = {**_graph()[1], **_graph(TOOLS)[1]}
     index, low, stack, on, cycles, counter = {}, {}, [], set(), [], [0]
 
     def visit(v):   # Tarjan's strongly connected components
@@ -112,12 +123,12 @@ def test_no_import_cycles():
 
 
 def test_small_modules_and_no_switches():
-    modules, _ = _graph()
-    lines = {m: len(open(p).read().splitlines()) for m, p in modules.items()}
+    modules, tool_modules = _modules(), _modules(TOOLS)
+    lines = {m: len(open(p).read().splitlines()) for m, p in {**modules, **tool_modules}.items()}
     assert not [m for m, n in lines.items() if n > 600], {m: n for m, n in lines.items() if n > 600}
-    # the compiler (every layer below the tools) is what a reader must take in an afternoon; the tools
-    # (bench, check-ops, the fuzzer, the CLI) are counted apart
-    tools = {m for m in lines if LAYERS[_layer(m)][0] == "tools"}
+    # the compiler (everything under kiln/, its command line included) is what a reader must take in an
+    # afternoon; the tools (kiln_bench: bench, check-ops, the fuzzer) are counted apart
+    tools = set(tool_modules)
     compiler = sum(n for m, n in lines.items() if m not in tools)
     # 18000 until #20 (kiln/logs.py, Trace.fail, report); 18400 until #21 (pad_mm.mm_rows/mm_cols, row
     # reductions writing into dying inputs, cudagraph._recover); 18475 until passes/empty_mask.py (#21); 18650
@@ -125,7 +136,7 @@ def test_small_modules_and_no_switches():
     # budget for everything (the developers' guide): pay for features by deleting code beyond it
     assert compiler < 20000, compiler
     assert sum(lines[m] for m in tools) < 9000, sum(lines[m] for m in tools)
-    switches = [f"{m}: {ln.strip()}" for m, p in modules.items() for ln in open(p)
+    switches = [f"{m}: {ln.strip()}" for m, p in {**modules, **tool_modules}.items() for ln in open(p)
                 if re.match(r"^[A-Z][A-Z0-9_]* = (True|False)\b", ln)]
     assert not switches, f"module-level switches (make them Options fields): {switches}"
 
@@ -152,7 +163,7 @@ def _kiln_module_names(tree) -> set:
 def test_nothing_patches_kiln_modules():
     """Tests, benchmarks and tools set knobs through options (``kiln.config.patch``, ``Options``), not
     by setting attributes of kiln's modules."""
-    files = [p for d in ("tests", "benchmarks", os.path.join("kiln", "bench"))
+    files = [p for d in ("tests", "benchmarks", TOOLS)
              for p in _modules(d).values()]
     found = []
     for path in files:
@@ -175,3 +186,83 @@ def test_nothing_patches_kiln_modules():
                     if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id in mods:
                         found.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}")
     assert not found, f"kiln modules patched at: {found}"
+
+
+# -- the two parts: kiln and the tools beside it --------------------------------------------------------
+def _is_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _kiln_uses(path: str) -> list:
+    """``(line, module, name)`` for each name a file takes from a kiln module: ``from kiln.x import name``,
+    and ``mod.name`` read from a name bound to a kiln module (``import kiln``, ``from kiln import debug``).
+    Binding a module (``import kiln.x``, ``from kiln import x``) gives ``(line, "kiln.x", None)``."""
+    tree = ast.parse(open(path).read())
+    uses, bound = [], {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name == "kiln" or a.name.startswith("kiln."):
+                    uses.append((node.lineno, a.name, None))
+                    bound[a.asname or "kiln"] = a.name if a.asname else "kiln"
+        elif isinstance(node, ast.ImportFrom) and (node.module == "kiln" or (node.module or "").startswith("kiln.")):
+            for a in node.names:
+                sub = f"{node.module}.{a.name}"
+                if _is_module(sub):
+                    uses.append((node.lineno, sub, None))
+                    bound[a.asname or a.name] = sub
+                else:
+                    uses.append((node.lineno, node.module, a.name))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound:
+            mod, sub = bound[node.value.id], f"{bound[node.value.id]}.{node.attr}"
+            uses.append((node.lineno, sub, None) if _is_module(sub) else (node.lineno, mod, node.attr))
+    return uses
+
+
+def _public(module: str, name) -> bool:
+    """Whether the tools may take ``name`` from ``module`` (``name`` None: bind the module itself)."""
+    if module not in PUBLIC:
+        return False
+    if name is None or PUBLIC[module] is None and module != "kiln":
+        return True
+    if module == "kiln":
+        import kiln
+        return name in kiln.__all__ or name in ("__version__", "__file__")
+    return name in PUBLIC[module]
+
+
+def test_tools_use_kilns_public_api_and_list_the_internals_they_read():
+    found = []
+    for m, path in sorted(_modules(TOOLS).items()):
+        if m == INTERNAL:
+            continue
+        found += [f"{os.path.relpath(path, ROOT)}:{line} {module}{'.' + name if name else ''}"
+                  for line, module, name in _kiln_uses(path) if not _public(module, name)]
+    assert not found, ("the tools read kiln internals outside kiln_bench/_internal.py (use the public API, "
+                       "or list the internal there):\n" + "\n".join(found))
+    internal = {module for _, module, _ in _kiln_uses(_modules(TOOLS)[INTERNAL])}
+    assert internal and not internal & set(PUBLIC), internal   # it lists internals only
+    assert not _public("kiln.runtime.kernels", "reset") and not _public("kiln.debug", "Trace")   # the rule bites
+
+
+def test_kiln_never_imports_the_tools():
+    """No import of kiln_bench anywhere in kiln (in a function too). The command line names the tools'
+    modules as data (``kiln.cli.TOOLS``) and loads one when its command runs; nothing else in kiln names one."""
+    found = []
+    for m, path in sorted(_modules().items()):
+        for node in ast.walk(ast.parse(open(path).read())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            found += [f"{m}:{node.lineno} imports {n}" for n in names if n.split(".")[0] == TOOLS]
+            if m != "kiln.cli" and isinstance(node, ast.Constant) and isinstance(node.value, str) and \
+                    re.fullmatch(rf"{TOOLS}(\.\w+)*", node.value):
+                found.append(f"{m}:{node.lineno} names {node.value}")
+    assert not found, found
+    from kiln import cli
+    assert set(cli.TOOLS) == {"demo", "bench", "check-ops", "bench-compile"}
+    for cmd, module in cli.TOOLS.items():
+        assert module in _modules(TOOLS) and callable(cli.tool(cmd)), (cmd, module)

@@ -42,10 +42,22 @@ def test_torch_range_and_bench_extra():
     assert install and "rich" in install[0] and "matplotlib" in install[0], "make test installs the bench extra"
 
 
+def test_the_package_installs_kiln_and_the_tools_beside_it():
+    """``pip install -e .`` (``make``) installs two packages: kiln, and kiln_bench (kiln bench, demo,
+    check-ops, the fuzzer), every subpackage of each."""
+    from setuptools import find_packages
+    find = tomllib.load(open(os.path.join(ROOT, "pyproject.toml"), "rb"))["tool"]["setuptools"]["packages"]["find"]
+    found = set(find_packages(ROOT, include=find["include"]))
+    want = {os.path.relpath(d, ROOT).replace(os.sep, ".") for top in ("kiln", "kiln_bench")
+            for d, _, files in os.walk(os.path.join(ROOT, top)) if "__init__.py" in files}
+    assert {"kiln", "kiln.codegen", "kiln_bench", "kiln_bench.fuzz", "kiln_bench.suites"} <= want
+    assert found == want, (found ^ want)
+
+
 def test_rich_and_matplotlib_are_imported_only_inside_functions():
     import ast
     found = []
-    for d, _, files in os.walk(os.path.join(ROOT, "kiln")):
+    for d, _, files in (w for top in ("kiln", "kiln_bench") for w in os.walk(os.path.join(ROOT, top))):
         for f in (f for f in files if f.endswith(".py")):
             tree = ast.parse(open(os.path.join(d, f)).read())
             for node in tree.body:   # module level only: imports inside functions run when a tool is used

@@ -12,7 +12,8 @@ The modules, bottom-up; each imports only modules listed before it:
 - ``peak``: the modelled activation peak of a saved set;
 - ``budget``: ``activation_memory_budget``; ``hold``: the backward's hold set; ``limit``:
   ``activation_memory_limit``;
-- ``choose``: the saved set for ``opts``; ``report``: ``explain_memory``; this file: ``partition_joint``.
+- ``choose``: the saved set for ``opts``; ``report``: what ``kiln.explain_memory`` prints (``kiln/memory.py``
+  captures the graph through the pipeline); this file: ``partition_joint``.
 ``livemem`` (the measured peak of a call) stands apart.
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ from kiln.debug import counters, log, notify
 from kiln.options import current
 from kiln.partition.choose import choose_saved, gc_paused
 from kiln.partition.extract import PartitionError, dce, extract, saved_values  # noqa: F401
-from kiln.partition.report import MemoryReport, explain_memory  # noqa: F401
+from kiln.partition.report import MemoryReport  # noqa: F401
 
 
 def partition_joint(joint_gm: fx.GraphModule, joint_inputs=None, *, num_fwd_outputs: int, opts=None,

@@ -1,23 +1,20 @@
-"""``kiln.explain_memory(fn, *args)``: what the partitioner saves and recomputes, and why.
+"""The report behind ``kiln.explain_memory`` (``kiln/memory.py``): what the partitioner saves and
+recomputes, and why.
 
-It traces ``fn`` once (AOTAutograd, kiln's partitioner), then reports for the options in force:
-every saved value (bytes, reason, source line), every forward op the backward recomputes, the modelled
-peak (peak.py), and on request a sweep of budgets -> (peak bytes, recompute FLOPs), drawn as a PNG.
+``report`` reads a joint graph and the saved set the pipeline's partition chose for it, under the options it
+is given: every saved value (bytes, reason, source line), every forward op the backward recomputes, the
+modelled peak (peak.py), and on request a sweep of budgets -> (peak bytes, recompute FLOPs), drawn as a PNG.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
-import torch
 import torch.fx as fx
 
-from kiln.options import current
 from kiln.partition import ops
 from kiln.partition.choose import choose_saved
 from kiln.partition.decisions import source_line
-from kiln.partition.default import default_saved
-from kiln.partition.extract import dce, extract
 from kiln.partition.joint_info import JointInfo
 from kiln.partition.mincut import RUNTIME_OPTIMAL, Policy, ban_reason
 from kiln.partition.peak import model_peak, needed
@@ -54,38 +51,14 @@ class MemoryReport:
         return "\n".join(lines)
 
 
-def _capture_joint(fn, args):
-    """Trace ``fn`` through Dynamo + AOTAutograd (Dynamo records each node's source line) and keep the
-    joint graph of its (first) graph. The trace itself runs with the plain partition."""
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.aot_autograd import make_boxed_func
-    box = {}
-
-    def part(joint, joint_inputs, *, num_fwd_outputs, **kw):
-        box.setdefault("gm", joint)
-        box.setdefault("n", num_fwd_outputs)
-        dce(joint.graph)
-        return extract(joint, default_saved(joint, num_fwd_outputs), num_fwd_outputs=num_fwd_outputs)
-
-    backend = aot_autograd(fw_compiler=lambda g, i: make_boxed_func(g.forward), partition_fn=part)
-    with torch.enable_grad():
-        torch.compile(fn, backend=backend, fullgraph=False)(*args)
-    if "gm" not in box:
-        raise ValueError("explain_memory: no joint graph was traced; does any input or parameter require grad?")
-    return box["gm"], box["n"]
-
-
-def explain_memory(fn, *args, budgets: Optional[Sequence[float]] = None, png: Optional[str] = None,
-                   **options) -> MemoryReport:
-    """Report the partition of ``fn(*args)`` under the kiln options in force plus ``options``.
+def report(gm: fx.GraphModule, saved: Sequence[fx.Node], n: int, opts, budgets: Optional[Sequence[float]] = None,
+           png: Optional[str] = None) -> MemoryReport:
+    """The report of the joint graph ``gm`` (``n`` forward outputs) cut at ``saved`` under ``opts``.
 
     ``budgets``: also sweep these activation_memory_budget values (default 1.0..0.0 by 0.1 when ``png``
     is given). ``png``: write the budget -> (peak bytes, recompute FLOPs) plot there (matplotlib, Agg).
     """
-    opts = current(**options)
-    gm, n = _capture_joint(fn, args)
     info = JointInfo(gm, n)
-    saved = choose_saved(gm, num_fwd_outputs=n, opts=opts)
     peak = model_peak(gm, saved, n, info)
     policy = RUNTIME_OPTIMAL if opts.activation_memory_budget >= 1 else Policy(ban_materialized=False)
     rows = [Row(s.name, str(s.target), info.size.get(s, 0), ban_reason(info, s, policy) or "cheapest cut",
@@ -93,17 +66,17 @@ def explain_memory(fn, *args, budgets: Optional[Sequence[float]] = None, png: Op
     recomputed = _recomputed(gm, saved, info)
     rec_rows = [Row(r.name, str(r.target), info.size.get(r, 0), "", source_line(r)) for r in recomputed]
     act = sum(r.bytes for r, s in zip(rows, saved) if s.op != "placeholder")
-    report = MemoryReport(rows, rec_rows, act, peak.peak, peak.recompute_flops)
+    out = MemoryReport(rows, rec_rows, act, peak.peak, peak.recompute_flops)
     if png and budgets is None:
         budgets = [round(1 - i / 10, 2) for i in range(11)]
     for b in budgets or ():
         s = choose_saved(gm, num_fwd_outputs=n, opts=opts.replace(activation_memory_budget=b,
                                                                    activation_memory_limit=None))
         p = model_peak(gm, s, n, info)
-        report.sweep.append((b, p.peak, p.recompute_flops))
+        out.sweep.append((b, p.peak, p.recompute_flops))
     if png:
-        report.png = plot_sweep(report.sweep, png)
-    return report
+        out.png = plot_sweep(out.sweep, png)
+    return out
 
 
 def _recomputed(gm, saved, info) -> List[fx.Node]:

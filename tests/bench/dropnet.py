@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kiln.bench.case import Case, ModelWorkload
+from kiln_bench.case import Case, ModelWorkload
 
 
 class DropPath(nn.Module):

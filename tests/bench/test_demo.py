@@ -4,7 +4,7 @@ import re
 
 import torch
 
-from kiln.bench.demo import CASES, main, physical_cores
+from kiln_bench.demo import CASES, main, physical_cores
 
 STEP = re.compile(r"\d+(?:\.\d+)? ±\d+%")
 

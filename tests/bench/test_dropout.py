@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from kiln.bench.dropout import RandomOpsLeftError, no_random, random_sites
+from kiln_bench.dropout import RandomOpsLeftError, no_random, random_sites
 from tests.bench.dropnet import DropNet, build
 
 KINDS = [nn.Dropout(0.1), nn.Dropout1d(0.2), nn.Dropout2d(0.3), nn.Dropout3d(0.4), nn.AlphaDropout(0.5),

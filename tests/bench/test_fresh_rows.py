@@ -2,7 +2,7 @@
 forgets the kernels it built for earlier rows."""
 import os
 
-from kiln.bench import backends as B
+from kiln_bench import backends as B
 from kiln.runtime import kernels as kernel
 
 

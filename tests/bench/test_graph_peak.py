@@ -1,8 +1,8 @@
-"""kiln.bench.graph_peak: the static peak of a graph from its fake values."""
+"""kiln_bench.graph_peak: the static peak of a graph from its fake values."""
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from kiln.bench.graph_peak import graph_peak
+from kiln_bench.graph_peak import graph_peak
 
 MB = 1024 * 1024 * 4   # bytes of a 1024x1024 fp32 tensor
 

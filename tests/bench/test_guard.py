@@ -4,11 +4,11 @@ import time
 
 import torch
 
-from kiln.bench import backends as B
-from kiln.bench import report, runner
-from kiln.bench.case import Case, FnWorkload
-from kiln.bench.cli import main
-from kiln.bench.suites import micro
+from kiln_bench import backends as B
+from kiln_bench import report, runner
+from kiln_bench.case import Case, FnWorkload
+from kiln_bench.cli import main
+from kiln_bench.suites import micro
 
 CFG = runner.RunConfig(device="cpu", size="tiny", warmup=0, min_iters=3, max_iters=3, min_time=0.0,
                        warm_compile=False, kernels=False)

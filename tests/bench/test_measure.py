@@ -1,7 +1,7 @@
 """Measurement helpers: saved-tensor bytes, the eager comparison, quantiles and step counting."""
 import torch
 
-from kiln.bench import measure as M
+from kiln_bench import measure as M
 
 
 def test_saved_bytes_dedups_storage_and_skips_inputs():
@@ -83,7 +83,7 @@ def test_compare_float64_referee():
 def test_peak_blocks_of_a_memory_trace():
     """peak_sweep.peak_blocks replays a CUDA allocator trace: the peak above the start and the blocks
     alive there (a block allocated before the trace and freed during it lowers the running total)."""
-    from kiln.bench.peak_sweep import peak_blocks
+    from kiln_bench.peak_sweep import peak_blocks
     fr = lambda n: [{"filename": "/x/torch/nn/f.py", "line": 1, "name": "t"},   # noqa: E731
                     {"filename": "/k/wrapper_ab.py", "line": n, "name": "call"}]
     ev = [{"action": "alloc", "addr": 1, "size": 100, "frames": fr(10)},

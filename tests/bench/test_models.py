@@ -1,9 +1,9 @@
 """Built-in models and model workloads: shapes, finite losses, optimizer steps on fresh copies."""
 import torch
 
-from kiln.bench import models
-from kiln.bench.suites import models as suite
-from kiln.bench.suites import select
+from kiln_bench import models
+from kiln_bench.suites import models as suite
+from kiln_bench.suites import select
 
 
 def test_gpt_tiny_trains():

@@ -1,7 +1,7 @@
-"""kiln.bench.offline on a micro case: the GPU pipeline on meta tensors, no GPU needed."""
+"""kiln_bench.offline on a micro case: the GPU pipeline on meta tensors, no GPU needed."""
 import os
 
-from kiln.bench import offline
+from kiln_bench import offline
 
 
 def test_offline_softmax_emits_the_gpu_kernels(tmp_path):

@@ -1,7 +1,7 @@
 """Markdown pivot, ratios, RESULTS.md recording and budget plots from synthetic rows."""
 import os
 
-from kiln.bench import plot, report
+from kiln_bench import plot, report
 
 META = {"date": "2026-01-01 00:00 UTC", "device": "cpu", "device_name": "x86_64", "torch": "2.x", "triton": "3.6",
         "kiln": "0.1", "command": "kiln bench", "suite": "micro", "size": "tiny", "caches": "fresh", "threads": 1,
@@ -63,7 +63,7 @@ def test_budget_plot(tmp_path):
 
 
 def test_from_json_records_and_plots(tmp_path):
-    from kiln.bench.cli import main
+    from kiln_bench.cli import main
     saved = report.write_json(str(tmp_path / "run.json"), META, ROWS)
     rec = tmp_path / "rec"
     # ROWS hold a kiln row that errored: the guard fails the run, --no-guard only reports it

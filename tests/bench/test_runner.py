@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from kiln.bench import backends as B
-from kiln.bench import runner
-from kiln.bench.case import Case, FnWorkload
-from kiln.bench.suites import micro
+from kiln_bench import backends as B
+from kiln_bench import runner
+from kiln_bench.case import Case, FnWorkload
+from kiln_bench.suites import micro
 
 CFG = runner.RunConfig(device="cpu", size="tiny", warmup=0, min_iters=2, max_iters=2, min_time=0.0,
                        warm_compile=False)
@@ -113,7 +113,7 @@ def test_dropout_case_checks_without_and_times_with_random_ops():
     pass compiles with every probability at 0 and matches eager; the steps compile again with them on; every
     backend's row has host time and kernels per step. (aot_eager stands in for inductor, whose C++ compile
     takes minutes on this test machine; the slow test below runs inductor.)"""
-    from kiln.bench.dropout import random_sites
+    from kiln_bench.dropout import random_sites
     from tests.bench import dropnet
 
     calls = []
@@ -153,7 +153,7 @@ class _Hidden(torch.nn.Module):
 
 
 def test_random_op_left_in_the_check_fails_every_row():
-    from kiln.bench.case import ModelWorkload
+    from kiln_bench.case import ModelWorkload
     build = lambda d, dt, s: ModelWorkload(_Hidden(), (torch.randn(4, 8),), "fp32", loss=lambda out, b: out.sum())
     rows = list(runner.run_case(Case("hidden", "zoo", build, ("auto",)), "auto", ["eager", "kiln"], None, CFG))
     assert [(r["backend"], r["status"], r["stage"]) for r in rows] == [("eager", "error", "reference"),

@@ -2,7 +2,7 @@
 import json
 import time
 
-from kiln.bench.cli import main
+from kiln_bench.cli import main
 
 
 def _kiln_ready():

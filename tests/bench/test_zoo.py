@@ -4,8 +4,8 @@ import importlib.util
 import pytest
 import torch
 
-from kiln.bench import report
-from kiln.bench.suites import all_cases, select, zoo
+from kiln_bench import report
+from kiln_bench.suites import all_cases, select, zoo
 
 META = {"date": "2026-01-01 00:00 UTC", "device": "cuda", "device_name": "GPU", "torch": "2.x", "triton": "3.6",
         "kiln": "0.1", "command": "kiln bench --suite zoo", "suite": "zoo", "size": "gpu", "caches": "fresh",
@@ -34,7 +34,7 @@ def test_full_size_rows_and_no_regularization_overrides():
     import inspect
     import re
 
-    from kiln.bench.suites import models
+    from kiln_bench.suites import models
     full = {c.name for c in zoo.CASES if c.name.endswith("_full") and c.train}
     assert full >= {"zoo_swin_full", "zoo_vit_full", "zoo_convnext_full", "zoo_bert_full", "zoo_gpt2_full"}
     for mod in (zoo, models):

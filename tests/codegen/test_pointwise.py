@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from tests.codegen.util import aten_ops, check, fused, kernels
 
 
-from kiln.bench.suites.micro import gelu_bias, hard_mish, hard_sigmoid, hard_swish, mish, swish  # noqa: E402
+from kiln_bench.suites.micro import gelu_bias, hard_mish, hard_sigmoid, hard_swish, mish, swish  # noqa: E402
 
 
 MICRO = [gelu_bias, swish, mish, hard_sigmoid, hard_swish, hard_mish]

@@ -43,3 +43,36 @@ def test_readme_quick_start_runs_as_written(tmp_path):
     res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env,
                          cwd=tmp_path)
     assert res.returncode == 0 and res.stdout.startswith("ok"), res.stderr[-3000:]
+
+
+def _child(code: str, *args) -> subprocess.CompletedProcess:
+    import os
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run([sys.executable, *args, *(["-c", code] if code else [])], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=root)
+
+
+def test_tool_commands_load_kiln_bench_when_they_run():
+    """The tools live beside kiln (kiln_bench): ``import kiln`` and its command line load none of them;
+    ``kiln bench`` imports kiln_bench's bench and nothing else of the tools."""
+    r = _child("import sys, kiln, kiln.cli\n"
+               "assert not [m for m in sys.modules if m.startswith('kiln_bench')]\n"
+               "assert kiln.cli.main(['bench', '--list', '--suite', 'micro']) == 0\n"
+               "assert 'kiln_bench.cli' in sys.modules and 'kiln_bench.demo' not in sys.modules\n")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "swish" in r.stdout
+
+
+def test_a_tool_command_without_the_tools_says_how_to_get_them():
+    r = _child("import sys\n"
+               "sys.modules['kiln_bench'] = None\n"   # as where only kiln is installed
+               "from kiln.cli import main\n"
+               "assert main(['demo']) == 1\n")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "kiln demo: the tools (the kiln_bench package) are not installed" in r.stderr, r.stderr
+
+
+def test_python_dash_m_kiln_bench_is_kiln_bench():
+    r = _child(None, "-m", "kiln_bench", "--help")
+    assert r.returncode == 0 and "--suite" in r.stdout, r.stderr[-3000:]

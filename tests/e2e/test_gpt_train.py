@@ -3,7 +3,7 @@ import copy
 
 import torch
 
-from kiln.bench.models import build_gpt
+from kiln_bench.models import build_gpt
 
 
 def test_gpt_20_steps_match_eager():

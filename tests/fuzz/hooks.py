@@ -1,7 +1,7 @@
 """Hooks for the fuzz runner's own tests (imported by its child processes by name)."""
 import torch
 
-from kiln.bench.fuzz.program import Input, Op, Program
+from kiln_bench.fuzz.program import Input, Op, Program
 
 CRASH, WRONG, HANG = 1, 2, 3   # program indices the hook replaces
 

@@ -1,4 +1,4 @@
-"""Random programs through kiln against eager (kiln.bench.fuzz): a short run of every target in the
+"""Random programs through kiln against eager (kiln_bench.fuzz): a short run of every target in the
 default suite (in this process), a long one marked slow (child processes), and the generator as a
 hypothesis strategy."""
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from kiln.bench.fuzz import generate, runner
-from kiln.bench.fuzz.child import namespace
-from kiln.bench.fuzz.program import Program
+from kiln_bench.fuzz import generate, runner
+from kiln_bench.fuzz.child import namespace
+from kiln_bench.fuzz.program import Program
 
 
 def _run(tmp_path, programs: int, workers: int, start: int = 0, inline: bool = False,

@@ -11,9 +11,9 @@ import sys
 import pytest
 import torch
 
-from kiln.bench.fuzz import harness, reduce, runner
-from kiln.bench.fuzz.compare import compare_tensor
-from kiln.bench.fuzz.program import Input, Op, Program
+from kiln_bench.fuzz import harness, reduce, runner
+from kiln_bench.fuzz.compare import compare_tensor
+from kiln_bench.fuzz.program import Input, Op, Program
 from tests.fuzz import hooks
 
 
@@ -124,7 +124,7 @@ def test_shrinker_keeps_the_failing_statement():
 def test_eager_aliasing_through_an_overlapping_input_is_discarded():
     """select_scatter clones an overlapping input with its strides and writes the clone: eager's values
     then depend on the aliasing, so the program is discarded, not held against kiln."""
-    from kiln.bench.fuzz.child import namespace
+    from kiln_bench.fuzz.child import namespace
     prog = Program((Input((7, 3, 1), "int32", seed=2308, layout="overlapping"), Input((3, 1), "int32", seed=59)),
                    (Op("torch.select_scatter({0}, {1}, 0, 6)", ("a0", "a1"), "v0"),), ("v0",))
     ns = namespace(prog)
@@ -138,7 +138,7 @@ def test_eager_aliasing_through_an_overlapping_input_is_discarded():
 def test_a_difference_eager_scalar_loops_share_is_excused():
     """hardtanh's backward at NaN differs between eager's vectorized and scalar loops on this CPU; a kiln
     result equal to the scalar loops' is excused, another one is not."""
-    from kiln.bench.fuzz.child import namespace
+    from kiln_bench.fuzz.child import namespace
     prog = Program((Input((4, 7), seed=887, special=True, grad=True),),
                    (Op("F.hardtanh({0}, -1.5, 2.0)", ("a0",), "v0"),), ("v0",), train=True)
     ns = namespace(prog)
@@ -152,7 +152,7 @@ def test_a_difference_eager_scalar_loops_share_is_excused():
 def test_a_difference_eager_on_contiguous_inputs_shares_is_excused():
     """relu6's backward at NaN: eager gives the gradient for a channels-last input and 0 for a contiguous
     one (fuzz seed 13 #82, torch 2.11 and 2.13); kiln's 0 is excused, another value is not."""
-    from kiln.bench.fuzz.child import namespace
+    from kiln_bench.fuzz.child import namespace
     prog = Program((Input((8, 7, 2, 3), seed=8540, layout="channels_last", special=True, grad=True),),
                    (Op("F.relu6({0})", ("a0",), "v0"),), ("v0",), train=True)
     ns = namespace(prog)
@@ -169,7 +169,7 @@ def test_scalar_loops_of_backward_ops_inside_the_graph():
     """elu's backward at NaN is NaN in eager's vectorized loop and the gradient in its scalar loop; inside
     the graph (on ``a0 * 2``, a contiguous 64-element tensor) strided inputs do not reach it, the
     ``SCALAR_LOOP_OPS`` dispatch does. A kiln gradient equal to the scalar loop's is excused, no other."""
-    from kiln.bench.fuzz.child import namespace
+    from kiln_bench.fuzz.child import namespace
     prog = Program((Input((64,), seed=5, special=True, grad=True),), (Op("{0} * 2", ("a0",), "v0"),
                    Op("F.elu({0})", ("v0",), "v1")), ("v1",), train=True)
     ns = namespace(prog)
@@ -189,7 +189,7 @@ def test_gelu_at_inf_follows_the_scalar_loop():
     """gelu (erf form) forward at +inf: NaN in eager's vectorized loop, inf in its scalar loop and in fp64;
     kiln's C++ and Triton kernels give inf. Inside the graph (on a ``torch.cat``) the ``SCALAR_LOOP_OPS``
     dispatch reaches it, so inf is excused and nothing else (the cpp fuzz run of seed 10, program 16)."""
-    from kiln.bench.fuzz.child import namespace
+    from kiln_bench.fuzz.child import namespace
     prog = Program((Input((1, 4), seed=12569), Input((3, 4), seed=213044, special=True)),
                    (Op("torch.cat([{0}, {1}], 0)", ("a0", "a1"), "v0"), Op("F.gelu({0})", ("v0",), "v1")), ("v1",))
     ns = namespace(prog)
@@ -209,7 +209,7 @@ def test_var_mean_of_a_row_holding_an_infinity():
     """Eager's Welford var_mean gives the mean of [1, -inf, 2] as NaN (-inf - -inf in its update); kiln's
     two-pass mean is -inf: excused as a two-pass var_mean's result (seed 10 #4054), a wrong finite mean
     is not; and the real check on the fusing targets passes."""
-    from kiln.bench.fuzz.child import namespace
+    from kiln_bench.fuzz.child import namespace
     prog = Program((Input((2, 3), seed=1),), (Op("torch.var_mean({0}, dim=(1,))[1]", ("a0",), "v0"),), ("v0",))
     ns = namespace(prog)
     fn = ns["program"]
@@ -232,7 +232,7 @@ def test_writes_through_overlapping_memory_are_discarded():
     """An op that writes a tensor two of whose elements share memory (a select_scatter output with an
     overlapping input's strides, masked_fill_ of an expanded view): eager's values depend on the order of
     its writes, the program is discarded. A view that overlaps (unfold, expand) writes nothing."""
-    from kiln.bench.fuzz.watch import overlaps
+    from kiln_bench.fuzz.watch import overlaps
     x = torch.arange(10.0)
     assert overlaps(x.as_strided((3, 3), (1, 1))) and overlaps(x[:1].expand(3))
     assert not overlaps(x.unfold(0, 3, 3)) and not overlaps(x[::2])
@@ -245,7 +245,7 @@ def test_writes_through_overlapping_memory_are_discarded():
     prog = Program((Input((8, 1, 16), "int32", seed=98), Input((1, 8, 1, 16), "bool", seed=3, values="mask")),
                    (Op("{0}.expand((2, 8, 1, 16))", ("a0",), "v0"), Op("{0}.masked_fill_({1}, 0)", ("v0", "a1"), "v1")),
                    ("v1",))   # seed 1 program 74, shrunk: eager 0 where kiln and aot_eager wrote -4
-    from kiln.bench.fuzz.child import namespace
+    from kiln_bench.fuzz.child import namespace
     ns = namespace(prog)
     res = harness.check_program(ns["make_inputs"], ns["program"], "aten", baseline=False)
     assert res.status == "discard" and "overlaps itself" in res.error, res
@@ -260,7 +260,7 @@ def test_a_deadline_and_a_signal_still_write_the_summary(tmp_path):
     assert s["state"]["stopped"] == "deadline" and s["state"]["unstarted"] == 50 and s["targets"] == {}
     assert "stopped (deadline): 50 programs not started" in (tmp_path / "deadline" / "summary.md").read_text()
     out = tmp_path / "signal"
-    proc = subprocess.Popen([sys.executable, "-m", "kiln.bench.fuzz", "--target", "aten", "--programs", "50",
+    proc = subprocess.Popen([sys.executable, "-m", "kiln_bench.fuzz", "--target", "aten", "--programs", "50",
                              "--inline", "--no-shrink", "--out", str(out)], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().startswith("[fuzz] aten 0:")
     proc.send_signal(signal.SIGTERM)
@@ -282,7 +282,7 @@ def test_a_program_the_fuzzer_cannot_make_is_a_harness_error(tmp_path):
 
 def test_command_line_targets():
     """``--target`` takes kiln's codegen targets, several at once; another name is an error naming them."""
-    from kiln.bench.fuzz.__main__ import parse
+    from kiln_bench.fuzz.__main__ import parse
     assert parse(["--target", "cpp"]).targets == ("cpp",)
     assert parse(["--target", "aten,triton,cpp"]).targets == ("aten", "triton", "cpp")
     with pytest.raises(SystemExit):
@@ -293,7 +293,7 @@ def test_a_failed_cpp_build_is_a_fallback():
     """On the C++ target a graph whose build fails runs ATen (values right): the harness counts it with
     the run-time fallbacks, with the compiler's reason (``--strict`` then shrinks it as a failure)."""
     import warnings
-    from kiln.bench.fuzz.child import fallback_kind, namespace
+    from kiln_bench.fuzz.child import fallback_kind, namespace
     prog = Program((Input((4, 7), seed=3),), (Op("torch.exp({0}) + 1", ("a0",), "v0"),), ("v0",))
     ns = namespace(prog)
     with warnings.catch_warnings():
@@ -303,7 +303,7 @@ def test_a_failed_cpp_build_is_a_fallback():
     assert res.status == "pass" and res.fallbacks == 1, res
     assert "C++ build failed" in res.fallback_reasons[0], res.fallback_reasons
     assert "exited with #" in fallback_kind(res.fallback_reasons)
-    from kiln.bench.fuzz.report import _fallback_kinds
+    from kiln_bench.fuzz.report import _fallback_kinds
     kinds = list(_fallback_kinds([res.to_dict()]))
     assert len(kinds) == 1 and "exited with #" in kinds[0] and "/" not in kinds[0], kinds
 
@@ -311,7 +311,7 @@ def test_a_failed_cpp_build_is_a_fallback():
 def test_clamp_with_a_nan_bound_is_judged_by_what_this_torch_does():
     """torch 2.11's eager ``clamp(x, min=nan)`` returns x (its ``clamp_min(x, nan)`` and torch 2.13 give NaN,
     as kiln does): on such a torch a program clamping at a NaN scalar is discarded, not a failure."""
-    from kiln.bench.fuzz import harness
+    from kiln_bench.fuzz import harness
 
     def program(a0):
         return (torch.clamp(a0, min=float('nan')),)
@@ -327,7 +327,7 @@ def test_clamp_with_a_nan_bound_is_judged_by_what_this_torch_does():
 def test_zeros_of_matrix_products_and_min_max_are_unsigned():
     """A zero's sign is the implementation's after min/max and matrix products (fuzz seed 13 #9227: eager's
     matmul of a K=1 product gave -0.0, the bmm AOTAutograd traces +0.0); other programs check it."""
-    from kiln.bench.fuzz.child import zero_sign
+    from kiln_bench.fuzz.child import zero_sign
     prog = lambda text: Program(ops=(Op(text, ("a0", "a1"), "v0"),), returns=("v0",))  # noqa: E731
     assert not zero_sign(prog("torch.matmul({0}, {1})"))
     assert not zero_sign(prog("torch.addmm({0}, {0}, {1})"))

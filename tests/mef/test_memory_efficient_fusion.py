@@ -6,7 +6,7 @@ import torch.nn as nn
 import kiln
 
 
-from kiln.bench.suites.micro import (  # the seed's functions, defined once for bench and tests
+from kiln_bench.suites.micro import (  # the seed's functions, defined once for bench and tests
     T5LayerNorm, gelu_bias, hard_mish, hard_sigmoid, hard_swish, layer_norm, mish, swish)
 
 

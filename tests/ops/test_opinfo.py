@@ -1,4 +1,4 @@
-"""The OpInfo sweep (``kiln.bench.opinfo``): a fast shard of representative ops through the sweep's own
+"""The OpInfo sweep (``kiln_bench.opinfo``): a fast shard of representative ops through the sweep's own
 code path on the kiln targets (ATen, Triton, some on C++), the judging of values, the worker pool's crash and
 timeout handling, the report, and (``-m slow``) the full sweep against inductor."""
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from kiln import cli
-from kiln.bench import opinfo, opinfo_cases, opinfo_report, opinfo_sample
-from kiln.bench.opinfo_pool import Pool
+from kiln_bench import opinfo, opinfo_cases, opinfo_report, opinfo_sample
+from kiln_bench.opinfo_pool import Pool
 
 # one or two ops per family; one sample each (the first), forward and backward
 FAST_OPS = [

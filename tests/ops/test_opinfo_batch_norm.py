@@ -9,14 +9,14 @@ not from kiln: it ran eager's forward and the compiled forward on the *same* sam
 backward. A compiled graph that writes an input (here the running statistics) bumps its version counter
 (AOTAutograd's runtime wrapper does, for every backend: aot_eager and inductor fail the same way), while
 eager's batch-norm kernel updates them without a bump, so eager's pending backward, which saved them, refuses
-to run. Each run here has its own copies, as ``kiln.bench.opinfo_sample`` does; the last test pins the
+to run. Each run here has its own copies, as ``kiln_bench.opinfo_sample`` does; the last test pins the
 version-counter behaviour to AOTAutograd's.
 """
 import pytest
 import torch
 from torch.utils import _pytree as pytree
 
-from kiln.bench import opinfo_cases, opinfo_sample
+from kiln_bench import opinfo_cases, opinfo_sample
 
 OPS = ["_native_batch_norm_legit", "_batch_norm_with_update", "native_batch_norm", "nn.functional.batch_norm"]
 

@@ -118,7 +118,7 @@ def test_batch_norm_with_update_bf16_kernels_run():
     """OpInfo ``_batch_norm_with_update`` (bf16): a cast to bf16 of a value the kernel holds in bf16 (the IR
     says fp32) failed to build at its first call when the rounding helper bitcast it as fp32 bits; the
     helper converts to fp32 first."""
-    from kiln.bench import opinfo_cases, opinfo_sample
+    from kiln_bench import opinfo_cases, opinfo_sample
     op = opinfo_cases.find("_batch_norm_with_update")
     sample = opinfo_cases.samples(op, torch.bfloat16, 1)[0]
     rec = opinfo_sample.run(op, sample, torch.bfloat16, "kiln-triton", 0, "forward")

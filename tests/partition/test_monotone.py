@@ -7,7 +7,7 @@ together with the budget semantics of the saved bytes (PyTorch's: budget 0 saves
 import pytest
 import torch
 
-from kiln.bench.peak_sweep import non_increasing, sweep
+from kiln_bench.peak_sweep import non_increasing, sweep
 
 LADDER = [1.0, 0.8, 0.6, 0.4, 0.2, 0.1, 0.0]
 FULL = [round(1 - i / 10, 1) for i in range(11)]

@@ -4,8 +4,9 @@ import os
 import pytest
 import torch
 
+from kiln import explain_memory
 from kiln.options import current
-from kiln.partition import choose_saved, explain_memory
+from kiln.partition import choose_saved
 from kiln.partition.extract import Saved
 from kiln.partition.limit import MemoryLimitError
 from kiln.partition.peak import model_peak
