@@ -5,6 +5,11 @@ Levels: 1 stage names and times, 2 the graph after each stage, 3 remat decisions
 (``kiln.logs``: ``TORCH_LOGS=+kiln``, the ``output_code``, ``kiln_plans`` and ``kiln_remat`` artifacts);
 KILN_DEBUG prints those torch's settings do not show. ``Trace`` also writes each stage's graph, the kernels
 and the stage times to a structured trace (``TORCH_TRACE``, tlparse) and a failing stage's error to the dump.
+
+A compile the compile cache will store keeps a ``Record`` of all it shows (stage graphs, remat decisions, plans,
+kernels, wrappers: every message, dump file and trace entry, built whether or not anyone reads them now); the
+cache stores it compressed in the entry, and a hit replays it through the same channels (``Trace.replay``),
+under a header naming the entry, so that a second run is as inspectable as the first.
 """
 from __future__ import annotations
 
@@ -12,9 +17,11 @@ import collections
 import contextlib
 import logging
 import os
+import pickle
 import sys
 import time
 import traceback
+import zlib
 
 import torch.fx as fx
 
@@ -45,17 +52,68 @@ def _py_level(lvl: int) -> int:
 def log(lvl: int, msg: str, artifact: str | None = None) -> None:
     """Hand ``msg`` to the ``kiln`` log (level 1 as INFO, higher levels as DEBUG), or to ``artifact``'s
     (``kiln_plans``, ``kiln_remat``, ``output_code``); when torch's logging settings do not show it, print
-    it to stderr if the debug level is at least ``lvl``."""
+    it to stderr if the debug level is at least ``lvl``. Recorded for the compile cache (``Record``)."""
+    record = logs.recording()
+    if record is not None:
+        f = sys._getframe(1)
+        record.add("log", lvl, msg, artifact, (f.f_code.co_filename, f.f_lineno, f.f_code.co_name))
+    _emit(lvl, msg, artifact, stacklevel=2)
+
+
+def _emit(lvl: int, msg: str, artifact: str | None = None, origin=None, stacklevel: int = 1) -> None:
+    """``log``'s output, as logged from the caller's frame ``stacklevel`` (1: the caller) or from ``origin``,
+    the (file, line, function) a replayed message was first logged from."""
     py = _py_level(lvl)
     if logs.enabled(py, artifact):
-        logs.logger(artifact).log(py, msg, stacklevel=2)   # the caller's file and line
+        lg = logs.logger(artifact)
+        if origin is None:
+            lg.log(py, msg, stacklevel=stacklevel + 1)
+        else:
+            lg.handle(lg.makeRecord(lg.name, py, origin[0], origin[1], msg, (), None, origin[2]))
     elif level() >= lvl:
         print(f"[kiln] {msg}", file=sys.stderr)
 
 
 def wanted(lvl: int, artifact: str | None = None) -> bool:
-    """Whether ``log(lvl, ..., artifact)`` would show anything (to skip building costly messages)."""
-    return level() >= lvl or logs.enabled(_py_level(lvl), artifact)
+    """Whether ``log(lvl, ..., artifact)`` would show anything (to skip building costly messages), or would
+    be recorded for the compile cache."""
+    return level() >= lvl or logs.enabled(_py_level(lvl), artifact) or logs.recording() is not None
+
+
+def inspecting(trace=None) -> bool:
+    """Whether anything reads what a compile shows: KILN_DEBUG, torch's logging of kiln or its artifacts,
+    ``kiln.explain``, a structured trace, ``trace``'s dump folder."""
+    return (level() >= 1 or logs.enabled(logging.INFO) or bool(_EXPLAIN_SINKS) or logs.tracing()
+            or any(logs.enabled(logging.DEBUG, a) for a in ("output_code", *logs.ARTIFACTS))
+            or (trace is not None and trace.dir is not None))
+
+
+class Record:
+    """What one compile showed, in order, for the compile cache: ``("log", level, message, artifact,
+    origin)``, ``("stage", phase, name, seconds, cpu_ms)``, ``("explain", stage, graph text)``, ``("dump",
+    file name, text, numbered)``, ``("trace", entry name, payload, encoding)``. ``pack`` closes it."""
+
+    def __init__(self):
+        self.events: list = []
+        self.open = True
+
+    def add(self, *event) -> None:
+        if self.open:
+            self.events.append(event)
+
+    def pack(self) -> bytes:
+        """The events, pickled and compressed (``unpack`` reads them); the record takes no more."""
+        self.open = False
+        data = zlib.compress(pickle.dumps(self.events, protocol=pickle.HIGHEST_PROTOCOL), 6)
+        self.events = []
+        return data
+
+    def close(self) -> None:
+        self.open, self.events = False, []
+
+    @staticmethod
+    def unpack(data: bytes) -> list:
+        return pickle.loads(zlib.decompress(data))
 
 
 # -- stages ------------------------------------------------------------------------------------
@@ -102,6 +160,8 @@ class Trace:
         self.error = None                 # the exception ``fail`` recorded
         self.cid = logs.compile_id()      # Dynamo's compile id, for entries written after the compile
         self.frames = len(compat.dynamo_frame_times())   # Dynamo frame compiles finished before this one
+        self.record = None                # a ``Record`` of what this compile shows, for the compile cache
+        self.cached = None                # "entry kiln_<key>": a compile cache hit, what it replayed
 
     def stage(self, name: str, fn, *args, **kwargs):
         """Run one pipeline stage, time it, and show / verify / dump its result (its error if it raises)."""
@@ -114,7 +174,9 @@ class Trace:
         s, cpu = time.perf_counter() - t0, (time.process_time() - c0) * 1e3
         self.stages.append((self.phase, name, s))
         counters["stage_ms"][name] += s * 1e3
-        log(1, f"{self.name} stage {name}: {s * 1e3:.1f} ms (cpu {cpu:.1f} ms)")
+        if self.record is not None:
+            self.record.add("stage", self.phase, name, s, cpu)
+        _emit(1, f"{self.name} stage {name}: {s * 1e3:.1f} ms (cpu {cpu:.1f} ms)")
         if isinstance(result, int) and args:  # an in-place pass returns its change count
             self.show(name, args[0], note=f"{result} changed")
         else:
@@ -137,6 +199,8 @@ class Trace:
             log(2, text)
             for sink in list(_EXPLAIN_SINKS):
                 sink.append((label, text))
+            if self.record is not None:
+                self.record.add("explain", label, text)
             self.dump(f"{label}.py", text)
             self.trace(f"kiln_{label}", text)
 
@@ -147,6 +211,8 @@ class Trace:
     def dump(self, filename: str, text: str, numbered: bool = True):
         """Write ``text`` to the dump folder as ``NN_filename`` (``filename`` when not ``numbered``);
         returns the path, None when not dumping."""
+        if self.record is not None:
+            self.record.add("dump", filename, text, numbered)
         if self.dir is None:
             return None
         path = os.path.join(self.dir, f"{self.step:02d}_{filename}" if numbered else filename)
@@ -167,8 +233,10 @@ class Trace:
         backward's compiler); ``kiln_in_aot`` gathers the time of the last two spent inside ``aot``."""
         t0 = time.perf_counter()
         self._open.add(key)
+        scope = logs.active(self) if key in ("backend", "backward") else contextlib.nullcontext()
         try:
-            yield
+            with scope:   # the compile runs on this thread: what it logs goes to ``record`` too
+                yield
         finally:
             self._open.discard(key)
             dt = time.perf_counter() - t0
@@ -219,20 +287,65 @@ class Trace:
         stages = [(n, s) for p, n, s in self.stages if p == "forward"]
         total = frame if frame is not None else backend
         dynamo = f"{frame - backend:.2f} s" if frame is not None else "unknown (no frame time from torch)"
+        how = f"from the compile cache, {self.cached}: no stage ran" if self.cached else _stage_list(stages, kiln)
         log(1, f"{self.name} compiled in {total:.2f} s: Dynamo {dynamo}, AOTAutograd {aot:.2f} s, kiln {kiln:.2f} s "
-               f"({_stage_list(stages, kiln)})")
-        logs.trace("kiln_stage_times", lambda: {
+               f"({how})")
+        logs.trace("kiln_stage_times", lambda: self._cached({
             "region": self.name, "total_s": total, "dynamo_s": None if frame is None else frame - backend,
-            "aot_autograd_s": aot, "kiln_s": kiln, "stages_s": dict(stages)}, "json", cid=self.cid)
+            "aot_autograd_s": aot, "kiln_s": kiln, "stages_s": dict(stages)}), "json", cid=self.cid)
 
     def report_backward(self) -> None:
         """The backward compile's kiln time and stages (AOTAutograd calls kiln's backward compiler lazily,
         at the first ``.backward()``)."""
         kiln = self.clock["backward"]
         stages = [(n, s) for p, n, s in self.stages if p == "backward"]
-        log(1, f"{self.name} backward compiled by kiln in {kiln:.2f} s ({_stage_list(stages, kiln)})")
-        logs.trace("kiln_stage_times_backward", lambda: {"region": self.name, "kiln_s": kiln,
-                                                         "stages_s": dict(stages)}, "json", cid=self.cid)
+        if self.cached:
+            log(1, f"{self.name} backward loaded from the compile cache with the forward ({self.cached})")
+        else:
+            log(1, f"{self.name} backward compiled by kiln in {kiln:.2f} s ({_stage_list(stages, kiln)})")
+        logs.trace("kiln_stage_times_backward", lambda: self._cached({"region": self.name, "kiln_s": kiln,
+                                                                      "stages_s": dict(stages)}), "json", cid=self.cid)
+
+    def _cached(self, times: dict) -> dict:
+        return {**times, "from_cache": self.cached} if self.cached else times
+
+    def replay(self, events: list, source: str) -> None:
+        """Show what the compile that stored a cache entry showed (``events``: its ``Record``), through the
+        channels a compile uses (the kiln log and its artifacts, KILN_DEBUG, the dump folder, the structured
+        trace, ``kiln.explain``), each under a header naming ``source`` ("entry kiln_<key>"). Stage lines keep
+        the stored times; the hit's own time is in ``report``."""
+        self.cached = source
+        _emit(1, f"{self.name}: compile cache hit ({source}); what follows is what the compile that stored it showed")
+        backward = False
+        for event in events:
+            kind = event[0]
+            if kind == "log":
+                _, lvl, msg, artifact, origin = event
+                _emit(lvl, _marked(msg, source) if "\n" in msg else msg, artifact, origin)
+            elif kind == "stage":
+                _, phase, name, s, cpu = event
+                backward |= phase == "backward"
+                _emit(1, f"{self.name} stage {name}: {s * 1e3:.1f} ms (cpu {cpu:.1f} ms), from the compile cache")
+            elif kind == "explain":
+                for sink in list(_EXPLAIN_SINKS):
+                    sink.append((event[1], _marked(event[2], source)))
+            elif kind == "dump":
+                _, filename, text, numbered = event
+                self.dump(filename, _marked(text, source, filename), numbered)
+            elif kind == "trace":
+                _, name, payload, encoding = event
+                marked = _marked(payload, source, name) if isinstance(payload, str) else \
+                    {**payload, "from_cache": source} if isinstance(payload, dict) else payload
+                logs.trace(name, lambda m=marked: m, encoding, cid=self.cid)
+        _emit(1, f"{self.name}: end of what the compile cache replayed ({source})")
+        if backward:
+            self.report_backward()
+
+
+def _marked(text: str, source: str, name: str = "") -> str:
+    """``text`` under a comment line saying it came from the compile cache (``//`` for C++ ``name``s)."""
+    comment = "//" if name.endswith((".cpp", "_cpp")) else "#"
+    return f"{comment} from the compile cache ({source})\n{text}"
 
 
 def _stage_list(stages, kiln: float) -> str:

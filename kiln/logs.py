@@ -7,12 +7,17 @@ not know while ``import torch`` reads ``TORCH_LOGS``, before kiln can add its ow
 artifacts are named in a program, ``torch._logging.set_logs(modules={"kiln_plans": True})``. ``KILN_DEBUG``
 prints what torch's settings do not show (``kiln.debug.log``). A structured trace (``TORCH_TRACE``, tlparse) gets
 ``artifact`` entries named ``kiln_*`` under the compile that made them (``trace``).
+
+While a compile that the compile cache will store runs on a thread (``active``), what it logs and traces is
+also added to its record (``recording``), which a cache hit replays (``kiln.debug.Trace.replay``).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
+import threading
 
 NAME = "kiln"
 ARTIFACTS = {
@@ -21,6 +26,7 @@ ARTIFACTS = {
 }
 
 _LOGGERS: dict = {}   # artifact name (None: the kiln log) -> logging.Logger
+_ACTIVE = threading.local()   # .stack: the compiles running on this thread (objects with .record), innermost last
 
 
 def register() -> bool:
@@ -86,6 +92,25 @@ def _writes_trace(handler) -> bool:
     return getattr(handler, "root_dir", "") is not None
 
 
+@contextlib.contextmanager
+def active(compile_):
+    """The scope in which ``compile_`` (a ``kiln.debug.Trace``) compiles on this thread: ``recording`` returns
+    its ``record`` there."""
+    stack = _ACTIVE.__dict__.setdefault("stack", [])
+    stack.append(compile_)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def recording():
+    """The record (``kiln.debug.Record``) of the compile running on this thread, None when there is none or
+    nothing records it (the compile cache is off, or this is a hit)."""
+    stack = getattr(_ACTIVE, "stack", None)
+    return stack[-1].record if stack else None
+
+
 def compile_id():
     """The id of the Dynamo compile in progress (None outside one): entries written later, a first call's
     report or a backward's, name it so that tlparse files them under their compile."""
@@ -98,7 +123,13 @@ def compile_id():
 
 def trace(name: str, payload_fn, encoding: str = "string", cid=None) -> None:
     """A structured-trace ``artifact`` entry ``name`` (``kiln_*``) whose payload is ``payload_fn()`` (text,
-    or a dict with ``encoding="json"``); nothing is computed unless a trace is being written."""
+    or a dict with ``encoding="json"``); nothing is computed unless a trace is being written or the compile
+    running on this thread records for the compile cache (``recording``)."""
+    record = recording()
+    if record is not None:
+        payload = payload_fn()
+        record.add("trace", name, payload, encoding)
+        payload_fn = lambda: payload   # noqa: E731
     if not tracing():
         return
     name = re.sub(r"[^\w.-]", "_", name)   # tlparse names files after entries

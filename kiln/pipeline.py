@@ -96,7 +96,7 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list, opts: Options, trac
     freezing = freeze.applies(opts)   # warns when a training graph asks for it
     session = cache.open_graph(gm, example_inputs, opts, cache_key(opts, registered), target,
                                frozen=freezing, registered=registered)
-    hit = session.load() if session is not None else None
+    hit = session.load(trace) if session is not None else None   # a hit replays what its compile showed
     if hit is not None:
         return hit
     trace.stage("pre_grad", passes.pre_grad, gm, opts, registered)

@@ -12,12 +12,19 @@ results to ``Session.recorder`` and ``Session.save`` writes the entry once the g
 training graph when its backward compiles, at its first ``backward()``). Entries live in ``store``'s
 directory (``cache_dir``, ``KILN_CACHE_DIR``; by default ``graphs/`` in the user's cache directory),
 authenticated with the directory's key; a directory that is not private or takes no file turns the cache
-off with one warning naming the option (``status`` says why); ``kiln cache info|clear`` reads and empties it.
+off with one warning naming the option (``status`` says why), and so does an entry that cannot be written;
+``kiln cache info|clear`` reads and empties it.
+
+An entry also keeps what its compile showed (``debug.Record``: each stage's graph, the remat decisions, the
+kernel plans, kernels and wrappers, compressed); a hit replays it to the channels a compile uses (the kiln
+log, ``output_code``, KILN_DEBUG, KILN_DUMP, TORCH_TRACE, ``kiln.explain``) when any of them is on, under a
+header naming the entry, and does not even decompress it otherwise.
 
 Counters (``kiln.counters['cache']``): ``hit``, ``miss``, ``saved``, ``bypass`` (not cacheable),
 ``off`` (the directory is refused or read-only),
 ``damaged`` (an entry failed its check and was deleted), ``guard_miss`` (stored for other shapes),
-``load_failed`` (an entry that did not load: compiled again).
+``load_failed`` (an entry that did not load: compiled again), ``write_failed`` (an entry not written),
+``replayed`` (a hit that showed its compile's output: something inspects).
 """
 from __future__ import annotations
 
@@ -26,7 +33,7 @@ import pickle
 import torch
 
 from kiln.cache import aot, identity, key, serial, store
-from kiln.debug import counters, log
+from kiln.debug import Record, counters, inspecting, log
 from kiln.runtime import private
 
 
@@ -75,6 +82,7 @@ class Session:
         # records into it), and the example tensors are a first call's real values (a logits input)
         self.root, self.key, self.opts, self.symints = root, k, opts, _backed_symints(inputs)
         self.recorder = aot.Recorder(self._guards_expr)
+        self.record = Record()   # what the compile shows, for a later hit to replay
 
     def _guards_expr(self):
         symints = self.symints
@@ -85,15 +93,30 @@ class Session:
         guards = pruned(symints) if pruned is not None else None
         return env.produce_guards_expression(placeholders=symints, guards=guards)
 
-    def load(self):
-        """The compiled callable of a hit, else None (a miss: compile, and ``save``)."""
+    def load(self, trace=None):
+        """The compiled callable of a hit, else None (a miss: compile, and ``save``). ``trace``: the
+        compile's ``debug.Trace``; a hit replays to it what the compile that stored the entry showed, a miss
+        records into it what this compile shows."""
+        fn, shown = self._load()
+        if trace is not None and fn is None:
+            trace.record = self.record
+        elif trace is not None and shown is not None and inspecting(trace):
+            counters["cache"]["replayed"] += 1
+            try:
+                trace.replay(Record.unpack(shown), f"entry {private.PREFIX}{self.key}")
+            except Exception as e:   # noqa: BLE001  (a debugging aid never fails a hit)
+                log(1, f"cache: entry {self.key}: its compile's output could not be replayed ({type(e).__name__}: {e})")
+        return fn
+
+    def _load(self):
+        """(the compiled callable, the stored ``Record``'s bytes) of a hit, else (None, None)."""
         payload, why = store.read(self.root, self.key)
         if payload is None:
             if why != "missing":
                 counters["cache"]["damaged"] += 1
                 log(1, f"cache: entry {self.key} was damaged ({why}); deleted, compiling again")
             counters["cache"]["miss"] += 1
-            return None
+            return None, None
         try:
             entry = pickle.loads(payload)
             symints = self.symints
@@ -103,7 +126,7 @@ class Session:
                     counters["cache"]["guard_miss"] += 1
                     counters["cache"]["miss"] += 1
                     log(2, f"cache: entry {self.key} holds other shapes")
-                    return None
+                    return None, None
             parts = {k: serial.unpack(v, self.opts) for k, v in entry["parts"].items()}
             fn = aot.rebuild(entry, parts.get("forward"), parts.get("backward"), parts.get("inference"))
             if entry["guards"] is not None:   # the same guards as a compile would add, now in Dynamo's
@@ -112,10 +135,10 @@ class Session:
             counters["cache"]["load_failed"] += 1
             counters["cache"]["miss"] += 1
             log(1, f"cache: entry {self.key} did not load ({type(e).__name__}: {e}); compiling again")
-            return None
+            return None, None
         counters["cache"]["hit"] += 1
         log(1, f"cache: hit {self.key}")
-        return fn
+        return fn, entry.get("shown")
 
     def traced(self) -> None:
         """AOTAutograd is done with this graph (its metadata is final): save when complete."""
@@ -139,11 +162,13 @@ class Session:
         if entry is None:
             if rec.failed:
                 rec.closed = True
+                self.record.close()
                 counters["cache"]["bypass"] += 1
                 log(2, f"cache: not stored ({rec.failed})")
             return
         rec.closed = True
         rec.parts.clear()
+        entry["shown"] = self.record.pack()
         try:
             payload = serial.dumps(entry)
         except serial.NotCacheable as e:
@@ -154,6 +179,10 @@ class Session:
             store.write(self.root, self.key, payload)
             store.evict(self.root, self.opts.cache_size_mb * (1 << 20))
         except OSError as e:
+            counters["cache"]["write_failed"] += 1
+            private.warn_once(f"kiln: compile cache: cannot write an entry to {self.root} ({e.strerror or e}); graphs "
+                              f"compile again in every process. Set {store.HOW} to a writable directory of your own "
+                              "(or turn the cache off: cache=False, KILN_CACHE=0)")
             log(1, f"cache: could not write entry {self.key}: {e}")
             return
         counters["cache"]["saved"] += 1

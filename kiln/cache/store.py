@@ -34,10 +34,18 @@ def default_dir() -> str:
 
 def directory(path=None) -> str:
     """The cache directory, made with mode 0700 when missing; raises ``CacheDirError`` when it is not the
-    user's own, others may write to it or it is read-only (``private.directory``), OSError when it cannot
-    be made. Its key is made or read here too."""
-    root = private.directory(path or default_dir(), HOW)
-    private.secret(root)
+    user's own, others may write to it or it is read-only (``private.directory``), or it cannot be made
+    (a file in its way, a dangling link), each message naming the option. Its key is made or read here too."""
+    path = path or default_dir()
+    try:
+        root = private.directory(path, HOW)
+        private.secret(root)
+    except CacheDirError:
+        raise
+    except OSError as e:
+        raise CacheDirError(f"{os.path.abspath(os.path.expanduser(str(path)))} cannot be used as a directory "
+                            f"({e.strerror or e}{': ' + e.filename if e.filename and e.filename != path else ''}); "
+                            f"kiln writes and loads nothing there. Fix: set {HOW} to a directory of your own") from None
     return root
 
 

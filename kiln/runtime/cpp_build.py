@@ -11,9 +11,14 @@ does not verify is never loaded: it is built again (logged, ``counters['codegen'
 With glibc's vector math library present,
 math calls in ``omp simd`` loops use its vector variants (``KILN_LIBMVEC``).
 
-A missing compiler or a failed build raises ``CppBuildError`` after one warning naming the cause; the
-caller (``fuse_graph``) then leaves the graph to ATen. ``function(name, ...)`` is how a kernel's
-launcher finds its function among the loaded libraries.
+A C++ target that cannot build degrades loudly, not fatally: a missing compiler is not a mistake in what the
+user asked for (a machine without g++ is normal), and flags are checked by the compiler, so kiln runs ATen
+kernels instead, after one warning per process and cause (``RuntimeWarning``) naming the option or the
+missing program, the compiler's first error line and what kiln does instead. ``unusable`` (``codegen='auto'``:
+no compiler, or one that cannot build a test library with ``cpp_flags``) warns so; in ``build``
+(``codegen='cpp'``) a missing compiler or a failed build raises ``CppBuildError`` after that warning, and the
+caller (``fuse_graph``) leaves the graph to ATen. ``function(name, ...)`` is how a kernel's launcher finds
+its function among the loaded libraries.
 """
 from __future__ import annotations
 
@@ -42,6 +47,7 @@ _LOCK = threading.Lock()
 _LIBRARIES: dict = {}   # key -> CDLL
 _OWNER: dict = {}       # function name -> CDLL holding it
 _WARNED: set = set()
+HOW = "set cpp_compiler (KILN_CPP_COMPILER, or $CXX) to a working C++ compiler, or codegen='aten' (KILN_CODEGEN=aten)"
 
 
 class CppBuildError(RuntimeError):
@@ -106,14 +112,25 @@ extern "C" void kiln_probe(float* x, int64_t n) {
 """
 
 
+def missing(opts: Options) -> str:
+    """Why no compiler is found, naming the option (or $CXX) and the programs looked for."""
+    if opts.cpp_compiler != "auto":
+        return f"no C++ compiler: cpp_compiler={opts.cpp_compiler!r} is not a program on this machine"
+    cxx = os.environ.get("CXX", "")
+    return f"no C++ compiler found ({f'$CXX={cxx!r}, ' if cxx else ''}g++ and clang++ are not on PATH)"
+
+
 def unusable(opts: Options) -> str:
     """Why ``codegen='auto'`` cannot pick C++ kernels here ('' when it can): no compiler, or one that
     cannot build and load a small OpenMP library with ``opts.cpp_flags``. The answer is kept per
-    process and, once a probe succeeded, on disk (by compiler version, flags and CPU)."""
+    process and, once a probe succeeded, on disk (by compiler version, flags and CPU). The first time a
+    reason is found in a process it is also a warning, saying that the CPU's graphs run ATen kernels."""
     cxx = find_compiler(opts)
-    if not cxx:
-        return f"no C++ compiler found (cpp_compiler={opts.cpp_compiler!r}, CXX={os.environ.get('CXX')!r})"
-    return _probe(cxx, opts.cpp_flags)
+    why = _probe(cxx, opts.cpp_flags) if cxx else missing(opts)
+    if why:
+        _warn(f"kiln: C++ kernels unavailable: {why}. Graphs on the CPU run ATen kernels instead (codegen='auto'). "
+              f"Fix: {HOW if not cxx else 'correct cpp_flags (KILN_CPP_FLAGS) or cpp_compiler'}", stacklevel=3)
+    return why
 
 
 @functools.lru_cache(maxsize=None)
@@ -138,7 +155,8 @@ def _probe(cxx: str, flags: str) -> str:
             return f"{cxx} did not run: {e}"
         if res.returncode != 0:
             first = next((ln for ln in res.stderr.splitlines() if "error" in ln), res.stderr.strip()[:300])
-            return f"{os.path.basename(cxx)} {flags} cannot build a test library: {first.strip()}"
+            first = first.replace(src, "probe.cpp").strip()
+            return f"{cxx} with cpp_flags={flags!r} cannot build a test library: {first}"
         try:
             ctypes.CDLL(out)
         except OSError as e:
@@ -147,14 +165,23 @@ def _probe(cxx: str, flags: str) -> str:
     return ""
 
 
-def _fail(cause: str) -> CppBuildError:
+def _warn(message: str, stacklevel: int = 2) -> None:
+    """``message`` as a RuntimeWarning, once per process."""
+    with _LOCK:
+        if message in _WARNED:
+            return
+        _WARNED.add(message)
+    warnings.warn(message, RuntimeWarning, stacklevel=stacklevel + 1)
+
+
+def _fail(cause: str, where: str = "", fix: str = "") -> CppBuildError:
+    """The error of a failed build, after one warning per ``cause`` (``where``, the unit's kept source,
+    is logged only: a warning per unit would repeat one cause for every graph)."""
     counters["codegen"]["cpp_build_failed"] += 1
-    if cause not in _WARNED:
-        _WARNED.add(cause)
-        warnings.warn(f"kiln: cannot build C++ kernels ({cause}); running ATen kernels instead", RuntimeWarning,
-                      stacklevel=3)
-    log(1, f"codegen: C++ build failed ({cause}); the graph runs ATen kernels")
-    return CppBuildError(cause)
+    _warn(f"kiln: cannot build C++ kernels: {cause}. The graph's kernels run as ATen instead. "
+          f"Fix: {fix or HOW}", stacklevel=3)
+    log(1, f"codegen: C++ build failed ({cause}{where}); the graph runs ATen kernels")
+    return CppBuildError(cause + where)
 
 
 def build(unit, opts: Options = None, binary=None) -> str:
@@ -164,7 +191,7 @@ def build(unit, opts: Options = None, binary=None) -> str:
     opts = opts or active()
     cxx = find_compiler(opts)
     if not cxx:
-        raise _fail(f"no C++ compiler found (cpp_compiler={opts.cpp_compiler!r}, CXX={os.environ.get('CXX')!r})")
+        raise _fail(missing(opts))
     flags = command(cxx, opts)
     libs = ["-lmvec"] if has_libmvec() else []
     key = _key(unit, cxx, flags, libs)
@@ -181,7 +208,7 @@ def build(unit, opts: Options = None, binary=None) -> str:
             if binary is not None and binary[0] == os.path.basename(path):
                 _install(binary[1], path)
             else:
-                _compile(cxx, flags, libs, unit.source, directory, path)
+                _compile(cxx, flags, libs, unit.source, directory, path, opts.cpp_flags)
         try:
             lib = ctypes.CDLL(path)
         except OSError as e:
@@ -238,7 +265,7 @@ def _install(data: bytes, path: str) -> None:
     private.write(directory, name + ".mac", private.sign(_root(path), data))
 
 
-def _compile(cxx, flags, libs, source, directory, path):
+def _compile(cxx, flags, libs, source, directory, path, opts_flags: str):
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix=private.PREFIX, dir=directory) as tmp:
         src = os.path.join(tmp, "unit.cpp")
@@ -252,8 +279,10 @@ def _compile(cxx, flags, libs, source, directory, path):
         if res.returncode != 0:
             kept = private.write(directory, os.path.basename(path)[:-3] + ".failed.cpp", source)
             first = next((ln for ln in res.stderr.splitlines() if "error" in ln), res.stderr.strip()[:300])
-            first = first.replace(src, os.path.basename(kept))   # not the temporary folder's name
-            raise _fail(f"{os.path.basename(cxx)} exited with {res.returncode}: {first.strip()} (source: {kept})")
+            first = first.replace(src, "unit.cpp").strip()   # not the temporary folder's name: one cause
+            raise _fail(f"{os.path.basename(cxx)} exited with {res.returncode}: {first} ({cxx}, cpp_flags={opts_flags!r})",
+                        f" (source: {kept})", "correct cpp_flags (KILN_CPP_FLAGS) or cpp_compiler, or "
+                        "codegen='aten' (KILN_CODEGEN=aten)")
         private.write(directory, os.path.basename(path)[:-3] + ".cpp", source)
         with open(out, "rb") as f:   # in this process's own temporary folder
             data = f.read()
