@@ -172,6 +172,8 @@ class Tuning:
     cpp_vector_math: bool = _opt(True, "C++ kernels call glibc's vector math (libmvec) where no comparison, "
                                        "rounding or max depends on the result (false: scalar math everywhere, "
                                        "the same bits in every kernel)")
+    flex_decode_q: int = _opt(16, "FlexAttention (Triton): queries of at most this many tokens over a long key/value "
+                                  "cache run the split-KV decoding kernels; 0: never", check="nonneg")
     # reductions split in two kernels
     split_min_r: int = _opt(4096, "split a reduction only when its rows are at least this long ...",
                             check="pos")

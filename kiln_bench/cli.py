@@ -1,6 +1,6 @@
 """``kiln bench``: measure kiln against eager and TorchInductor, side by side, in one process.
 
-    kiln bench [--suite micro|models|all] [--backends eager,inductor,kiln] [--device cpu|cuda]
+    kiln bench [--suite micro|models|zoo|flex|all] [--backends eager,inductor,kiln] [--device cpu|cuda]
                [--dtype fp32,bf16] [--budget 1.0,0.5,0.1] [--cases 'gpt*,softmax']
                [--json out.json] [--md out.md] [--record-dir benchmarks] [--no-record]
                [--no-guard | --guard 1.5,1.0] [--no-kernels]
@@ -50,8 +50,8 @@ def _guard(text):
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kiln bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--suite", choices=["micro", "models", "zoo", "all"], default="micro",
-                   help="all: micro and models (the zoo runs on its own)")
+    p.add_argument("--suite", choices=["micro", "models", "zoo", "flex", "all"], default="micro",
+                   help="all: micro and models (the zoo and flex run on their own)")
     p.add_argument("--cases", type=_csv, default=None, help="comma list of case names or fnmatch patterns")
     p.add_argument("--backends", type=_csv, default=["eager", "inductor", "kiln"])
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")

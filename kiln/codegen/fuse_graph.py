@@ -19,6 +19,7 @@ import torch
 import torch.fx
 
 from kiln.codegen.fallback import NoFallback, extract, graph_inputs
+from kiln.codegen.flex import lower_flex
 from kiln.codegen.ir.loops import Unsupported, release_indirect
 from kiln.codegen.lower import Lowering, is_tensor
 from kiln.codegen.schedule.chain import chain_plans
@@ -83,6 +84,7 @@ def fuse_graph(gm: torch.fx.GraphModule, example_inputs, opts, load_kernel, on_p
     graph unchanged (``strict=True`` raises instead)."""
     if not wants_triton(gm, opts):
         return 0
+    flex = lower_flex(gm, opts, load_kernel, build)   # FlexAttention's ops: kernels of their own (codegen/flex)
     try:
         generated = _generate(gm, opts, build)
         position = {n: i for i, n in enumerate(gm.graph.nodes)}
@@ -94,7 +96,7 @@ def fuse_graph(gm: torch.fx.GraphModule, example_inputs, opts, load_kernel, on_p
         counters["codegen"]["fallback"] += 1
         counters["random"]["aten"] += len(random_nodes(gm.graph))
         log(1, f"codegen: graph stays ATen ({type(e).__name__}: {e})")
-        return 0
+        return flex
     finally:
         release_indirect()
     if on_plans is not None:
@@ -102,7 +104,7 @@ def fuse_graph(gm: torch.fx.GraphModule, example_inputs, opts, load_kernel, on_p
     n = _rewrite(gm, *generated, position, calls)
     counters["codegen"]["kernels"] += n
     _count_random(gm.graph, generated[0], generated[1])
-    return n
+    return n + flex
 
 
 def random_nodes(graph) -> list:

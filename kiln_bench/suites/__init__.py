@@ -1,4 +1,5 @@
-"""Benchmark suites: ``micro`` (fused elementwise and normalisation kernels), ``models`` and ``zoo``.
+"""Benchmark suites: ``micro`` (fused elementwise and normalisation kernels), ``models``, ``zoo`` and
+``flex`` (FlexAttention).
 
 ``select(suite, device, names)`` returns the cases to run and the ones skipped, with the reason.
 """
@@ -6,9 +7,9 @@ from __future__ import annotations
 
 import fnmatch
 
-from kiln_bench.suites import micro, models, zoo
+from kiln_bench.suites import flex, micro, models, zoo
 
-SUITES = {"micro": micro.CASES, "models": models.CASES, "zoo": zoo.CASES}
+SUITES = {"micro": micro.CASES, "models": models.CASES, "zoo": zoo.CASES, "flex": flex.CASES}
 
 
 class UnknownCaseError(ValueError):
@@ -16,9 +17,9 @@ class UnknownCaseError(ValueError):
 
 
 def all_cases(suite: str = "all") -> list:
-    """Every case of ``suite`` ('micro', 'models', 'zoo', 'all': micro and models, or 'every')."""
+    """Every case of ``suite`` ('micro', 'models', 'zoo', 'flex', 'all': micro and models, or 'every')."""
     if suite in ("all", "every"):
-        return [c for name, cases in SUITES.items() if suite == "every" or name != "zoo" for c in cases]
+        return [c for name, cases in SUITES.items() if suite == "every" or name not in ("zoo", "flex") for c in cases]
     return list(SUITES[suite])
 
 
