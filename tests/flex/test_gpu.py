@@ -79,3 +79,24 @@ def test_issue_block_memory_is_linear():
     peak = torch.cuda.max_memory_allocated() - base
     scores = 4 * 16 * 2048 * 2048 * 4   # one fp32 [B, H, S, S]
     assert peak < scores / 4, (peak, scores)
+
+
+@pytest.mark.parametrize("codegen", ["aten", "triton"])
+def test_a_learned_bias_gets_its_gradient_on_every_path(codegen):
+    """The dense path (codegen='aten', or any dense fallback of the backward) must not drop the gradient of a
+    captured tensor that requires grad (a learned relative-position bias): kiln's Triton backward computes it,
+    and the dense op must too."""
+    B, H, S, D = 1, 2, 256, 64
+    case = cases(S, H, DEV)["relbias"]
+    p = params_of(case)
+    q, k, v = inputs(B, H, S, D, 0, dtype=torch.float32, device=DEV, grad=True)
+    bm = block_mask(case, p, B, H, S, 128, DEV)
+    torch._dynamo.reset()
+    with kiln.config.patch(codegen=codegen):
+        out = compiled_forward(case, p, bm)(q, k, v)
+        got = torch.autograd.grad(out.sum(), [q, p[case.grad[0]]], allow_unused=True)
+    ref = dense(q, k, v, case, p)[0]
+    want = torch.autograd.grad(ref.sum(), [q, p[case.grad[0]]])
+    assert got[1] is not None, "the learned bias lost its gradient"
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=2e-3, atol=2e-3)
