@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import kiln
+from tests.numerics import assert_sum_close
 
 
 def _rows(x):
@@ -47,7 +48,7 @@ def test_unfold_without_writes_compiles():
     x = torch.randn(6, 6)
     for fn in (f, g):
         got, fell, _ = _run(fn, x, "aten")
-        assert torch.equal(got, fn(x)) and fell == 0
+        assert torch.equal(got, fn(x)) and fell == 0   # bit for bit: sums of two, products (any order is one)
 
 
 def test_writes_into_inputs_sharing_memory_run_as_eager():
@@ -85,4 +86,7 @@ def test_writes_into_inputs_sharing_memory_run_as_eager():
 def test_inputs_sharing_memory_without_writes_compile():
     a = torch.randn(6, 4)
     got, fell, _ = _run(lambda x, y: x * 2 + y.sum(), (a, a[2:]), "cpp")
-    assert torch.allclose(got, a * 2 + a[2:].sum()) and fell == 0
+    assert fell == 0
+    # the C++ kernel sums the 16 elements in the host's vector width: against float64, 17 terms' rounding
+    a64 = a.double()
+    assert_sum_close(got, a64 * 2 + a64[2:].sum(), terms=17, scale=2 * a64.abs() + a64[2:].abs().sum())

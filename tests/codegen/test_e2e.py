@@ -1,10 +1,13 @@
 """End to end through ``kiln.compile(..., codegen='triton')``: forward and backward on the CPU
 (kernels run in Triton's interpreter) match eager, and the generated code is Triton."""
+import copy
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import kiln
+from tests.numerics import assert_close_to_fp64
 
 
 class Block(nn.Module):
@@ -21,9 +24,14 @@ class Block(nn.Module):
 
 
 def test_train_step_matches_eager():
+    """Loss and gradients against eager's and a float64 step's (``assert_close_to_fp64``: the norms, softmax
+    and cross-entropy sum in the interpreter's order, eager's in the host's)."""
     torch.manual_seed(0)
     m = Block()
     x, t = torch.randn(8, 32, requires_grad=True), torch.randint(0, 10, (8,))
+    m64, x64 = copy.deepcopy(m).double(), x.detach().double().requires_grad_()
+    exact = m64(x64, t)
+    exact.backward()
     ref = m(x, t)
     ref.backward()
     grads = [p.grad.clone() for p in m.parameters()] + [x.grad.clone()]
@@ -32,9 +40,10 @@ def test_train_step_matches_eager():
     before = kiln.counters["codegen"]["kernels"]
     out = kiln.compile(m, codegen="triton")(x, t)
     out.backward()
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    for g, r in zip([p.grad for p in m.parameters()] + [x.grad], grads):
-        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
+    assert_close_to_fp64(out, ref, exact, atol=1e-5, rtol=1e-5)
+    exact_grads = [p.grad for p in m64.parameters()] + [x64.grad]
+    for g, r, e in zip([p.grad for p in m.parameters()] + [x.grad], grads, exact_grads):
+        assert_close_to_fp64(g, r, e, atol=1e-5, rtol=1e-5)
     assert kiln.counters["codegen"]["kernels"] - before >= 4
 
 

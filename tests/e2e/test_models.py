@@ -5,6 +5,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tests.e2e.helpers import check_train
+from tests.numerics import assert_close_to_fp64
+
+
+def _fp64(m):
+    """A float64 copy of module ``m`` (the exact reference of ``assert_close_to_fp64``)."""
+    import copy
+    return copy.deepcopy(m).double()
 
 
 class MLP(nn.Module):
@@ -77,9 +84,9 @@ def test_inference_no_grad():
     m = CNN().eval()
     x = torch.randn(2, 3, 8, 8)
     with torch.no_grad():
-        ref = m(x)
+        ref, exact = m(x), _fp64(m)(x.double())
         out = kiln.compile(m)(x)
-    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    assert_close_to_fp64(out, ref, exact, rtol=1e-4, atol=1e-4)
     assert not out.requires_grad
 
 
@@ -117,7 +124,7 @@ def test_eval_batchnorm_fuses_into_kernels_on_the_fusing_target():
     code = []
     with torch.no_grad():
         out, code = kiln.run_and_get_code(kiln.compile(m, codegen="triton"), x)
-        torch.testing.assert_close(out, m(x), rtol=1e-5, atol=1e-5)
+        assert_close_to_fp64(out, m(x), _fp64(m)(x.double()), rtol=1e-5, atol=1e-5)
     wrapper = next(c for c in code if c.startswith("# kiln wrapper"))
     assert "batch_norm" not in wrapper and wrapper.count("= kiln_") == 1, wrapper
 
@@ -140,10 +147,11 @@ def test_batchnorm_statistics_update_in_the_graph(codegen):
     import kiln
     torch.manual_seed(0)
     m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 3), nn.BatchNorm2d(4))
-    ref = copy.deepcopy(m)
+    ref, exact = copy.deepcopy(m), _fp64(m)
     f = kiln.compile(m, codegen=codegen)
     for i in range(3):
         x = torch.randn(2, 3, 8, 8)
+        exact(x.double())
         if i == 0:
             out, code = kiln.run_and_get_code(f, x)
             fw = next(c for c in code if c.startswith("# kiln wrapper: forward"))
@@ -152,8 +160,8 @@ def test_batchnorm_statistics_update_in_the_graph(codegen):
             out = f(x)
         out.sum().backward()
         ref(x).sum().backward()
-    for (name, a), (_, b) in zip(m.state_dict().items(), ref.state_dict().items()):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+    for (name, a), b, e in zip(m.state_dict().items(), ref.state_dict().values(), exact.state_dict().values()):
+        assert_close_to_fp64(a, b, e, rtol=1e-5, atol=1e-5, msg=name)
     assert int(m[1].num_batches_tracked) == 3
 
 
@@ -181,7 +189,7 @@ def test_convolution_bias_fuses_into_the_next_kernel():
         torch._dynamo.reset()
         with torch.no_grad():
             out, code = kiln.run_and_get_code(kiln.compile(m, codegen="triton", **opts), x)
-            torch.testing.assert_close(out, m(x), rtol=1e-5, atol=1e-5)
+            assert_close_to_fp64(out, m(x), _fp64(m)(x.double()), rtol=1e-5, atol=1e-5)
         wrapper = next(c for c in code if c.startswith("# kiln wrapper"))
         conv_lines = [line for line in wrapper.splitlines() if "= aten_convolution" in line]
         assert conv_lines and all(", None, [" in line for line in conv_lines), wrapper
