@@ -32,13 +32,15 @@ test-all: $(STAMP)
 test-gpu:
 	PYTHONPATH=. python3 -m pytest -q -m gpu
 
+# records into benchmarks/RESULTS.md (kiln bench alone only prints)
 bench: $(STAMP)
 	@if $(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
-	  $(VENV)/bin/kiln bench --suite micro --device cuda && \
-	  $(VENV)/bin/kiln bench --suite models --device cuda --budget 1.0,0.5,0.1; \
+	  $(VENV)/bin/kiln bench --suite micro --device cuda --record && \
+	  $(VENV)/bin/kiln bench --suite models --device cuda --budget 1.0,0.5,0.1 --record; \
 	else \
-	  $(VENV)/bin/kiln bench --suite micro --device cpu && \
-	  $(VENV)/bin/kiln bench --suite models --cases gpt --device cpu --budget 1.0,0.5,0.1; \
+	  $(VENV)/bin/kiln bench --suite micro --device cpu --record && \
+	  $(VENV)/bin/kiln bench --suite models --cases gpt --device cpu --budget 1.0,0.5,0.1 --record && \
+	  $(VENV)/bin/kiln bench --suite user --device cpu --threads 2 --record; \
 	fi
 
 # the compiler (kiln/) by folder, then the tools beside it (kiln_bench/)

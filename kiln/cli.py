@@ -1,12 +1,12 @@
 """The ``kiln`` command (also ``python -m kiln``): ``kiln demo``, ``kiln bench ...``, ``kiln check-ops ...``
-(the OpInfo sweep), ``kiln options``, ``kiln cache info|clear``, ``kiln --version``."""
+(the OpInfo sweep), ``kiln options [NAME]``, ``kiln cache info|clear``, ``kiln --version``."""
 from __future__ import annotations
 
 import sys
 
 
-USAGE = ("usage: kiln demo | kiln bench [--suite micro|models|all] [...] | kiln check-ops [--ops REGEX] [...]"
-         " | kiln bench-compile [--cases gpt] | kiln options | kiln cache info|clear | kiln --version")
+USAGE = ("usage: kiln demo | kiln bench [--suite micro|models|user|all] [...] | kiln check-ops [--ops REGEX] [...]"
+         " | kiln bench-compile [--cases gpt] | kiln options [NAME] | kiln cache info|clear | kiln --version")
 
 
 # The commands of the tools beside the compiler (the kiln_bench package): each module is imported only when
@@ -71,17 +71,32 @@ def _main(argv) -> int:
     if cmd == "cache":
         return cache_command(argv)
     if cmd == "options":
-        if argv:   # (``kiln options --help`` printed the options)
-            print("usage: kiln options   (every option: default, environment variable, help)")
-            return 0 if argv[0] in ("-h", "--help") else 2
+        if argv[:1] in (["-h"], ["--help"]):   # (``kiln options --help`` printed the options)
+            return print("usage: kiln options [NAME ...]   (all options, or the named ones, with their help)") or 0
         from kiln.options import describe
-        print(describe())
-        return 0
+        if not argv:
+            print(describe())
+        return max(map(show_option, argv), default=0)
     if cmd not in ("help", "-h", "--help"):
         print(f"kiln: unknown command {cmd!r}", file=sys.stderr)
         print(USAGE, file=sys.stderr)
         return 2
     print(USAGE)
+    return 0
+
+
+def show_option(name: str) -> int:
+    """``kiln options NAME``: its help, default, environment variable and choices; else the nearest names (exit 2)."""
+    from kiln.options import ENV_NAMES, FIELDS, suggest
+    f, near = FIELDS.get(name), " or ".join(suggest(name))
+    if f is None:
+        print(f"kiln options: no option {name!r}; " + (f"did you mean {near}?" if near else "`kiln options` lists "
+              "them all"), file=sys.stderr)
+        return 2
+    ch = ", ".join("a callable" if c == "callable" else "None" if c in (None, type(None)) else repr(c)
+                   for c in f.metadata["choices"] or ())
+    print(f"{name}: {f.metadata['help']}\n  default:     {f.default!r}\n  environment: "
+          f"{ENV_NAMES[name] if f.metadata['env'] else '- (set in code)'}" + (f"\n  choices:     {ch}" if ch else ""))
     return 0
 
 

@@ -25,3 +25,6 @@ from kiln.partition.livemem import measure_peak  # noqa: F401
 
 # graph_peak: which nodes are views of their input (``ops.is_view``), as the partitioner counts them
 from kiln.partition import ops  # noqa: F401
+
+# launch: the ``kiln`` command itself, which the console script runs for every command but ``--version``
+from kiln.cli import main as cli_main  # noqa: F401

@@ -1,15 +1,17 @@
 """``kiln bench``: measure kiln against eager and TorchInductor, side by side, in one process.
 
-    kiln bench [--suite micro|models|zoo|flex|all] [--backends eager,inductor,kiln] [--device cpu|cuda]
+    kiln bench [--suite micro|models|zoo|flex|user|all] [--backends eager,inductor,kiln] [--device cpu|cuda]
                [--dtype fp32,bf16] [--budget 1.0,0.5,0.1] [--cases 'gpt*,softmax']
-               [--json out.json] [--md out.md] [--record-dir benchmarks] [--no-record]
+               [--json out.json] [--md out.md] [--record | --record-dir DIR]
                [--no-guard | --guard 1.5,1.0] [--no-kernels]
 
 Each case runs every backend in turn (see ``runner``); a row is printed as soon as it is measured,
 under a progress bar, with its step time (GPU time on the GPU), host time and kernels per step. At the
-end the markdown summary is printed, appended to ``<record-dir>/RESULTS.md`` with the JSON in
-``<record-dir>/results/``, and budget sweeps are drawn. ``--from-json a.json [b.json ...]`` re-renders
-saved runs (e.g. fetched from a GPU machine) instead.
+end the markdown summary is printed, and that is all unless asked: ``--json``/``--md`` write the rows and
+the section to files; ``--record`` appends the section to the kiln checkout's ``benchmarks/RESULTS.md``
+(with the JSON in ``benchmarks/results/`` and the budget plots beside it), ``--record-dir DIR`` does the
+same in ``DIR``. ``--from-json a.json [b.json ...]`` re-renders saved runs (e.g. fetched from a GPU
+machine) instead.
 
 The cliff guard (``report.failures``): a line where kiln's step time is above 1.5x inductor's or above
 eager's, a failed check, or a kiln row that errored is printed as FAIL, and the exit status is 1.
@@ -50,8 +52,8 @@ def _guard(text):
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kiln bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--suite", choices=["micro", "models", "zoo", "flex", "all"], default="micro",
-                   help="all: micro and models (the zoo and flex run on their own)")
+    p.add_argument("--suite", choices=["micro", "models", "zoo", "flex", "user", "all"], default="micro",
+                   help="all: micro and models (the zoo, flex and user suites run on their own)")
     p.add_argument("--cases", type=_csv, default=None, help="comma list of case names or fnmatch patterns")
     p.add_argument("--backends", type=_csv, default=["eager", "inductor", "kiln"])
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
@@ -63,9 +65,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--size", choices=["tiny", "cpu", "gpu"], default=None, help="default: by device")
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
     p.add_argument("--md", default=None, help="also write the markdown section to this file")
-    p.add_argument("--record-dir", default="benchmarks", help="RESULTS.md and results/*.json go here")
-    p.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md / results/")
-    p.add_argument("--plot-dir", default=None, help="budget PNGs (default: the record dir)")
+    p.add_argument("--record", action="store_true",
+                   help="append the section to the kiln checkout's benchmarks/RESULTS.md (JSON in benchmarks/results/)")
+    p.add_argument("--record-dir", default=None, metavar="DIR",
+                   help="append the section to DIR/RESULTS.md (JSON in DIR/results/) instead")
+    p.add_argument("--no-record", action="store_true", help="record nothing (the default; kept for old scripts)")
+    p.add_argument("--plot-dir", default=None, help="budget PNGs (default: the record dir, when recording)")
     p.add_argument("--caches", choices=["fresh", "keep"], default="fresh",
                    help="fresh: empty compile caches for this run (cold compile is cold); keep: the user's")
     p.add_argument("--no-warm", action="store_true", help="skip the warm (cache-hit) recompile")
@@ -99,11 +104,12 @@ def _list(console, suite, device):
 
 def _meta(args, argv, device, size, cases, skipped):
     import torch
-    from kiln_bench import backends as B
+    from kiln_bench import backends as B, load
     name = torch.cuda.get_device_name() if device == "cuda" else (platform.processor() or platform.machine())
     return {**B.versions(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "t0": time.time(),
             "device": device, "device_name": name, "size": size, "suite": args.suite, "threads": torch.get_num_threads(),
             "backends": args.backends, "budgets": args.budget, "dtypes": args.dtype, "caches": args.caches, "python": platform.python_version(),
+            "load": load.sample(),
             "command": "kiln bench " + " ".join(argv), "cases": [c.name for c in cases], "skipped": skipped,
             "mem_kind": "CUDA peak allocated during one step" if device == "cuda"
             else "bytes saved for backward (distinct storages, not inputs)"}
@@ -111,7 +117,7 @@ def _meta(args, argv, device, size, cases, skipped):
 
 def _run(args, cfg, cases, console, meta):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    from kiln_bench import report, runner
+    from kiln_bench import load, report, runner
     jobs = [(c, d) for c in cases for d in (c.dtypes if c.dtypes == ("auto",) else
                                             [x for x in args.dtype if x in c.dtypes])]
     total = sum(len(runner.variants(c, args.backends, args.budget)) for c, _ in jobs)
@@ -128,6 +134,7 @@ def _run(args, cfg, cases, console, meta):
             for row in runner.run_case(case, dtype, args.backends, args.budget, cfg, on_start=started):
                 if row.get("gbps") and meta.get("bandwidth"):   # achieved / this machine's STREAM bandwidth
                     row["bw_frac"] = row["gbps"] / meta["bandwidth"]["peak"]
+                row["load1"] = (load.sample() or {}).get("load1")   # the machine's load as the row finished
                 rows.append(row)
                 mine.append(row)
                 if args.json:  # partial results survive a timeout or a crash of the process
@@ -149,10 +156,10 @@ def _finish(args, meta, rows, console) -> int:
     if args.md:
         with open(args.md, "w") as fh:
             fh.write(text)
-    if not args.no_record:
+    if args.record_dir:
         md_path, json_path = report.record(meta, rows, args.record_dir)
         console.print(f"recorded: {md_path}, {json_path}", markup=False, highlight=False)
-    plot_dir = args.plot_dir or (None if args.no_record else args.record_dir)
+    plot_dir = args.plot_dir or args.record_dir
     if plot_dir:
         for path in plot.plot_budgets(rows, plot_dir, meta["device"], "saved for backward"
                                       if meta["device"] == "cpu" else "CUDA peak"):
@@ -176,7 +183,13 @@ def _limits(args) -> dict:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``kiln bench`` and ``python -m kiln_bench``; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    from kiln_bench import report
+    try:
+        args.record_dir = report.record_dir(args.record, args.record_dir, args.no_record)
+    except report.RecordError as e:
+        p.error(str(e))
     from rich.console import Console
     console = Console(soft_wrap=True)
     if args.from_json:
@@ -186,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         return _finish(args, meta, [r for _, rs in loaded for r in rs], console)
     import torch
     from kiln_bench import backends as B
-    from kiln_bench import runner
+    from kiln_bench import load, runner
     from kiln_bench.suites import UnknownCaseError, select
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
@@ -225,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
             console.print(stream.describe(meta["bandwidth"]), markup=False, highlight=False)
         rows = _run(args, cfg, cases, console, meta)
     meta["elapsed_s"] = time.time() - meta["t0"]
+    meta["load_end"] = load.sample(own=torch.get_num_threads() if device == "cpu" else 1)
     return _finish(args, meta, rows, console)
 
 

@@ -1,7 +1,7 @@
 """Compile times in new processes: cold, warm-cache and in-process recompile, kiln and Inductor alike.
 
     kiln bench-compile [--cases gpt,cnn] [--backends kiln,inductor] [--device cpu|cuda]
-                       [--repeat 1] [--record-dir benchmarks] [--no-record] [--json out.json]
+                       [--repeat 1] [--json out.json] [--md out.md] [--record | --record-dir DIR]
 
 For every case and backend, in a fresh set of empty caches (Inductor's FX-graph and AOTAutograd
 caches, Triton's, kiln's compile cache and kernel directory, all under one temporary directory):
@@ -16,6 +16,10 @@ Times are the first call's seconds less one step's (the fastest of three later c
 checked step), measured inside the child: what compiling cost; ``process`` is the child's whole life,
 imports included. Children run with Python's bytecode cache on, as users do. ``--repeat`` runs the pair
 of processes several times (each with fresh caches) and keeps the median.
+
+A line is printed per case and backend as it finishes, then the table; ``--json`` writes the rows to a
+file, ``--record`` appends the table to the kiln checkout's ``benchmarks/RESULTS.md`` (``--record-dir DIR``:
+to ``DIR/RESULTS.md``); by default nothing is written.
 """
 from __future__ import annotations
 
@@ -124,42 +128,80 @@ def markdown(meta: dict, rows: list) -> str:
     return "\n".join(lines) + "\n"
 
 
+LIVE = (("case", 22), ("backend", 10), ("cold s", 8), ("warm s", 8), ("recompile s", 12), ("step s", 8),
+        ("process s (warm)", 16))
+
+
+def live_line(row: dict) -> str:
+    """One console line for a finished (case, backend): its times in seconds, or its error."""
+    head = f"{row['case']:<22} {row['backend']:<10} "
+    if "error" in row:
+        return head + f"error: {row['error']}"
+    cells = [f"{row[k]:.2f}" for k in ("cold_s", "warm_s", "recompile_s")] + [f"{row['step_s']:.3f}",
+                                                                              f"{row['warm_process_s']:.1f}"]
+    return head + " ".join(f"{c:<{w}}" for c, (_, w) in zip(cells, LIVE[2:]))
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kiln bench-compile", description=__doc__.split("\n\n")[0],
+                                epilog="Cases are kiln bench's (`kiln bench --list --suite all`); each runs in new "
+                                       "processes, so a case takes a few times its compile time.")
+    p.add_argument("--cases", default="gpt,cnn", help="comma list of kiln bench case names (default gpt,cnn)")
+    p.add_argument("--backends", default="kiln,inductor",
+                   help="comma list of backends (default kiln,inductor; aot_eager measures Dynamo and AOTAutograd "
+                        "alone, the floor both compilers stand on)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
+    p.add_argument("--repeat", type=int, default=1, help="pairs of processes per case and backend; the median is "
+                                                         "kept (default 1)")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the rows to this JSON file")
+    p.add_argument("--md", default=None, metavar="PATH", help="also write the markdown table to this file")
+    p.add_argument("--record", action="store_true", help="append the table to the kiln checkout's "
+                                                         "benchmarks/RESULTS.md")
+    p.add_argument("--record-dir", default=None, metavar="DIR", help="append the table to DIR/RESULTS.md instead")
+    p.add_argument("--no-record", action="store_true", help="record nothing (the default; kept for old scripts)")
+    return p
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == CHILD:
         print(json.dumps(_child(*argv[1:4])))
         return 0
-    p = argparse.ArgumentParser(prog="kiln bench-compile", description=__doc__.split("\n\n")[0])
-    p.add_argument("--cases", default="gpt,cnn")
-    p.add_argument("--backends", default="kiln,inductor")
-    p.add_argument("--device", choices=["cpu", "cuda"], default=None)
-    p.add_argument("--repeat", type=int, default=1)
-    p.add_argument("--json", default=None)
-    p.add_argument("--record-dir", default="benchmarks")
-    p.add_argument("--no-record", action="store_true")
+    from kiln_bench import report
+    p = parser()
     a = p.parse_args(argv)
+    try:
+        record_dir = report.record_dir(a.record, a.record_dir, a.no_record)
+    except report.RecordError as e:
+        p.error(str(e))
     import torch
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     rows = []
+    print(" ".join(f"{name:<{w}}" for name, w in LIVE), flush=True)
     for case in [c for c in a.cases.split(",") if c]:
         for backend in [b for b in a.backends.split(",") if b]:
             row = _median_rows([measure(case, backend, device) for _ in range(max(1, a.repeat))])
             row.update(case=case, backend=backend)
             rows.append(row)
-            print(json.dumps(row), flush=True)
+            print(live_line(row), flush=True)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "torch": torch.__version__, "repeat": a.repeat,
             "device_name": torch.cuda.get_device_name() if device == "cuda" else f"CPU {platform.processor() or platform.machine()}, {os.cpu_count()} cores",
             "threads": f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}",
             "command": "kiln bench-compile " + " ".join(argv)}
     md = markdown(meta, rows)
-    print(md)
+    print("\n" + md)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    if not a.no_record:
-        with open(os.path.join(a.record_dir, "RESULTS.md"), "a") as f:
+    if a.md:
+        with open(a.md, "w") as f:
+            f.write(md)
+    if record_dir:
+        path = os.path.join(record_dir, "RESULTS.md")
+        with open(path, "a") as f:
             f.write("\n" + md)
-    return 0
+        print(f"recorded: {path}")
+    return 1 if rows and all("error" in r for r in rows) else 0
 
 
 if __name__ == "__main__":

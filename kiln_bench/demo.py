@@ -6,6 +6,11 @@ Runs on the GPU when there is one, else on the CPU with torch's threads pinned t
 (``--threads N`` picks another count). Steps are measured in batches of ``--steps`` until the spread is
 under 5% of the median or ``--max-seconds`` have passed for that backend and case. Caches start empty,
 so compile times are cold. Finishes in about a minute on 2 CPU cores.
+
+On a busy machine (other work that, beside the demo's threads, asks for more than the cores before or
+after the run, or a step time whose spread stays above ±10%) the table is titled UNRELIABLE and says why: the figures are printed, marked, and
+are no result (``kiln_bench.load``). Two small cases are no benchmark either: ``kiln bench --suite user``
+measures eleven ordinary models.
 """
 from __future__ import annotations
 
@@ -105,17 +110,35 @@ def _infer_case(backends, device: str, size: str, args) -> dict:
     return rows
 
 
-def _busy_note(threads: int) -> str:
-    """A warning when the machine's load average already reaches the threads the demo will use: OpenMP
-    threads that wait for a busy core make every step slow (each parallel region waits out a time slice)."""
-    try:
-        load = os.getloadavg()[0]
-    except (AttributeError, OSError):
-        return ""
-    if load < threads:
-        return ""
-    return (f"note: load average {load:.1f} with {threads} threads: other processes compete for the cores, "
-            f"so step times will be slow and noisy")
+def unreliable(results: dict, loads, threads: int) -> list:
+    """Why the demo's figures are no result (empty when they are): ``kiln_bench.load.verdict`` over the
+    load samples taken before and after the run (the busier counts), the ``threads`` it measures with and
+    the spread of every step time. ``results`` is ``{case: {backend: row}}``."""
+    from kiln_bench.load import others, verdict
+    samples = [x for x in loads if x]
+    worst = max(samples, key=others) if samples else None
+    return verdict(worst, threads, [r["spread"] for rows in results.values() for r in rows.values()])
+
+
+def render(console, results: dict, why: list) -> None:
+    """The table of ``results`` (``{case: {backend: row}}``); when ``why`` lists reasons, titled UNRELIABLE,
+    every step time marked with ``?`` and the reasons printed under it."""
+    from rich.table import Table
+    title = "UNRELIABLE: this machine is busy, the step times below are no result" if why else None
+    table = Table("case", "backend", "step ms" + (" (?)" if why else ""), "steps", "compile s", "saved MiB",
+                  "check", title=title)
+    for case, rows in results.items():
+        for backend, r in rows.items():
+            cells = _cells(case, backend, r)
+            if why:
+                cells[2] += " ?"
+            table.add_row(*cells)
+    console.print(table)
+    for reason in why:
+        console.print(f"unreliable: {reason}", markup=False, highlight=False)
+    if why:
+        console.print("Run again on an idle machine (or with fewer --threads) before reading these as kiln's "
+                      "speed.", markup=False, highlight=False)
 
 
 def _threads(args) -> str:
@@ -150,9 +173,9 @@ def _cells(case: str, backend: str, r: dict) -> list:
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     from rich.console import Console
-    from rich.table import Table
 
     from kiln_bench.backends import fresh_caches, prime, save_template
+    from kiln_bench.load import sample
 
     size = "tiny" if args.device == "cpu" else "cpu"
     backends = ("eager", "kiln") if args.no_inductor else ("eager", "inductor", "kiln")
@@ -163,20 +186,23 @@ def main(argv=None) -> int:
         console.print(f"kiln demo on {args.device} (torch {torch.__version__}, {threads}); caches empty, so "
                       f"compile times are cold. step ms: median ±half the interquartile range; saved: "
                       f"activations saved for backward; check: outputs and gradients against eager's")
-        note = _busy_note(torch.get_num_threads()) if args.device == "cpu" else ""
-        if note:
-            console.print(note)
-        table = Table("case", "backend", "step ms", "steps", "compile s", "saved MiB", "check")
-        kiln_ok = True
+        n = torch.get_num_threads() if args.device == "cpu" else 1
+        before = sample() if args.device == "cpu" else None
+        early = unreliable({}, [before], n)
+        if early:
+            console.print(f"note: {early[0]}; step times will be slow and noisy", markup=False, highlight=False)
+        results = {}
         with fresh_caches() as root:
             prime(backends, args.device)
             save_template(root)
             for label, fn in zip(CASES, (_train_case, _infer_case)):
-                rows = fn(backends, args.device, size, args)
-                kiln_ok &= rows["kiln"]["ok"]
-                for backend, r in rows.items():
-                    table.add_row(*_cells(label, backend, r))
-        console.print(table)
+                results[label] = fn(backends, args.device, size, args)
+        kiln_ok = all(rows["kiln"]["ok"] for rows in results.values())
+        after = sample(own=n) if args.device == "cpu" else None
+        render(console, results, unreliable(results, [before, after], n))
+        if args.device == "cpu":
+            console.print("Two small cases; `kiln bench --suite user --device cpu` measures eleven ordinary models "
+                          "(the README quotes its geomean).", markup=False, highlight=False)
     finally:
         torch.set_num_threads(threads_before)
     return 0 if kiln_ok else 1

@@ -156,6 +156,8 @@ def markdown(meta: dict, rows: list) -> str:
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     if meta.get("note"):
         lines.insert(-2, f"Note: {meta['note']}\n")
+    if _load_note(meta, rows):
+        lines.insert(-2, _load_note(meta, rows) + "\n")
     if meta.get("bandwidth"):
         from kiln_bench.stream import describe
         lines.insert(-2, describe(meta["bandwidth"]) + "; GB/s cells show (in parentheses) the fraction of the "
@@ -223,6 +225,25 @@ def _host_note(meta, rows, has_host, has_kernels) -> str:
     if has_kernels:
         out += f"Kernels: {', '.join(kinds) or 'kernels'} per step, counted in a separate profiled pass. "
     return out
+
+
+def _load_note(meta, rows) -> str:
+    """The machine's load during the run (one-minute load average at the start, after each row, at the end)
+    on its cores, and a warning when other work competed with the run's threads (``load.verdict``); empty
+    for runs that did not sample it."""
+    from kiln_bench.load import others, verdict
+    start, end = meta.get("load"), meta.get("load_end")
+    if not (start or end):
+        return ""
+    s = start or end
+    threads = meta.get("threads", 1) if meta.get("device") == "cpu" else 1
+    seen = [x for x in (start, end) if x] + [dict(s, load1=r["load1"], own=threads) for r in rows
+                                             if r.get("load1") is not None]
+    worst = max(seen, key=others)
+    why = verdict(worst, threads)
+    return (f"Load average {min(x['load1'] for x in seen):.1f} to {max(x['load1'] for x in seen):.1f} over the "
+            f"run on {s['cores']} cores" +
+            (f": UNRELIABLE timings, {why[0]}; the step times include waiting for them." if why else "."))
 
 
 def _guard_note(meta, limits) -> str:
@@ -341,6 +362,33 @@ def read_json(path: str):
     with open(path) as fh:
         data = json.load(fh)
     return data["meta"], data["rows"]
+
+
+class RecordError(ValueError):
+    """``--record`` found no kiln checkout to record into (kiln installed from a wheel, not a clone), or
+    was combined with ``--no-record``: name a directory with ``--record-dir DIR`` instead."""
+
+
+def checkout_benchmarks() -> str | None:
+    """The ``benchmarks/`` folder of the kiln checkout these tools run from (beside ``pyproject.toml`` one
+    level above the ``kiln_bench`` package); None when they were installed elsewhere."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.path.join(root, "benchmarks")
+    return path if os.path.isfile(os.path.join(root, "pyproject.toml")) and os.path.isdir(path) else None
+
+
+def record_dir(record: bool, directory: str | None, no_record: bool = False) -> str | None:
+    """Where ``kiln bench`` / ``bench-compile`` record a run: ``directory`` (``--record-dir``), the checkout's
+    ``benchmarks/`` (``--record``) or nowhere (the default: print only). Raises ``RecordError``."""
+    if no_record and (record or directory):
+        raise RecordError("--no-record contradicts --record/--record-dir; drop one")
+    if directory or not record:
+        return directory
+    found = checkout_benchmarks()
+    if found is None:
+        raise RecordError("--record: these tools do not run from a kiln checkout (no benchmarks/ beside "
+                          "pyproject.toml); name a directory with --record-dir DIR")
+    return found
 
 
 def record(meta: dict, rows: list, record_dir: str) -> tuple:

@@ -1,5 +1,5 @@
-"""Benchmark suites: ``micro`` (fused elementwise and normalisation kernels), ``models``, ``zoo`` and
-``flex`` (FlexAttention).
+"""Benchmark suites: ``micro`` (fused elementwise and normalisation kernels), ``models``, ``zoo``,
+``flex`` (FlexAttention) and ``user`` (ordinary models as a user brings them to a CPU).
 
 ``select(suite, device, names)`` returns the cases to run and the ones skipped, with the reason.
 """
@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import fnmatch
 
-from kiln_bench.suites import flex, micro, models, zoo
+from kiln_bench.suites import flex, micro, models, user, zoo
 
-SUITES = {"micro": micro.CASES, "models": models.CASES, "zoo": zoo.CASES, "flex": flex.CASES}
+SUITES = {"micro": micro.CASES, "models": models.CASES, "zoo": zoo.CASES, "flex": flex.CASES,
+          "user": user.CASES}
 
 
 class UnknownCaseError(ValueError):
@@ -17,9 +18,9 @@ class UnknownCaseError(ValueError):
 
 
 def all_cases(suite: str = "all") -> list:
-    """Every case of ``suite`` ('micro', 'models', 'zoo', 'flex', 'all': micro and models, or 'every')."""
+    """Every case of ``suite`` ('micro', 'models', 'zoo', 'flex', 'user', 'all': micro and models, or 'every')."""
     if suite in ("all", "every"):
-        return [c for name, cases in SUITES.items() if suite == "every" or name not in ("zoo", "flex") for c in cases]
+        return [c for name, cases in SUITES.items() if suite == "every" or name in ("micro", "models") for c in cases]
     return list(SUITES[suite])
 
 

@@ -1,12 +1,14 @@
 """``kiln demo`` on the CPU at small settings: eager, inductor and kiln rows for both cases, a spread on every
-step time, the thread count, and exit code 0 when kiln matches eager."""
+step time, the thread count, and exit code 0 when kiln matches eager; on a busy machine (injected load and
+spreads) its table says the figures are unreliable."""
 import re
 
 import torch
+from rich.console import Console
 
-from kiln_bench.demo import CASES, main, physical_cores
+from kiln_bench.demo import CASES, main, physical_cores, render, unreliable
 
-STEP = re.compile(r"\d+(?:\.\d+)? ±\d+%")
+STEP = re.compile(r"\d+(?:\.\d+)? ±\d+%(?: \?)?")   # " ?": marked unreliable (this test machine is shared)
 
 
 def _rows(out):
@@ -47,3 +49,43 @@ def test_demo_threads_flag_and_no_inductor(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "threads 1 (--threads)" in out
     assert sorted(b for _, b in _rows(out)) == ["eager", "eager", "kiln", "kiln"]
+
+
+def _results(spread=0.02):
+    row = {"ms": 10.0, "spread": spread, "iters": 10}
+    return {"GPT train": {"eager": dict(row), "kiln": dict(row, compile_s=1.0, ok=True, saved=2**20)},
+            "CNN infer": {"eager": dict(row), "kiln": dict(row, compile_s=1.0, ok=True)}}
+
+
+def _render(results, why) -> str:
+    console = Console(record=True, width=200)
+    render(console, results, why)
+    return console.export_text()
+
+
+def test_a_quiet_machine_prints_results():
+    calm = [{"load1": 0.4, "cores": 2, "own": 0}, {"load1": 2.3, "cores": 2, "own": 2}]   # the demo's own 2 threads
+    assert unreliable(_results(), calm, 2) == []
+    out = _render(_results(), [])
+    assert "UNRELIABLE" not in out and "unreliable" not in out
+    assert "10.00 ±2%" in out and "10.00 ±2% ?" not in out
+
+
+def test_a_loaded_machine_marks_its_figures():
+    """Other work beside the demo's threads beyond the cores, or a wide spread: the table is still printed,
+    titled UNRELIABLE, every step time marked, and each reason said."""
+    busy = [{"load1": 6.0, "cores": 2, "own": 0}]
+    why = unreliable(_results(), busy, 2)
+    assert len(why) == 1 and "load average 6.0 on 2 cores" in why[0] and "beside the 2 threads" in why[0]
+    assert unreliable(_results(), [{"load1": 2.4, "cores": 2, "own": 2}], 2) == []   # 0.4 beside 2 threads
+    assert unreliable(_results(), [{"load1": 2.7, "cores": 2, "own": 2}], 2)        # 0.7 beside 2: too many
+    assert unreliable(_results(), [{"load1": 1.4, "cores": 2, "own": 0}], 1) == []   # one thread: room for 1.5
+    assert unreliable(_results(), [{"load1": 1.4, "cores": 2, "own": 0}], 2)
+    results = _results()
+    results["GPT train"]["eager"]["spread"] = 0.99   # "eager 10.5 ±99%", as issue #37 saw
+    why = unreliable(results, [None], 2)             # no load average on this OS: the spread alone
+    assert why == ["1 of 4 step times spread more than ±10% (widest ±99%)"]
+    out = _render(results, why + unreliable(results, busy, 2)[:1])
+    assert "UNRELIABLE: this machine is busy" in out
+    assert out.count("10.00 ±2% ?") == 3 and "10.00 ±99% ?" in out
+    assert "unreliable: 1 of 4 step times spread" in out and "unreliable: load average 6.0" in out

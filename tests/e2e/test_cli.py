@@ -76,3 +76,48 @@ def test_a_tool_command_without_the_tools_says_how_to_get_them():
 def test_python_dash_m_kiln_bench_is_kiln_bench():
     r = _child(None, "-m", "kiln_bench", "--help")
     assert r.returncode == 0 and "--suite" in r.stdout, r.stderr[-3000:]
+
+
+def test_options_name_shows_that_option(capsys):
+    """``kiln options NAME``: help, default, environment variable and choices; ``tuning.<name>`` too; an unknown
+    name exits 2 with the nearest names; no name lists every option."""
+    assert main(["options", "codegen"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("codegen: ") and "default:     'auto'" in out and "KILN_CODEGEN" in out
+    assert "choices:     'auto', 'aten', 'triton', 'cpp'" in out and "freezing" not in out
+    assert main(["options", "tuning.persistent_max"]) == 0
+    out = capsys.readouterr().out
+    assert "KILN_TUNING_PERSISTENT_MAX" in out and "choices" not in out
+    assert main(["options", "pre_grad_custom_pass"]) == 0
+    out = capsys.readouterr().out
+    assert "environment: - (set in code)" in out and "choices:     None, a callable" in out
+    assert main(["options", "freezng"]) == 2
+    assert "no option 'freezng'; did you mean freezing?" in capsys.readouterr().err
+    assert main(["options", "persistent_max"]) == 2
+    assert "did you mean tuning.persistent_max?" in capsys.readouterr().err
+    assert main(["options"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert len(listed) > 40 and any(ln.startswith("freezing ") for ln in listed)
+
+
+def test_version_is_fast_and_imports_no_torch():
+    """The ``kiln`` console script (pyproject's [project.scripts]) answers --version without importing torch
+    or kiln: under 0.5 s of CPU for the whole process (CPU time, not wall time: the test machine is shared),
+    with the same line as ``kiln.cli``'s."""
+    import os
+    import resource
+    import tomllib
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "pyproject.toml"), "rb") as fh:
+        module, func = tomllib.load(fh)["project"]["scripts"]["kiln"].split(":")
+    code = (f"import sys\nfrom {module} import {func} as main\nrc = main(['--version'])\n"
+            "heavy = [m for m in sys.modules if m.split('.')[0] in ('torch', 'triton', 'kiln')]\n"
+            "assert rc == 0 and not heavy, (len(heavy), heavy[:5])\n")
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    r = _child(code)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    assert r.returncode == 0, r.stderr[-3000:]
+    from kiln.cli import version
+    assert r.stdout.strip() == version()
+    assert cpu < 0.5, f"kiln --version took {cpu:.2f} s of CPU"
