@@ -1,6 +1,6 @@
 """Build, cache and load the C++ emitter's translation units; the functions its launchers call.
 
-``build(unit, opts)`` compiles a ``CppUnit`` with the system compiler (``Options.cpp_compiler``: 'auto'
+``build(unit, opts)`` compiles a ``Unit`` (``codegen.text.source``) with the system compiler (``Options.cpp_compiler``: 'auto'
 is $CXX, else g++, else clang++) and ``Options.cpp_flags`` into a shared library in the ``cpp/`` folder of
 kiln's private kernel directory (``kernels.cache_dir``), named by a hash of the source, the compiler's
 version, the flags and this host's CPU flags (``-march=native`` builds for the build host: a cache
@@ -12,7 +12,7 @@ With glibc's vector math library present,
 math calls in ``omp simd`` loops use its vector variants (``KILN_LIBMVEC``).
 
 A missing compiler or a failed build raises ``CppBuildError`` after one warning naming the cause; the
-caller (``fuse_graph``) then leaves the graph to ATen. ``function(name, ...)`` is how a kernel's
+caller (``codegen.target.CppTarget``) then leaves the graph to ATen. ``function(name, ...)`` is how a kernel's
 launcher finds its function among the loaded libraries.
 """
 from __future__ import annotations
@@ -30,12 +30,11 @@ import threading
 import time
 import warnings
 
-import torch
-
-from kiln.codegen.to_cpp.ops import VECTOR_MATH
+from kiln.codegen.text.source import VECTOR_MATH
 from kiln.debug import counters, log
 from kiln.options import Options, active
 from kiln.runtime import private
+from kiln.runtime.launch import restride  # noqa: F401  (the C++ launchers call cpp_build.restride)
 from kiln.runtime.kernels import subdir
 
 _LOCK = threading.Lock()
@@ -158,7 +157,7 @@ def _fail(cause: str) -> CppBuildError:
 
 
 def build(unit, opts: Options = None, binary=None) -> str:
-    """Compile (or find in the cache) and load ``unit`` (a ``CppUnit``); returns the library's path.
+    """Compile (or find in the cache) and load ``unit`` (a ``codegen.text.source.Unit``); returns the library's path.
     ``binary``: ``(file name, bytes)`` of the library a build with the same key made (the compile
     cache keeps them), written in place of a compile when its name is this build's."""
     opts = opts or active()
@@ -280,15 +279,6 @@ def library(name: str) -> str:
     """The path of the loaded library holding function ``name``."""
     with _LOCK:
         return _OWNER[name]._name
-
-
-def restride(t: torch.Tensor, shape, stride) -> torch.Tensor:
-    """``t`` with the strides a kernel was written for (a copy only when they differ)."""
-    if all(a == b for s, a, b in zip(shape, t.stride(), stride) if s != 1):
-        return t
-    out = torch.empty_strided(shape, stride, dtype=t.dtype, device=t.device)
-    out.copy_(t)
-    return out
 
 
 __all__ = ["CppBuildError", "build", "unusable", "function", "library", "restride", "find_compiler", "has_libmvec",
