@@ -12,9 +12,10 @@ import functools
 import torch
 import torch.utils._pytree
 
+from kiln.codegen.target import resolve
 from kiln.debug import Trace
 from kiln.options import current
-from kiln.pipeline import aot_compilers, resolve_target
+from kiln.pipeline import aot_compilers
 
 
 def _signature(args, kwargs=None) -> tuple:
@@ -40,7 +41,7 @@ def memory_efficient_fusion(fn, **options):
         key = _signature(args, kwargs)
         if key not in compiled:
             leaves = torch.utils._pytree.tree_leaves((args, kwargs))
-            target = resolve_target(opts, [a for a in leaves if isinstance(a, torch.Tensor)])
+            target = resolve(opts, [a for a in leaves if isinstance(a, torch.Tensor)])
             kw = aot_compilers(opts, target, Trace(opts, "mef"))
             compiled[key] = aot_function(_functional(fn) if isinstance(fn, torch.nn.Module) else fn, **kw)
         return compiled[key]

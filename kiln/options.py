@@ -186,11 +186,12 @@ class Tuning:
     split_target_inner: int = _opt(1024, "rows x chunks a split inner reduction aims at", check="pos")
     split_target_outer: int = _opt(8192, "columns x chunks a split column reduction aims at", check="pos")
     # column reductions folded into row kernels
-    fold: bool = _opt(True, "fold column reductions of short rows into the row kernel that reads the rows")
+    fold: str = _opt("shared", "fold column reductions of short rows into the row kernel reading the rows: "
+                              "'shared' (where a row reduction there reads a buffer they read), 'always', 'never'",
+                     ("shared", "always", "never"))
     fold_programs: int = _opt(256, "programs (row chunks) of a folded column reduction, at most", check="pow2")
     fold_min_chunk: int = _opt(16, "rows each program of a folded column reduction reduces, at least",
                                check="pos")
-    unfold: bool = _opt(True, "a folded column partial with no row kernel to join is split the classic way")
     # chained kernels
     chain: bool = _opt(True, "run a small kernel that reads one kernel's results in that kernel's last program")
     tail_max: int = _opt(1 << 16, "elements a chained tail may reduce or write", check="pos")

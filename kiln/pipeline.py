@@ -1,9 +1,11 @@
 """kiln's pipeline, top to bottom.
 
-Dynamo graph -> pre-grad passes -> AOTAutograd (kiln's decompositions) -> joint passes -> [freezing:
-parameters become constants, then folds] -> [channels-last, Triton target] -> partition -> post-grad
-passes on forward and backward -> [conv bias split, fusion and kernel precompile: Triton target] ->
-Python wrapper -> runtime [-> CUDA graphs, mode="reduce-overhead"].
+Dynamo graph -> pre-grad passes -> AOTAutograd (the target's decompositions) -> joint passes ->
+[freezing: parameters become constants, then folds] -> the target's joint passes -> partition -> on
+forward and backward: the target's passes, post-grad passes, the target's kernels (``Target.fuse``:
+generated as data, built, put into the graph) -> Python wrapper -> runtime (binds the kernels) [-> CUDA
+graphs, mode="reduce-overhead"]. The target (``codegen.target``: ATen, Triton or C++) is resolved once
+per graph.
 
 Each step runs through ``Trace.stage``, which times it, prints it (KILN_DEBUG), verifies it and dumps
 it (KILN_DUMP). Inference under ``torch.no_grad()`` takes AOTAutograd's inference path: the joint passes
@@ -24,22 +26,16 @@ import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 
 from kiln import cache, compat, debug, logs, partition, passes
-from kiln.capture.decomp import decomposition_table
 from kiln.capture.hazards import upstream_hazard
-from kiln.codegen.fuse_graph import UNFUSED, fuse_graph, triton_available
+from kiln.codegen.target import Target, resolve
 from kiln.codegen.wrapper import emit_wrapper
 from kiln.debug import Trace, log
 from kiln.options import Options, UserError, using
 from kiln.partition import ops as partition_ops
 from kiln.passes import freeze
-from kiln.passes.channels_last import to_channels_last
-from kiln.passes.constant_fold import fold_constants
-from kiln.passes.conv_bias import split_conv_bias
 from kiln.passes.registry import cache_key as registered_passes_key
 from kiln.repro import write_repro
-from kiln.runtime import cpp_build, cudagraph, precompile
-from kiln.runtime.kernels import load_kernel
-from kiln.runtime.load import load
+from kiln.runtime import cudagraph
 
 
 def compile_graph(gm: fx.GraphModule, example_inputs: list, opts: Options):
@@ -92,9 +88,9 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list, opts: Options, trac
     registered = passes.snapshot()   # the backward, compiled later, runs these too
     if trace.dir is not None:
         write_repro(trace, gm, example_inputs, opts, registered)
-    target = resolve_target(opts, example_inputs)
+    target = resolve(opts, example_inputs)
     freezing = freeze.applies(opts)   # warns when a training graph asks for it
-    session = cache.open_graph(gm, example_inputs, opts, cache_key(opts, registered), target,
+    session = cache.open_graph(gm, example_inputs, opts, cache_key(opts, registered), target.cache_key(),
                                frozen=freezing, registered=registered)
     hit = session.load(trace) if session is not None else None   # a hit replays what its compile showed
     if hit is not None:
@@ -115,15 +111,14 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list, opts: Options, trac
     return compiled
 
 
-def aot_compilers(opts: Options, target: str, trace: Trace, region=None, registered=None, session=None) -> dict:
-    """AOTAutograd's keyword arguments for one compiled region: kiln's compilers, partitioner and
-    decompositions. ``region``: the freezing state (``freeze.FrozenRegion``) of an inference region;
+def aot_compilers(opts: Options, target: Target, trace: Trace, region=None, registered=None, session=None) -> dict:
+    """AOTAutograd's keyword arguments for one compiled region: kiln's compilers, partitioner and the
+    target's decompositions. ``region``: the freezing state (``freeze.FrozenRegion``) of an inference region;
     ``registered``: the passes registered when the compile began (default: those in force now);
     ``session``: the compile cache's (``cache.Session``), which records what the compilers make."""
     registered = passes.snapshot() if registered is None else registered
-    if target == "triton":   # precompile workers start while AOTAutograd traces
-        precompile.start(opts)
-    graphs = cudagraphs_apply(opts, target)  # mode="reduce-overhead"
+    target.start()
+    graphs = target.cuda_graphs()  # mode="reduce-overhead"
     n_user = {}
     layout: dict = {}   # names of saved values the forward produces with known strides (wrapper views)
 
@@ -170,12 +165,11 @@ def aot_compilers(opts: Options, target: str, trace: Trace, region=None, registe
         with using(opts), trace.timed("kiln"):
             n_user["n"] = num_fwd_outputs
             trace.stage("joint", passes.joint, joint, opts, registered)
-            if target == "triton" and opts.layout_optimization:
-                trace.stage("channels_last", to_channels_last, joint, opts)
+            target.joint(joint, trace)
             return trace.stage("partition", partition.partition_joint, joint, joint_inputs,
                                num_fwd_outputs=num_fwd_outputs, opts=opts, **kw)
 
-    table = decomposition_table("triton" if target == "cpp" else target)   # the fusing targets' table
+    table = target.decompositions()
     if region is not None:
         freeze.keep_whole(table)   # eval BatchNorm stays one node, so that conv-BN folding sees it
     return compat.aot_autograd_kwargs(
@@ -190,7 +184,7 @@ def _record(session, kind: str, compiled):
     return compiled
 
 
-def lower(gm: fx.GraphModule, inputs: list, opts: Options, trace: Trace, kind: str, target: str,
+def lower(gm: fx.GraphModule, inputs: list, opts: Options, trace: Trace, kind: str, target: Target,
           graphs: bool = False, n_user: int = 0, layout=None, positions=None, registered=None):
     """Post-grad passes, fusion and wrapper generation for one forward/backward/inference graph;
     with ``graphs`` the result replays as a CUDA graph (runtime/cudagraph.py). ``positions``: the
@@ -203,40 +197,18 @@ def lower(gm: fx.GraphModule, inputs: list, opts: Options, trace: Trace, kind: s
         return cudagraph.wrap(compiled, inputs, kind=kind, n_user=n_user, mutated=mutated, positions=positions)
 
 
-def cudagraphs_apply(opts: Options, target: str) -> bool:
-    """Whether ``mode="reduce-overhead"`` applies: CUDA graphs need the Triton target on CUDA."""
-    if opts.mode != "reduce-overhead":
-        return False
-    if target != "triton" or not torch.cuda.is_available():
-        log(1, f"mode='reduce-overhead': CUDA graphs need the Triton target on CUDA (target {target})")
-        return False
-    return True
-
-
-def _lower(gm: fx.GraphModule, inputs: list, opts: Options, trace: Trace, kind: str, target: str,
+def _lower(gm: fx.GraphModule, inputs: list, opts: Options, trace: Trace, kind: str, target: Target,
            layout=None, registered=None):
     """``layout``: shared by a forward and its backward; the forward records which saved values it
     produces with known strides, and the backward's wrapper reinterprets views of those."""
-    names, units = None, []   # units: the C++ translation units built for this graph
+    names = None
     if layout is not None and kind == "forward":   # output names before passes: the backward's inputs
         out = gm.graph.output_node().args[0]
         names = [getattr(o, "name", None) for o in (out if isinstance(out, (tuple, list)) else (out,))]
-    if kind == "inference" and target == "triton" and opts.layout_optimization:
-        trace.stage("channels_last", to_channels_last, gm, opts)
-    if opts.fold_constants and target in ("triton", "cpp"):
-        trace.stage(f"fold_{kind}", fold_constants, gm)
+    target.prepare(gm, kind, trace)
     trace.stage(f"post_grad_{kind}", passes.post_grad, gm, opts, registered, kind == "inference")
-    if target in ("triton", "cpp"):
-        if target == "triton":   # cuDNN adds a bias in a pass of its own; oneDNN adds it in the convolution
-            trace.stage(f"conv_bias_{kind}", split_conv_bias, gm)
-        fuse_opts = opts if opts.codegen == target else opts.replace(codegen=target)   # 'auto' resolved
-        if kind == "inference" and opts.tuning.cheap_loads != opts.tuning.cheap_loads_inference:
-            fuse_opts = fuse_opts.replace(**{"tuning.cheap_loads": opts.tuning.cheap_loads_inference})
-        trace.stage(f"fuse_{kind}", fuse_graph, gm, inputs, fuse_opts, load_kernel, _plan_printer(trace, kind),
-                    build=_builder(trace, kind, units))
-    if target == "triton":
-        trace.stage(f"precompile_{kind}", precompile.warm, gm, opts)
-    fallback = gm.meta.pop(UNFUSED, None)   # the ATen graph, for kernels without a fallback of their own
+    fused = target.fuse(gm, inputs, kind, trace)   # code generation: the graph now calls kernel references
+    _show_plans(trace, kind, fused.plans)
     trusted = layout.get("saved", frozenset()) if layout is not None and kind == "backward" else frozenset()
     wrapper = emit_wrapper(gm, f"{kind}_{trace.id}", trusted, opts)
     if names is not None:
@@ -248,54 +220,17 @@ def _lower(gm: fx.GraphModule, inputs: list, opts: Options, trace: Trace, kind: 
     log(4, f"{kind} wrapper:\n{wrapper.source}", artifact="output_code")
     trace.dump(f"wrapper_{kind}.py", wrapper.source)
     trace.trace(f"kiln_wrapper_{kind}", wrapper.source)
-    compiled = load(wrapper, fallback)
-    compiled.units = units
-    return compiled
+    return target.load(gm, wrapper, fused, kind, trace)   # the runtime: kernels built and bound
 
 
-def _plan_printer(trace: Trace, kind: str):
-    """Where kernel plans go: printed at KILN_DEBUG=4, written to the dump (None: nobody reads them)."""
-    if not debug.wanted(4, "kiln_plans") and trace.dir is None and not logs.tracing():
-        return None
-
-    def show(plans):
-        text = "\n\n".join(p.describe(f"kernel {i}") for i, p in enumerate(plans))
-        log(4, f"{kind} kernel plans:\n{text}", artifact="kiln_plans")
-        trace.dump(f"plans_{kind}.txt", text)
-        trace.trace(f"kiln_plans_{kind}", text)
-    return show
-
-
-def _builder(trace: Trace, kind: str, units: list):
-    """How a graph's C++ translation unit is built: ``cpp_build.build``, its source dumped first and
-    the unit added to ``units`` (the compile cache stores them)."""
-    def build(unit, opts):
-        units.append(unit)
-        log(4, f"{kind} C++ kernels:\n{unit.source}", artifact="output_code")
-        trace.dump(f"kernels_{kind}.cpp", unit.source)
-        trace.trace(f"kiln_kernels_{kind}_cpp", unit.source)
-        return cpp_build.build(unit, opts)
-    return build
-
-
-def resolve_target(opts: Options, example_inputs) -> str:
-    """'aten', 'triton' or 'cpp'. 'auto' picks Triton when inputs live on CUDA and Triton is usable, else
-    (CPU inputs) C++ kernels when a working C++ compiler is found (``cpp_build.unusable``); otherwise
-    ATen kernels, with the reason logged."""
-    if opts.codegen != "auto":
-        return opts.codegen
-    on_cuda = any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in example_inputs)
-    if not on_cuda:
-        why = cpp_build.unusable(opts)
-        if why:
-            log(1, f"codegen: C++ target unavailable ({why}); running ATen kernels")
-            return "aten"
-        return "cpp"
-    why = triton_available()
-    if why:
-        log(1, f"codegen: Triton target unavailable ({why}); running ATen kernels")
-        return "aten"
-    return "triton"
+def _show_plans(trace: Trace, kind: str, plans) -> None:
+    """Kernel plans, printed at KILN_DEBUG=4 and written to the dump (when somebody reads them)."""
+    if not plans or not debug.wanted(4, "kiln_plans") and trace.dir is None and not logs.tracing():
+        return
+    text = "\n\n".join(p.describe(f"kernel {i}") for i, p in enumerate(plans))
+    log(4, f"{kind} kernel plans:\n{text}", artifact="kiln_plans")
+    trace.dump(f"plans_{kind}.txt", text)
+    trace.trace(f"kiln_plans_{kind}", text)
 
 
 def cache_key(opts: Options, registered=None) -> str:

@@ -1,6 +1,7 @@
-"""kiln's structure: imports run one way, down the layers of the pipeline; no import cycle; no module
-bigger than 600 lines; no module-level switches; tests and tools set knobs through options, never by
-patching kiln's modules.
+"""kiln's structure, as a picture: the parts of the compiler and the arrows allowed between them (``ARROWS``);
+an import along an arrow not listed fails, so does an import cycle. Also: no module bigger than 600 lines,
+the compiler's line budget, no module-level switches, and tests and tools set knobs through options, never
+by patching kiln's modules.
 
 Two parts: the compiler (everything under ``kiln/``) and the tools beside it (``kiln_bench/``: bench,
 demo, check-ops, the fuzzer, the offline dumps). The tools import kiln through its public API, the few
@@ -8,7 +9,7 @@ internals they read listed in ``kiln_bench/_internal.py``; kiln never imports th
 names them as data and loads one when its command runs).
 
 Every import counts, at module level or inside a function: a cycle hidden in a function is still a
-cycle, and an upward import is still an upward import.
+cycle, and an import along an arrow that is not drawn is still one.
 """
 from __future__ import annotations
 
@@ -20,23 +21,50 @@ import re
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# lowest first; a module belongs to the layer of its longest listed prefix and may import only modules
-# of its own layer (without cycles) or of lower ones
-LAYERS = [
-    ("base", ["kiln.compat", "kiln.options", "kiln.config", "kiln.logs", "kiln.debug"]),
-    ("capture", ["kiln.capture.decomp", "kiln.capture"]),
-    ("passes", ["kiln.passes", "kiln.pattern_matcher"]),
-    ("partition", ["kiln.partition"]),
-    ("loop IR", ["kiln.codegen.ir"]),
-    ("lowering", ["kiln.codegen.lower"]),
-    ("scheduling", ["kiln.codegen.schedule"]),
-    ("emitters", ["kiln.codegen.to_triton", "kiln.codegen.to_cpp"]),
-    ("code generation", ["kiln.codegen"]),
-    ("runtime", ["kiln.runtime"]),
-    ("compile cache", ["kiln.cache"]),
-    ("pipeline", ["kiln.pipeline", "kiln.repro", "kiln.mef", "kiln.memory", "kiln.capture.dynamo", "kiln"]),
-    ("command line", ["kiln.cli", "kiln.__main__"]),
-]
+# the parts, in pipeline order; a module belongs to the part of its longest listed prefix
+PARTS = {
+    "base": ["kiln.compat", "kiln.options", "kiln.config", "kiln.logs", "kiln.debug"],
+    "capture": ["kiln.capture"],                                  # decompositions, capture hazards
+    "passes": ["kiln.passes", "kiln.pattern_matcher"],            # FX-graph passes
+    "partition": ["kiln.partition"],                              # remat under a memory budget
+    "loop IR": ["kiln.codegen.ir"],
+    "lowering": ["kiln.codegen.lower"],                           # ATen graph -> loop IR
+    "scheduling": ["kiln.codegen.schedule"],                      # splits, fusion, kernel plans
+    "kernel text": ["kiln.codegen.text"],                         # sources, naming, printer, launchers
+    "to_triton": ["kiln.codegen.to_triton"],                      # plan -> Triton text
+    "to_cpp": ["kiln.codegen.to_cpp"],                            # plan -> C++ text
+    "code generation": ["kiln.codegen"],                          # generate, rewrite, wrapper, fallbacks
+    "flex": ["kiln.codegen.flex"],                                # FlexAttention's kernels
+    "runtime": ["kiln.runtime"],                                  # builds, binds, launches
+    "targets": ["kiln.codegen.target"],                           # one Target per generator
+    "compile cache": ["kiln.cache"],
+    "pipeline": ["kiln.pipeline", "kiln.repro", "kiln.mef", "kiln.memory", "kiln.capture.dynamo", "kiln"],
+    "command line": ["kiln.cli", "kiln.__main__"],
+}
+
+# part -> the other parts its modules may import: data flows FX -> loop IR -> plans -> text -> wrapper ->
+# runtime; no emitter imports another; the runtime imports kernel text only (no emitter, no loop IR);
+# only a target knows both its emitter and its runtime
+ARROWS = {
+    "base": set(),
+    "capture": {"base"},
+    "passes": {"base", "capture"},
+    "partition": {"base"},
+    "loop IR": {"base"},
+    "lowering": {"base", "loop IR"},
+    "scheduling": {"base", "loop IR"},
+    "kernel text": {"base", "loop IR", "scheduling"},
+    "to_triton": {"base", "loop IR", "scheduling", "kernel text"},
+    "to_cpp": {"base", "loop IR", "scheduling", "kernel text"},
+    "code generation": {"base", "partition", "loop IR", "lowering", "scheduling", "kernel text"},
+    "flex": {"base", "loop IR", "kernel text", "to_triton", "to_cpp", "code generation"},
+    "runtime": {"base", "kernel text"},
+    "targets": {"base", "capture", "passes", "scheduling", "kernel text", "to_triton", "to_cpp", "code generation",
+                "flex", "runtime"},
+    "compile cache": {"base", "kernel text", "code generation", "runtime"},
+    "pipeline": {"base", "capture", "passes", "partition", "code generation", "targets", "runtime", "compile cache"},
+    "command line": {"base", "partition", "runtime", "compile cache", "pipeline"},
+}
 
 TOOLS = "kiln_bench"   # the tools' package, beside kiln
 # what the tools may take from kiln (None: any name): the public API, the option scope and parser, the
@@ -74,21 +102,52 @@ def _graph(top="kiln"):
     return modules, {m: _imports(p, modules) - {m} for m, p in modules.items()}
 
 
-def _layer(module: str) -> int:
+def part(module: str) -> str:
     best, at = -1, None
-    for i, (_, prefixes) in enumerate(LAYERS):
+    for name, prefixes in PARTS.items():
         for p in prefixes:
             if (module == p or module.startswith(p + ".")) and len(p) > best:
-                best, at = len(p), i
-    assert at is not None, f"{module} is in no layer: add it to LAYERS"
+                best, at = len(p), name
+    assert at is not None, f"{module} is in no part: add it to PARTS"
     return at
 
 
-def test_imports_run_down_the_layers():
+def test_the_picture_is_a_dag_of_listed_parts():
+    assert set(ARROWS) == set(PARTS) and all(to <= set(PARTS) for to in ARROWS.values()), "ARROWS names a part PARTS lacks"
+    done, active = set(), []
+
+    def visit(p):
+        assert p not in active, f"the parts' arrows form a cycle: {active[active.index(p):] + [p]}"
+        if p not in done:
+            active.append(p)
+            for q in ARROWS[p]:
+                visit(q)
+            active.pop()
+            done.add(p)
+    for p in PARTS:
+        visit(p)
+
+
+def test_imports_follow_the_arrows():
     _, edges = _graph()
-    wrong = [f"{a} ({LAYERS[_layer(a)][0]}) imports {b} ({LAYERS[_layer(b)][0]})"
-             for a, bs in sorted(edges.items()) for b in sorted(bs) if _layer(b) > _layer(a)]
-    assert not wrong, "imports against the layers:\n" + "\n".join(wrong)
+    wrong = [f"{a} ({part(a)}) imports {b} ({part(b)})" for a, bs in sorted(edges.items()) for b in sorted(bs)
+             if part(a) != part(b) and part(b) not in ARROWS[part(a)]]
+    assert not wrong, "imports along arrows that are not drawn (tests/test_layers.py ARROWS):\n" + "\n".join(wrong)
+
+
+def test_only_the_targets_test_a_target_by_name():
+    """What a target does is asked of its ``codegen.target.Target`` (decompositions, passes, emitter, flags,
+    build, cache key): no other module of the compiler compares a value with a target's name."""
+    def names(n):
+        if isinstance(n, ast.Constant):
+            return {n.value} & {"aten", "triton", "cpp"}
+        return set().union(*(names(e) for e in n.elts)) if isinstance(n, (ast.Tuple, ast.List, ast.Set)) else set()
+    modules, _ = _graph()
+    found = [f"{m}:{node.lineno}: {ast.unparse(node)}" for m, p in sorted(modules.items())
+             if part(m) not in ("targets", "command line")
+             for node in ast.walk(ast.parse(open(p).read())) if isinstance(node, ast.Compare)
+             and set().union(names(node.left), *(names(c) for c in node.comparators))]
+    assert not found, "target names tested outside codegen/target.py:\n" + "\n".join(found)
 
 
 def test_no_import_cycles():

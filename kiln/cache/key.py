@@ -9,10 +9,10 @@
   warn-only and fill settings), the default dtype and device, matmul precision and the
   ``torch.backends`` flags that change numerics or the kernels picked, AOTAutograd's configuration;
 - the options that change what a compile produces (``Options.cache_key``) with the passes registered
-  through ``kiln.passes.register`` (by their uuid()), and the resolved target;
+  through ``kiln.passes.register`` (by their uuid()), and the resolved target's share
+  (``Target.cache_key``: for C++ kernels the compiler and the host's CPU flags);
 - the versions: kiln's own source (a hash of its files, so an edited checkout misses), torch, Triton,
-  Python, and for C++ kernels the compiler and the host's CPU flags; the CUDA device's name and
-  capability for CUDA graphs.
+  Python; the CUDA device's name and capability for CUDA graphs.
 
 ``bypass`` says why a graph is not cached at all (the cache stores no AOTAutograd wrappers for input
 subclasses, aliased inputs or module-held parameters; freezing and CUDA graphs keep process state; a
@@ -32,7 +32,6 @@ import torch
 
 from kiln.cache import identity
 from kiln.options import Options
-from kiln.runtime import cpp_build
 
 KILN_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -71,11 +70,8 @@ def _input(x) -> str:
     return f"{type(x).__name__}({x!r})"
 
 
-def _devices(inputs, target: str, opts) -> str:
+def _devices(inputs) -> str:
     out = []
-    if target == "cpp":
-        cxx = cpp_build.find_compiler(opts)
-        out.append(f"cxx={cpp_build.compiler_version(cxx) if cxx else ''}|isa={cpp_build.host_isa()}")
     for i in sorted({t.device.index or 0 for t in inputs if isinstance(t, torch.Tensor) and t.device.type == "cuda"}):
         out.append(f"cuda{i}={torch.cuda.get_device_name(i)}|{torch.cuda.get_device_capability(i)}")
     return "|".join(out)
@@ -123,11 +119,12 @@ def _state() -> str:
 
 
 def graph_key(gm: torch.fx.GraphModule, inputs, opts, options_key: str, target: str, ident: str = None) -> str:
-    """``options_key``: ``pipeline.cache_key`` (the options and the registered passes); ``ident``: the
-    graph's ``identity.graph_identity`` (computed here when None; raises ``identity.Unkeyable``)."""
+    """``options_key``: ``pipeline.cache_key`` (the options and the registered passes); ``target``: the
+    target's ``cache_key()``; ``ident``: the graph's ``identity.graph_identity`` (computed here when None;
+    raises ``identity.Unkeyable``)."""
     ident = identity.graph_identity(gm) if ident is None else ident
     parts = [gm.code, ident, *(_input(x) for x in inputs), _state(), options_key, target, _versions(),
-             _devices(inputs, target, opts)]
+             _devices(inputs)]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
 

@@ -19,9 +19,8 @@ import pickle
 import torch
 
 from kiln.codegen.fallback import Fallback
-from kiln.codegen.wrapper import Wrapper
+from kiln.codegen.text.source import KernelRef, Unit, Wrapper
 from kiln.runtime import cpp_build
-from kiln.runtime.kernels import KernelCall, kernel_named
 from kiln.runtime.load import Compiled, load
 
 MAX_CONSTANT_BYTES = 1 << 24   # larger tensor constants are not copied into the cache
@@ -41,10 +40,6 @@ def _packet(ns, op):
 
 def _higher_order(name):
     return getattr(torch.ops.higher_order, name)
-
-
-def _kernel_call(name, source, interpret, n_outputs, reuse, fallback):
-    return KernelCall(kernel_named(name, source, interpret, n_outputs, reuse), fallback)
 
 
 class StoredFallback(Fallback):
@@ -78,9 +73,6 @@ class _Pickler(pickle.Pickler):
             return _packet, (obj._qualified_op_name.split("::")[0], obj.__name__)
         if isinstance(obj, torch._ops.HigherOrderOperator):
             return _higher_order, (obj.name(),)
-        if isinstance(obj, KernelCall):
-            k = obj.kernel
-            return _kernel_call, (k.name, k.source, k.interpret, k.n_outputs, tuple(k.reuse), obj.fallback)
         if isinstance(obj, StoredFallback):
             return _fallback, (obj._data,)
         if isinstance(obj, Fallback):
@@ -129,16 +121,15 @@ def _binary(unit):
 
 def unpack(part: dict, opts) -> Compiled:
     """The ``Compiled`` of a stored graph: its C++ units built or loaded, its wrapper executed."""
-    from kiln.codegen.to_cpp.module import CppUnit
     for source, functions, binary in part["units"]:
-        cpp_build.build(CppUnit(source, functions), opts, binary=binary)
+        cpp_build.build(Unit(source, functions), opts, binary=binary)
     globals_ = dict(part["globals"])
     for name in part["handles"]:
         globals_[name] = globals_[name]._op
     kernels, seen = [], set()
     for obj in globals_.values():
-        if isinstance(obj, KernelCall) and obj.kernel.name not in seen:
-            seen.add(obj.kernel.name)
+        if isinstance(obj, KernelRef) and obj.name not in seen:
+            seen.add(obj.name)
             kernels.append(obj)
     w = Wrapper(name=part["name"], source=part["source"], globals=globals_, kernels=kernels,
                 known_outputs=part["known_outputs"])

@@ -1,8 +1,8 @@
 """The decomposition table AOTAutograd uses, chosen by the code generation target.
 
 The ATen target runs each op through PyTorch's own kernels, so it keeps composite ops whole (fewer,
-faster library calls). The Triton target decomposes to the core ATen set plus the forward norms,
-softmax and activations, so the fusion scheduler sees pointwise ops and simple reductions.
+faster library calls). The fusing targets (Triton, C++) decompose to the core ATen set plus the forward
+norms, softmax and activations, so the fusion scheduler sees pointwise ops and simple reductions.
 """
 from __future__ import annotations
 
@@ -172,8 +172,8 @@ def _angle(x):
 
 
 @functools.lru_cache(maxsize=None)
-def _table(target: str):
-    if target == "triton":
+def _table(fusion: bool):
+    if fusion:
         table = dict(core_aten_decompositions())
         table.update(get_decompositions(FUSION_EXTRA))
     else:
@@ -181,7 +181,7 @@ def _table(target: str):
     for packet in KEEP:
         for name in packet.overloads():
             table.pop(getattr(packet, name), None)
-    if target == "triton":
+    if fusion:
         table[aten._native_batch_norm_legit_no_training.default] = _batch_norm_eval
         table[aten.max_pool2d_with_indices.default] = _max_pool2d_with_indices
         table[aten.linalg_vector_norm.default] = _vector_norm(table[aten.linalg_vector_norm.default])
@@ -259,11 +259,12 @@ def _fma(a, b, c):
     return aten.add.Tensor(aten.mul.Tensor(a, b), c)
 
 
-def decomposition_table(target: str = "aten") -> dict:
-    """The op -> decomposition dict for ``target`` ('aten' or 'triton'); a fresh copy each call. The
+def decomposition_table(fusion: bool = False) -> dict:
+    """The op -> decomposition dict of the ATen target, or with ``fusion`` of the targets that fuse kernels
+    (``codegen.target.Target.decompositions``); a fresh copy each call. The
     ``fma`` prim exists once Dynamo has registered it (it imports Inductor's prims when it traces an
     optimizer), so it is looked up at each call."""
-    table = dict(_table(target))
+    table = dict(_table(fusion))
     fma = getattr(getattr(torch.ops.prims, "fma", None), "default", None)
     if fma is not None:
         table[fma] = _fma

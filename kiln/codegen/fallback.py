@@ -1,6 +1,6 @@
 """The ATen fallback of a kernel: the original nodes its group replaced, as a small graph.
 
-``fuse_graph`` gives each kernel node a ``Fallback`` (``extract``): a graph computing the same outputs
+``generate`` gives each kernel node a ``Fallback`` (``extract``): a graph computing the same outputs
 from the same arguments with the ATen nodes the kernel replaced. The runtime's ``KernelCall``
 (``kiln/runtime/kernels.py``) runs it if the kernel fails on its first call.
 """

@@ -21,6 +21,8 @@ import operator
 import torch
 import torch.fx as fx
 
+from kiln.codegen.text.source import KernelRef
+
 _aten = torch.ops.aten
 # ops returning several views of their input: their elements can reinterpret the input directly
 SPLITS = {_aten.split_with_sizes.default, _aten.split.Tensor, _aten.unbind.int}
@@ -38,7 +40,7 @@ DENSE_EXTERNS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten
 
 def is_kernel(target) -> bool:
     """A fused kernel call made by kiln's emitters (its outputs are allocated at the recorded strides)."""
-    return isinstance(getattr(target, "source", None), str) and hasattr(target, "name")
+    return isinstance(target, KernelRef)
 
 
 class ViewPlan:

@@ -15,11 +15,11 @@ import keyword
 import math
 import operator
 import re
-from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 
+from kiln.codegen.text.source import Wrapper
 from kiln.codegen.views import SPLITS, ViewPlan, is_kernel, is_view_op
 from kiln.compat import reinterpret_fn
 
@@ -43,17 +43,6 @@ def broadcast_in_dim(a, shape, broadcast_dimensions):
 
 # ops whose eager entry point is slow Python, replaced by an equal fast function at run time
 RUNTIME = {torch.ops.prims.broadcast_in_dim.default: broadcast_in_dim}
-
-
-@dataclass
-class Wrapper:
-    """Generated wrapper source plus the globals it needs."""
-    name: str
-    source: str
-    globals: dict = field(default_factory=dict)
-    kernels: list = field(default_factory=list)  # objects with .name and .source
-    handles: dict = field(default_factory=dict)  # global name -> the OpOverload whose C++ handle it binds
-    known_outputs: list = field(default_factory=list)  # per output: strides at run time = example's
 
 
 def describe_val(val) -> str:
@@ -101,7 +90,7 @@ class _Emitter:
             name = f"{base}_{i}"
         self.w.globals[name] = obj
         self.global_ids[key] = name
-        if isinstance(getattr(obj, "source", None), str) and obj.name not in {k.name for k in self.w.kernels}:
+        if is_kernel(obj) and obj.name not in {k.name for k in self.w.kernels}:
             self.w.kernels.append(obj)  # one entry per kernel, however many call sites share it
         return name
 

@@ -139,11 +139,12 @@ def freeze_placeholders(gm: fx.GraphModule, region: FrozenRegion, fake_mode=None
 
 
 # -- the freezing passes ------------------------------------------------------------------------------
-def _mkldnn_rewrite(gm: fx.GraphModule, target: str, inputs, opts=None) -> int:
+def _mkldnn_rewrite(gm: fx.GraphModule, target, inputs, opts=None) -> int:
     """Seed 002's CPU inference pattern: convolutions become prepacked mkldnn calls. Prepacking only:
     the relu fusion stays a post-grad pattern, so user post-grad passes still see
-    ``_convolution_pointwise(..., "none")`` followed by relu, as in seed 002. The CPU targets (aten, cpp)
-    only: the C++ emitter leaves convolutions to ATen/oneDNN as the ATen wrapper does.
+    ``_convolution_pointwise(..., "none")`` followed by relu, as in seed 002. The CPU targets
+    (``target.mkldnn``: aten, cpp) only: the C++ emitter leaves convolutions to ATen/oneDNN as the ATen
+    wrapper does.
 
     With ``layout_optimization`` the graph goes channels-last first (``to_channels_last``, for CPU
     convolutions here): a prepacked convolution writes channels-last whatever its input, and converts a
@@ -151,7 +152,7 @@ def _mkldnn_rewrite(gm: fx.GraphModule, target: str, inputs, opts=None) -> int:
     and its result's back to the meta's contiguous strides before the next kernel read it): 14.1 against
     8.1 ms unfrozen on the CPU CNN (2026-11-26)."""
     on_cpu = all(not isinstance(t, torch.Tensor) or t.device.type == "cpu" for t in inputs)
-    if target not in ("aten", "cpp") or not on_cpu or not torch.backends.mkldnn.is_available():
+    if not target.mkldnn or not on_cpu or not torch.backends.mkldnn.is_available():
         return 0
     if opts is not None and opts.layout_optimization:
         to_channels_last(gm, opts.replace(layout_devices="any"))
@@ -160,8 +161,9 @@ def _mkldnn_rewrite(gm: fx.GraphModule, target: str, inputs, opts=None) -> int:
     return int(n)
 
 
-def freezing_passes(gm: fx.GraphModule, opts, target: str, trace, fake_mode=None, inputs=()) -> dict:
-    """Fold the constants of ``gm`` in place; returns the statistics (also in counters['kiln'])."""
+def freezing_passes(gm: fx.GraphModule, opts, target, trace, fake_mode=None, inputs=()) -> dict:
+    """Fold the constants of ``gm`` in place; returns the statistics (also in counters['kiln']).
+    ``target``: the graph's ``codegen.target.Target`` (what it fuses, whether it prepacks convolutions)."""
     stats = {"layout": trace.stage("freeze_layout", layout.convert_conv_weights, gm, opts)}
     stats.update(constant_folded=0, conv_bn_folded=0, binary_folded=0)
     for _ in range(MAX_FOLD_ROUNDS):
@@ -173,7 +175,7 @@ def freezing_passes(gm: fx.GraphModule, opts, target: str, trace, fake_mode=None
         if not (cb or bf):
             break
     stats["concat_linear"] = trace.stage("concat_linear", concat_linear.concat_linears, gm, fake_mode)
-    if target in ("triton", "cpp"):   # the fusing targets: a BatchNorm left unfolded fuses as mul-add
+    if target.fuses:   # a BatchNorm left unfolded fuses as mul-add
         stats["bn_affine"] = trace.stage("bn_to_affine", conv_bn.bn_to_affine, gm, fake_mode)
     stats["constant_folded"] += fold_constants(gm, fake_mode)
     stats["mkldnn"] = trace.stage("mkldnn", _mkldnn_rewrite, gm, target, inputs, opts)
@@ -221,7 +223,7 @@ def keep_whole(decompositions: dict) -> None:
         decompositions.pop(op, None)
 
 
-def freeze_graph(gm: fx.GraphModule, inputs: list, region: FrozenRegion, opts, target: str, trace,
+def freeze_graph(gm: fx.GraphModule, inputs: list, region: FrozenRegion, opts, target, trace,
                  registered=None) -> list:
     """The inference graph's stages under freezing: module state becomes constants, then the joint
     passes and the folding passes run on real tensors. Edits ``gm`` in place and returns the positions

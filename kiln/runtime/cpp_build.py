@@ -1,6 +1,6 @@
 """Build, cache and load the C++ emitter's translation units; the functions its launchers call.
 
-``build(unit, opts)`` compiles a ``CppUnit`` with the system compiler (``Options.cpp_compiler``: 'auto'
+``build(unit, opts)`` compiles a ``Unit`` (``codegen.text.source``) with the system compiler (``Options.cpp_compiler``: 'auto'
 is $CXX, else g++, else clang++) and ``Options.cpp_flags`` into a shared library in the ``cpp/`` folder of
 kiln's private kernel directory (``kernels.cache_dir``), named by a hash of the source, the compiler's
 version, the flags and this host's CPU flags (``-march=native`` builds for the build host: a cache
@@ -17,7 +17,7 @@ kernels instead, after one warning per process and cause (``RuntimeWarning``) na
 missing program, the compiler's first error line and what kiln does instead. ``unusable`` (``codegen='auto'``:
 no compiler, or one that cannot build a test library with ``cpp_flags``) warns so; in ``build``
 (``codegen='cpp'``) a missing compiler or a failed build raises ``CppBuildError`` after that warning, and the
-caller (``fuse_graph``) leaves the graph to ATen. ``function(name, ...)`` is how a kernel's launcher finds
+caller (``codegen.target.CppTarget``) leaves the graph to ATen. ``function(name, ...)`` is how a kernel's launcher finds
 its function among the loaded libraries.
 """
 from __future__ import annotations
@@ -35,12 +35,11 @@ import threading
 import time
 import warnings
 
-import torch
-
-from kiln.codegen.to_cpp.ops import VECTOR_MATH
+from kiln.codegen.text.source import VECTOR_MATH
 from kiln.debug import counters, log
 from kiln.options import Options, active
 from kiln.runtime import private
+from kiln.runtime.launch import restride  # noqa: F401  (the C++ launchers call cpp_build.restride)
 from kiln.runtime.kernels import subdir
 
 _LOCK = threading.Lock()
@@ -185,7 +184,7 @@ def _fail(cause: str, where: str = "", fix: str = "") -> CppBuildError:
 
 
 def build(unit, opts: Options = None, binary=None) -> str:
-    """Compile (or find in the cache) and load ``unit`` (a ``CppUnit``); returns the library's path.
+    """Compile (or find in the cache) and load ``unit`` (a ``codegen.text.source.Unit``); returns the library's path.
     ``binary``: ``(file name, bytes)`` of the library a build with the same key made (the compile
     cache keeps them), written in place of a compile when its name is this build's."""
     opts = opts or active()
@@ -309,15 +308,6 @@ def library(name: str) -> str:
     """The path of the loaded library holding function ``name``."""
     with _LOCK:
         return _OWNER[name]._name
-
-
-def restride(t: torch.Tensor, shape, stride) -> torch.Tensor:
-    """``t`` with the strides a kernel was written for (a copy only when they differ)."""
-    if all(a == b for s, a, b in zip(shape, t.stride(), stride) if s != 1):
-        return t
-    out = torch.empty_strided(shape, stride, dtype=t.dtype, device=t.device)
-    out.copy_(t)
-    return out
 
 
 __all__ = ["CppBuildError", "build", "unusable", "function", "library", "restride", "find_compiler", "has_libmvec",

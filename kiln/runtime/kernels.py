@@ -1,9 +1,9 @@
-"""Compiled kernels: the callable FX targets that ``fuse_graph`` puts into graphs (``load_kernel``).
+"""Loaded kernels: what a fused graph's kernel references (``codegen.text.source.KernelRef``) are bound to.
 
 A ``Kernel`` has a ``name`` (unique per source text), its ``source`` (a Python module holding the
-``@triton.jit`` kernel and a ``call`` launcher) and ``__call__(*tensors, *sizes)``. Kernels are
-cached by source: twelve identical layers share one object and compile once. A graph's node calls a
-``KernelCall``: the shared kernel plus its call site's ATen fallback. If the kernel raises on its
+``@triton.jit`` kernel, or the C++ function's launcher, and a ``call``) and ``__call__(*tensors, *sizes)``.
+Kernels are cached by name: twelve identical layers share one object and compile once. A reference binds
+to a ``KernelCall`` (``bind``): the shared kernel plus its call site's ATen fallback. If the kernel raises on its
 first call (Triton's ``CompilationError``, ``OutOfResources``, a module that does not import, ...)
 kiln logs the reason, counts ``counters['codegen']['runtime_fallback']``, marks the kernel failed and
 runs the fallback from then on, at every call site of that kernel. Errors after a kernel has run once
@@ -18,13 +18,11 @@ with it unset, whatever the process environment says; other Triton users are una
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import importlib.util
 import os
 import sys
 import threading
 
-from kiln.codegen.to_triton.module import PLACEHOLDER
 from kiln.debug import counters, log
 from kiln.runtime import private
 
@@ -81,9 +79,8 @@ def interpret_mode(flag: bool):
 class Kernel:
     """One generated kernel module, loaded on first call."""
 
-    def __init__(self, name: str, source: str, interpret: bool, n_outputs: int, reuse=()):
-        self.name, self.source, self.interpret, self.n_outputs = name, source, interpret, n_outputs
-        self.reuse = reuse   # inputs the output may be written into (``KernelPlan.reusable``)
+    def __init__(self, name: str, source: str, interpret: bool):
+        self.name, self.source, self.interpret = name, source, interpret
         self.__name__ = name
         self._call = None
         self.ran = False      # has completed a call (later errors are real errors)
@@ -161,28 +158,19 @@ def reset() -> None:
         fn()
 
 
-def kernel_for(text: str, kind: str, interpret: bool, n_outputs: int, reuse=()) -> Kernel:
-    """The cached Kernel for module ``text`` (whose kernel is named ``PLACEHOLDER``)."""
-    digest = hashlib.sha256(text.encode()).hexdigest()[:12]
-    name = f"kiln_{'red' if kind == 'reduction' else ('scatter' if kind == 'scatter' else 'pw')}_{digest}"
-    return kernel_named(name, text.replace(PLACEHOLDER, name), interpret, n_outputs, reuse)
-
-
-def kernel_named(name: str, source: str, interpret: bool, n_outputs: int, reuse=()) -> Kernel:
-    """The cached Kernel ``name`` whose module text (its name filled in) is ``source`` (``kernel_for``'s,
-    or one the compile cache stored)."""
+def kernel_named(name: str, source: str, interpret: bool) -> Kernel:
+    """The cached Kernel ``name`` whose module text is ``source``."""
     with _LOCK:
         k = _CACHE.get(name)
         if k is None or k.source != source:
-            k = _CACHE[name] = Kernel(name, source, interpret, n_outputs, reuse)
+            k = _CACHE[name] = Kernel(name, source, interpret)
     return k
 
 
-def load_kernel(source, fallback=None) -> "KernelCall":
-    """The FX target for a generated module (``codegen.schedule.plan.KernelSource``): its cached
-    ``Kernel`` with ``fallback`` (``codegen.fallback.Fallback`` or None) for this call site."""
-    kernel = kernel_for(source.text, source.kind, source.interpret, len(source.outputs), source.reuse)
-    return KernelCall(kernel, fallback)
+def bind(ref) -> "KernelCall":
+    """What a kernel reference (``codegen.text.source.KernelRef``) calls: its cached ``Kernel`` with the
+    reference's ATen fallback (``codegen.fallback.Fallback`` or None) for this call site."""
+    return KernelCall(kernel_named(ref.name, ref.source, ref.interpret), ref.fallback)
 
 
 class KernelFailed(RuntimeError):

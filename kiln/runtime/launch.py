@@ -1,6 +1,7 @@
 """Launching kernels: autotuning, the launch fast path and the run-time helpers that generated kernel
 modules call (``run``, ``launch``, ``restride``, ``empty_cuda``, ``semaphore``). The text of
-those modules, and the configurations of their launches, come from ``kiln/codegen/to_triton``.
+those modules comes from ``kiln/codegen/to_triton``, the configurations of their launches from
+``kiln/codegen/text/blocks.py``.
 """
 from __future__ import annotations
 
@@ -8,8 +9,7 @@ import threading
 
 import torch
 
-from kiln.codegen.ir.indexing import next_pow2
-from kiln.codegen.to_triton.config import Blocks, candidates, config, grid_of
+from kiln.codegen.text.blocks import Blocks, candidates, config, grid_of, next_pow2
 from kiln.compat import empty_strided_cuda_fn, triton_c_launcher_ok
 from kiln.debug import log
 from kiln.runtime.kernels import on_reset

@@ -1,12 +1,13 @@
-"""Turn a generated wrapper into a callable; record sources for ``kiln.run_and_get_code``."""
+"""Turn a generated wrapper into a callable, its kernel references bound to loaded kernels; record sources
+for ``kiln.run_and_get_code``."""
 from __future__ import annotations
 
 import hashlib
 import linecache
 
-from kiln.codegen.wrapper import Wrapper
+from kiln.codegen.text.source import KernelRef, Wrapper
 from kiln.debug import counters, log
-from kiln.runtime.kernels import KernelCall, KernelFailed
+from kiln.runtime.kernels import KernelCall, KernelFailed, bind
 
 # Lists that collect generated sources while a run_and_get_code scope is active. A plain list, not a
 # context variable: the backward is compiled lazily, on autograd's device threads on GPU.
@@ -80,10 +81,28 @@ def load(wrapper: Wrapper, fallback=None) -> Compiled:
     digest = hashlib.sha256(wrapper.source.encode()).hexdigest()[:12]
     filename = f"<kiln {wrapper.name} {digest}>"
     linecache.cache[filename] = (len(wrapper.source), None, wrapper.source.splitlines(True), filename)
-    namespace = dict(wrapper.globals)
+    namespace = {k: bind(v) if isinstance(v, KernelRef) else v for k, v in wrapper.globals.items()}
     exec(compile(wrapper.source, filename, "exec"), namespace)
     record(wrapper)
     return Compiled(wrapper, namespace["call"], fallback)
+
+
+def load_aten(wrapper: Wrapper, gm) -> Compiled:
+    """A compiled graph running ``gm`` (the graph as it was before fusion) in place of ``wrapper``, whose
+    kernels could not be built."""
+    compiled = Compiled(wrapper, _boxed(gm))
+    compiled._direct = True
+    return compiled
+
+
+def bind_graph(gm) -> int:
+    """Bind the kernel references of fused GraphModule ``gm`` in place, so that it runs as a module (tests,
+    tools; compiled graphs run their wrappers); returns how many nodes were bound."""
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.target, KernelRef)]
+    for n in nodes:
+        n.target = bind(n.target)
+    gm.recompile()
+    return len(nodes)
 
 
 def record(wrapper: Wrapper) -> None:

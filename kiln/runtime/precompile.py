@@ -3,7 +3,7 @@
 Without this, each kernel compiles when it first launches, one after another in the main process
 (Triton's frontend, MLIR passes and ``ptxas``: a few hundred ms each; GPT-2's two graphs have about
 70 distinct kernels). ``warm(gm, opts)`` runs right after fusion: it replays each new kernel module's
-launcher on the graph's fake inputs to record its launches (``check._record``: argument dtypes,
+launcher on the graph's fake inputs to record its launches (``record_launches``: argument dtypes,
 integer sizes, block sizes, warps), then calls ``JITFunction.warmup`` for each launch in a pool of
 spawned processes, which know the GPU target but open no CUDA context (``target_only_driver``). Warm-up compiles without launching and stores the result in Triton's on-disk
 cache under the key the JIT computes for the real launch (same module text, argument types, 16-byte
@@ -33,9 +33,11 @@ import time
 import torch
 import torch.fx as fx
 
+from kiln.codegen.text.blocks import Blocks, config
+from kiln.codegen.text.source import KernelRef
 from kiln.debug import counters, log
-from kiln.runtime import check
-from kiln.runtime.kernels import import_file, module_file, on_reset
+from kiln.runtime import launch
+from kiln.runtime.kernels import import_file, module_file, on_reset, subdir
 
 _POOL: list = []     # [executor] once started
 _DONE: set = set()   # kernel names already handed to the pool in this process
@@ -54,11 +56,6 @@ def n_workers(opts) -> int:
     return int(n)
 
 
-def _kernel_of(target):
-    k = getattr(target, "kernel", target)   # a KernelCall wraps a Kernel
-    return k if hasattr(k, "source") and hasattr(k, "interpret") else None
-
-
 def _arg(a):
     if isinstance(a, torch.Tensor):
         return a.dtype   # warm-up turns a dtype into a mock tensor with an aligned pointer
@@ -68,11 +65,12 @@ def _arg(a):
 
 
 def tasks(gm: fx.GraphModule) -> list:
-    """``(path, module name, kernel name, args, constexprs, warps)`` per launch of the new kernels."""
+    """``(path, module name, kernel name, args, constexprs, warps)`` per launch of the new kernels (the
+    graph's ``KernelRef`` nodes, before the runtime binds them)."""
     out = []
     for node in gm.graph.nodes:
-        k = _kernel_of(node.target) if node.op == "call_function" else None
-        if k is None or k.interpret or k.name in _DONE:
+        k = node.target
+        if not isinstance(k, KernelRef) or k.interpret or k.name in _DONE:
             continue
         _DONE.add(k.name)
         example = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in node.args]
@@ -81,13 +79,62 @@ def tasks(gm: fx.GraphModule) -> list:
             continue
         try:
             path = module_file(k.name, k.source)   # the file the runtime loads (kernel._load_module)
-            for fn, args, (xb, rb, warps), _ in check._record(check._exec_compiled(k), example):
+            for fn, args, (xb, rb, warps), _ in record_launches(compiled_module(k), example):
                 consts = {"XBLOCK": xb, **({"RBLOCK": rb} if "RBLOCK" in fn.arg_names else {})}
                 out.append((path, f"kiln_kernels.{k.name}", fn.__name__, [_arg(a) for a in args],
                             consts, warps))
         except Exception as e:   # nothing to warm for this one: it compiles at its first launch
             log(2, f"precompile: {k.name} not warmed ({type(e).__name__}: {e})")
     return out
+
+
+def compiled_module(kernel):
+    """The kernel's module executed with ``@triton.jit`` building compiled (not interpreted) kernels."""
+    path = module_file(kernel.name, kernel.source, subdir("check"), overwrite=True)
+    return import_file(f"kiln_check.{kernel.name}", path, interpret=False, source=kernel.source)
+
+
+def record_launches(mod, example_args):
+    """Run ``mod.call`` with launches recorded instead of run: [(jit fn, args, cfg, meta)]."""
+    launches = []
+
+    def fake_run(fn, args, xnumel, rnumel, cfg, meta):
+        xnumel = int(xnumel)
+        if cfg is None:
+            cfg = config(meta["kind"], max(xnumel, 1), int(rnumel), meta["persistent"], meta["inner"], False,
+                         meta.get("narrow", False), Blocks(*meta["blocks"]))
+        launches.append((fn, args, cfg, meta))
+
+    def fake_launch(fn, args, grid, consts, warps):   # a launch fixed at generation time
+        launches.append((fn, args, (consts[0], consts[-1] if len(consts) > 1 else 1, warps), {}))
+
+    # ``mod`` is a private copy of the module: only its own ``launch`` name is replaced, so kernels
+    # launching meanwhile on other threads (a backward compiling while another runs) are untouched
+    mod.launch = _Recorder(run=fake_run, launch=fake_launch, empty_cuda=_fake_empty,
+                           cuda_here=lambda: torch.device("cuda", 0),
+                           semaphore=lambda cache, device: torch.zeros(1, dtype=torch.int32, device=device))
+    mode = next((a.fake_mode for a in example_args if hasattr(a, "fake_mode")), None)
+    if mode is None:   # a kernel without tensor inputs still allocates CUDA outputs
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        mod.call(*example_args)
+    return launches
+
+
+def _fake_empty(size, stride, dtype):
+    """``launch.empty_cuda`` under fake mode (torch's C++ helper would allocate real CUDA memory)."""
+    return torch.empty_strided(size, stride, dtype=dtype, device="cuda")
+
+
+class _Recorder:
+    """``kiln.runtime.launch`` with the functions ``record_launches`` passes replaced."""
+
+    def __init__(self, **overrides):
+        self.__dict__.update(overrides)
+
+    def __getattr__(self, name):
+        return getattr(launch, name)
 
 
 def target_only_driver(target):

@@ -111,10 +111,10 @@ def test_tuning_fields_scope_and_merge():
     from kiln.options import Tuning
     assert current().tuning == Tuning()
     with kiln.config.patch(**{"tuning.persistent_max": 1024}):
-        with kiln.config.patch(tuning={"fold": False}):
+        with kiln.config.patch(tuning={"chain": False}):
             t = current().tuning
-            assert (t.persistent_max, t.fold, t.chain) == (1024, False, True)
-        assert current().tuning.fold is True
+            assert (t.persistent_max, t.chain, t.online_softmax) == (1024, False, True)
+        assert current().tuning.chain is True
     assert current().tuning.persistent_max == Tuning().persistent_max
     opts = current().replace(tuning={"outer_max": 64})
     assert opts.tuning.outer_max == 64 and opts.replace(codegen="aten").tuning.outer_max == 64
@@ -125,7 +125,9 @@ def test_tuning_values_are_checked():
         current(**{"tuning.pw_xblock": 1000})
     with pytest.raises(OptionError, match="tuning.pw_warps=64: a kernel has at most 32 warps"):
         current(tuning={"pw_warps": 64})
-    with pytest.raises(OptionError, match="tuning.fold='no' must be True or False"):
+    with pytest.raises(OptionError, match="tuning.chain='no' must be True or False"):
+        current(tuning={"chain": "no"})
+    with pytest.raises(OptionError, match="tuning.fold='no' is not valid; choose one of"):
         current(tuning={"fold": "no"})
     with pytest.raises(OptionError, match="unknown kiln option 'tuning.persistnt_max'.*tuning.persistent_max"):
         current(tuning={"persistnt_max": 4})
@@ -138,8 +140,8 @@ def test_tuning_from_the_environment(monkeypatch):
     monkeypatch.setenv("KILN_TUNING_ONLINE_SOFTMAX", "off")
     t = current().tuning
     assert t.persistent_max == 2048 and t.online_softmax is False
-    monkeypatch.setenv("KILN_TUNING_FOLD", "maybe")
-    with pytest.raises(OptionError, match="KILN_TUNING_FOLD='maybe': tuning.fold must be True or False; cannot read"):
+    monkeypatch.setenv("KILN_TUNING_CHAIN", "maybe")
+    with pytest.raises(OptionError, match="KILN_TUNING_CHAIN='maybe': tuning.chain must be True or False; cannot read"):
         current()
 
 

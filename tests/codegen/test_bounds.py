@@ -16,12 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from kiln.codegen.fuse_graph import fuse_graph
 from kiln.debug import counters
 from kiln.options import current
 from kiln.runtime import cpp_build
-from kiln.runtime.kernels import load_kernel
-from tests.codegen.util import decompositions, kernels
+from tests.codegen.util import decompositions, fuse_graph, kernels
 
 TARGETS = ["cpp", "triton"]
 NO_CXX = not cpp_build.find_compiler(current())
@@ -32,8 +30,7 @@ def _fused(fn, *args, target, mode="fake", **opts):
         pytest.skip("no C++ compiler")
     with torch.fx.traceback.preserve_node_meta():   # as AOTAutograd traces: nodes name the op they decompose
         gm = make_fx(fn, decomposition_table=decompositions(), tracing_mode=mode)(*args)
-    assert fuse_graph(gm, list(args), current(codegen=target, **opts), load_kernel, strict=True,
-                      build=cpp_build.build if target == "cpp" else None) > 0
+    assert fuse_graph(gm, args, current(codegen=target, **opts)).kernels > 0
     return gm
 
 

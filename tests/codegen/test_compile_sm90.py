@@ -1,7 +1,7 @@
 """Every kernel kiln generates for CUDA must compile for sm_90, checked on the CPU.
 
-Graphs are traced on fake CUDA tensors (no GPU needed) so ``fuse_graph`` emits compiled-mode
-kernels, and ``check.compile_for_target`` runs Triton's real frontend and ``ptxas`` on each. A
+Graphs are traced on fake CUDA tensors (no GPU needed) so the Triton target emits compiled-mode
+kernels, and ``sm90_check.compile_for_target`` runs Triton's real frontend and ``ptxas`` on each. A
 failure here is the ``CompilationError`` a user would hit at the kernel's first launch on a GPU.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from kiln.options import Tuning
-from kiln.runtime.check import compile_for_target
+from tests.codegen.sm90_check import compile_for_target
 from tests.codegen.util import decompositions, fuse, kernels
 
 

@@ -20,12 +20,8 @@ pytestmark = pytest.mark.skipif(not cpp_build.find_compiler(current()), reason="
 def compiled(fn, *args, **tuning):
     """(graph module with C++ kernels, the C++ source of its unit)."""
     units = []
-
-    def build(unit, opts):
-        units.append(unit.source)
-        return cpp_build.build(unit, opts)
-    gm, _ = fused(fn, *args, build=build, tuning=tuning)
-    return gm, "\n".join(units)
+    gm, _ = fused(fn, *args, units=units, tuning=tuning)
+    return gm, "\n".join(u.source for u in units)
 
 
 def _c(v):   # a per-channel vector against NCHW

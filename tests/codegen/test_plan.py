@@ -8,12 +8,10 @@ import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import kiln
-from kiln.codegen.fuse_graph import fuse_graph
 from kiln.codegen.schedule.domain import Role
 from kiln.codegen.schedule.plan import KernelPlan, Kind, Programs
 from kiln.options import Tuning, current
-from kiln.runtime.kernels import load_kernel
-from tests.codegen.util import decompositions
+from tests.codegen.util import decompositions, fuse_graph
 
 LOOPED = Tuning().persistent_max + 904
 
@@ -21,9 +19,7 @@ LOOPED = Tuning().persistent_max + 904
 def plans(fn, *args):
     """The plans of ``fn``'s kernels (Triton target, options in scope)."""
     gm = make_fx(fn, decomposition_table=decompositions(), tracing_mode="fake")(*args)
-    out = []
-    fuse_graph(gm, list(args), current(codegen="triton"), load_kernel, on_plans=out.extend, strict=True)
-    return out
+    return list(fuse_graph(gm, args, current(codegen="triton")).plans)
 
 
 def test_layer_norm_is_one_persistent_row_plan():
@@ -63,7 +59,7 @@ def test_programs_follow_the_roles():
         (last,) = plans(lambda x: (x.amax(1), x.sum(1).max()), x)
     assert last.programs is Programs.LAST
     with kiln.config.patch(tuning=dict(split_min_r=32, split_min_numel=256, fold_programs=8, fold_min_chunk=4,
-                                       unfold=False)):
+                                       fold="always")):
         (folded,) = plans(lambda x: x.sum(0), torch.randn(40, 48))
     assert folded.programs is Programs.CHUNKS and folded.chunks == (8, 5)
     assert any(m.role is Role.COLPART for m in folded.members)

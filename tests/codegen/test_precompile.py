@@ -47,7 +47,7 @@ def _fused_cuda_graph():
     with FakeTensorMode(allow_non_fake_inputs=True):
         args = [torch.empty(a.shape, device="cuda") for a in cpu]
         gm = make_fx(gm, decomposition_table=decompositions())(*args)
-    fuse(gm, args)
+    fuse(gm, args, bind=False)   # kernel references, as the pipeline precompiles them
     return gm
 
 

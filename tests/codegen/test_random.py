@@ -1,6 +1,6 @@
 """Random ops in training (#31): every form a model uses draws its numbers inside a fused kernel, on the C++
 target and in Triton kernels (the interpreter here, the GPU in the ``gpu`` tests), from seeds the graph draws
-on the device once per call (``fuse_graph.seed_nodes``), with no host work per kernel."""
+on the device once per call (``codegen.rewrite.seed_nodes``), with no host work per kernel."""
 from __future__ import annotations
 
 import math

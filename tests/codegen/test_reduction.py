@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 import kiln
-from kiln.codegen.lower.split import split_count
+from kiln.codegen.schedule.split import split_count
 from kiln.options import Tuning
 from tests.codegen.util import aten_ops, check, fused, kernels
 
@@ -167,9 +167,9 @@ def _folded(gm):
 def test_folded_column_reduction(small_folds, fn, shape, tol):
     """A column reduction of short rows runs as one program per chunk of rows (each row read once,
     along its columns), its final pass over the chunks chained: one kernel, right on new values too
-    (the chained final's counter is reset). Kept folded with no row kernel to join (``tuning.unfold``)."""
+    (the chained final's counter is reset). Folded with no row kernel to join (``tuning.fold='always'``)."""
     x = torch.randn(shape)
-    with kiln.config.patch(**{"tuning.unfold": False}):
+    with kiln.config.patch(**{"tuning.fold": "always"}):
         gm = check(fn, x, n_kernels=1, atol=tol, rtol=tol)
     assert _folded(gm)
     x = torch.randn(shape)
@@ -200,21 +200,25 @@ def test_pointwise_producer_joins_the_folded_bias_gradient(small_folds):
     assert not _folded(gm)
     check(lambda x: x.sum(0), torch.randn(40, 48), atol=1e-4, rtol=1e-4)
     assert not _folded(check(lambda x: (x.amax(0), x.sum(0)), torch.randn(64, 48), atol=1e-4, rtol=1e-4))
-    with kiln.config.patch(**{"tuning.unfold": False}):
+    with kiln.config.patch(**{"tuning.fold": "always"}):
         gm = check(fn, x, b, g, atol=1e-4, rtol=1e-4)
     assert _folded(gm) and len(kernels(gm)) == 1
 
 
 def test_folded_partials_with_an_unchained_final(small_folds):
     # 8 programs x 48 columns above tail_max: the final is a kernel of its own
-    with kiln.config.patch(tuning=dict(unfold=False, tail_max=16)):
+    with kiln.config.patch(tuning=dict(fold="always", tail_max=16)):
         gm = check(lambda x: x.sum(0), torch.randn(40, 48), n_kernels=2, atol=1e-4, rtol=1e-4)
     assert _folded(gm)
 
 
 def test_fold_switch(small_folds):
-    with kiln.config.patch(**{"tuning.fold": False}):
+    with kiln.config.patch(**{"tuning.fold": "never"}):
         gm = check(lambda x: x.sum(0), torch.randn(40, 48), atol=1e-4, rtol=1e-4)
+    assert not _folded(gm)
+    with kiln.config.patch(**{"tuning.fold": "never"}):   # a norm backward's weight gradient: not folded either
+        gm = check(grads(rms_norm, 2), torch.randn(64, 48), torch.randn(48), torch.randn(64, 48), atol=1e-4,
+                   rtol=1e-4)
     assert not _folded(gm)
 
 

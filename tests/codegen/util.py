@@ -4,25 +4,34 @@ from __future__ import annotations
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from kiln.codegen.fuse_graph import fuse_graph
+from kiln.capture.decomp import decomposition_table
+from kiln.codegen.target import resolve
 from kiln.options import current
-from kiln.runtime.kernels import load_kernel
+from kiln.runtime.load import bind_graph
 from tests.numerics import assert_close_to_fp64, fp64
 
 
 def decompositions():
-    try:
-        from kiln.capture.decomp import decomposition_table
-        return decomposition_table("triton")
-    except ImportError:
-        from torch._decomp import core_aten_decompositions
-        return core_aten_decompositions()
+    return decomposition_table(fusion=True)
 
 
-def fuse(gm, args, **opts) -> int:
+def fuse_graph(gm, args, opts, strict: bool = True, bind: bool = True):
+    """The kernels of ``opts``' target in ``gm`` (``codegen.target.Target.fuse``, in place), with ``bind``
+    built and bound so that ``gm`` runs (``Target.build``, ``runtime.load.bind_graph``; unbound, the graph
+    holds ``KernelRef``s, as when the wrapper is emitted); returns the ``Fused`` value (``.kernels``,
+    ``.plans``, ``.units``)."""
+    target = resolve(opts, list(args))
+    fused = target.fuse(gm, list(args), strict=strict)
+    if bind:
+        target.build(gm, fused)
+        bind_graph(gm)
+    return fused
+
+
+def fuse(gm, args, bind: bool = True, **opts) -> int:
     """``fuse_graph`` on ``gm`` with the options in scope (``kiln.config.patch``) and ``opts``, Triton
     target, failures raised."""
-    return fuse_graph(gm, list(args), current(codegen="triton", **opts), load_kernel, strict=True)
+    return fuse_graph(gm, args, current(codegen="triton", **opts), bind=bind).kernels
 
 
 def fused(fn, *args, mode="fake", **opts):

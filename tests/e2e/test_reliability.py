@@ -346,7 +346,7 @@ def test_scatters_into_an_expanded_input_return_dense_results(codegen):
     from torch._subclasses import FakeTensorMode
     with FakeTensorMode() as mode:
         fake = mode.from_tensor(torch.ones(1).expand(16))
-        out = decomposition_table(codegen)[torch.ops.aten.slice_scatter.default](fake, torch.ones(2), 0, 7, 11, 2)
+        out = decomposition_table(fusion=codegen != "aten")[torch.ops.aten.slice_scatter.default](fake, torch.ones(2), 0, 7, 11, 2)
     assert tuple(out.stride()) == (1,)
     a, b = torch.tensor([-1.0]).expand(16), torch.tensor([[2.0]]).expand(4, 4)
     fns = [lambda a, b: torch.slice_scatter(a, a[:2] * 3 - 1, 0, 7, 11, 2).view(4, 4) + b,
@@ -388,7 +388,7 @@ def test_vector_norm_over_dims_of_size_one(codegen):
     size 1 (fuzz seed 10 #5563, #7886: kiln's outputs had an extra dim); the fusing targets decompose it
     with eager's shape."""
     from kiln.capture.decomp import decomposition_table
-    decomp = decomposition_table("triton")[torch.ops.aten.linalg_vector_norm.default]
+    decomp = decomposition_table(fusion=True)[torch.ops.aten.linalg_vector_norm.default]
     x = torch.tensor([[3.0], [-4.0]])
     assert decomp(x, 2, [-1]).shape == (2,) and decomp(x, 2, [-1], True).shape == (2, 1)
     fn = lambda a, b: (torch.stack([torch.linalg.vector_norm(a, dim=(-1,))] * 2, -1),  # noqa: E731
@@ -414,7 +414,7 @@ def test_index_fill_of_a_strided_tensor_stays_aten():
     which AOTAutograd's functional-graph check rejects (fuzz seed 10 #1135): the fusing targets keep such an
     index_fill whole, and fuse it only where the strides are already contiguous."""
     from kiln.capture.decomp import decomposition_table
-    decomp = decomposition_table("triton")[torch.ops.aten.index_fill.int_Scalar]
+    decomp = decomposition_table(fusion=True)[torch.ops.aten.index_fill.int_Scalar]
     base = torch.arange(12).reshape(1, 3, 4)
     strided, i = base[:, :, ::4], torch.tensor([1])
     assert decomp(strided, 1, i, 3) is NotImplemented

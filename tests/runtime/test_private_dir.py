@@ -13,7 +13,7 @@ import torch
 
 import kiln
 from kiln.cache import store
-from kiln.codegen.to_cpp.module import CppUnit
+from kiln.codegen.text.source import Unit
 from kiln.runtime import cpp_build, kernels
 
 
@@ -72,7 +72,7 @@ def test_a_planted_library_is_never_loaded(tmp_path, monkeypatch):
     constructor would run in this process): kiln builds its own. Writes replace links, never follow them."""
     monkeypatch.setenv("KILN_KERNEL_DIR", str(tmp_path / "kernels"))
     name = f"kiln_test_{uuid.uuid4().hex[:12]}"
-    unit = CppUnit(f'extern "C" int {name}(void) {{ return 42; }}\n', (name,))
+    unit = Unit(f'extern "C" int {name}(void) {{ return 42; }}\n', (name,))
     path = cpp_build.library_path(unit)
     marker, victim = tmp_path / "constructor_ran", tmp_path / "victim.txt"
     victim.write_text("precious")

@@ -154,7 +154,7 @@ def _fake_cuda_fused(fn, *cpu_args):
     with FakeTensorMode(allow_non_fake_inputs=True):
         args = [torch.empty(a.shape, dtype=a.dtype, device="cuda") for a in cpu_args]
         gm = make_fx(gm, decomposition_table=decompositions())(*args)
-    fuse(gm, args)
+    fuse(gm, args, bind=False)   # kernel references, as the wrapper emitter sees them
     return gm
 
 

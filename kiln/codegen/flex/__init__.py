@@ -1,6 +1,6 @@
 """FlexAttention kernels: ``torch.nn.attention.flex_attention``'s higher-order ops as fused kernels.
 
-``lower_flex(gm, opts, load_kernel, build)`` (``replace.py``) replaces each ``flex_attention`` and
+``lower_flex(gm, opts, cpp)`` (``replace.py``) replaces each ``flex_attention`` and
 ``flex_attention_backward`` op of a post-grad graph by a call of a generated kernel: on the Triton
 target a flash-attention forward (``triton_fwd.py``; a split-KV pair for decoding) and a three-kernel
 backward (``triton_bwd.py``), launched by ``triton_module.py``; on the C++ target a forward

@@ -22,7 +22,7 @@ from kiln.codegen.flex.translate import CppDialect, Unsupported, Val
 from kiln.codegen.flex.triton_fwd import LOG2E
 from kiln.codegen.flex.triton_module import RUNTIME, order
 from kiln.codegen.to_cpp.ops import MEMORY, PREAMBLE, literal
-from kiln.codegen.to_triton.module import PLACEHOLDER
+from kiln.codegen.text.source import PLACEHOLDER
 
 ROWS = 64   # query rows of a thread's tile (a kv block's keys and values are copied once per tile)
 

@@ -1,9 +1,9 @@
 """The graph edit: each FlexAttention op becomes one call of a kiln kernel (``lower_flex``).
 
 For every ``flex_attention`` / ``flex_attention_backward`` node: parse it (``hop.parse``), write its
-kernel module (Triton: ``triton_module``; C++: ``cpp``, whose translation unit ``build`` compiles), and
-put a ``call_function`` node whose target is ``load_kernel(source, fallback)`` in its place, with the
-same result structure, so that its ``getitem`` users stay as they are. The fallback is a small graph
+kernel module (Triton: ``triton_module``; C++: ``cpp``, whose translation unit the target builds), and
+put a ``call_function`` node whose target is the kernel's ``KernelRef`` (data, bound by the runtime) in
+its place, with the same result structure, so that its ``getitem`` users stay as they are. The fallback is a small graph
 running the op itself (its dense implementation) on the same arguments: it runs if the kernel fails on
 its first call. A node kiln cannot write (``Unsupported``: an op in a score_mod without a translation,
 a block size no tile fits, the backward on the C++ target) keeps the op, with the reason logged and
@@ -19,8 +19,7 @@ from kiln.codegen.flex.cpp import cpp_forward
 from kiln.codegen.flex.hop import FlexCall, hop_name, parse
 from kiln.codegen.flex.translate import Unsupported
 from kiln.codegen.flex.triton_module import backward_module, forward_module, operands
-from kiln.codegen.schedule.plan import KernelSource
-from kiln.codegen.to_cpp.module import CppUnit
+from kiln.codegen.text.source import KernelSource, Unit, named
 from kiln.debug import counters, log
 
 OUTPUTS = {"flex": ("out", "lse", "max_scores"), "flex_decode": ("out", "lse", "max_scores"),
@@ -52,18 +51,17 @@ def _fallback(gm, node, ops):
     return HopFallback(gm, g)
 
 
-def _source(call: FlexCall, opts, build):
-    """(``KernelSource``, kind) of ``call``'s kernel module for the target ``opts.codegen`` names."""
+def _source(call: FlexCall, opts, cpp: bool):
+    """(``KernelSource``, kind, C++ ``Unit`` or None) of ``call``'s kernel module on the C++ target (``cpp``)
+    or Triton's."""
     device = call.val(call.q).device
-    if opts.codegen == "cpp":
+    unit = None
+    if cpp:
         if call.backward:
             raise Unsupported("flex: kiln has no C++ FlexAttention backward (torch refuses FlexAttention's "
                               "backward on the CPU)")
-        if build is None:
-            raise Unsupported("flex: codegen='cpp' without a build function")
         source, fname, text = cpp_forward(call)
-        build(CppUnit(source, (fname,)), opts)
-        kind, interpret = "flex_cpp", None
+        unit, kind, interpret = Unit(source, (fname,)), "flex_cpp", None
     else:
         interpret = device.type != "cuda" and opts.emit_for != "cuda"
         if call.dtype == torch.float64:
@@ -72,28 +70,30 @@ def _source(call: FlexCall, opts, build):
             text, kind = backward_module(call, interpret)
         else:
             text, kind = forward_module(call, interpret, opts.tuning.flex_decode_q)
-    return KernelSource(text, (), OUTPUTS[kind], (), kind, (), interpret), kind
+    return KernelSource(text, (), OUTPUTS[kind], (), kind, (), interpret), kind, unit
 
 
-def lower_flex(gm: fx.GraphModule, opts, load_kernel, build=None) -> int:
-    """Replace ``gm``'s FlexAttention ops by kernels, in place (see the module docstring); returns how many.
-    An error other than ``Unsupported`` (a kiln bug) also keeps the op, unless ``opts.on_error='raise'``."""
-    graph, done = gm.graph, 0
+def lower_flex(gm: fx.GraphModule, opts, cpp: bool) -> tuple:
+    """Replace ``gm``'s FlexAttention ops by kernel references, in place (see the module docstring); returns
+    (how many, the C++ units to build). An error other than ``Unsupported`` (a kiln bug) also keeps the op,
+    unless ``opts.on_error='raise'``."""
+    graph, done, units = gm.graph, 0, []
     for node in list(graph.nodes):
         kind = hop_name(node)
         if not kind:
             continue
         try:
             call = parse(gm, node)
-            source, sub = _source(call, opts, build)
+            source, sub, unit = _source(call, opts, cpp)
             ops = operands(call)
-            target = load_kernel(source, _fallback(gm, node, ops))
+            target = named(source, _fallback(gm, node, ops))
         except Exception as e:
             if not isinstance(e, Unsupported) and opts.on_error == "raise":
                 raise
             counters["fallback"][kind] += 1
             log(1, f"flex: {node.name} runs FlexAttention's dense implementation ({type(e).__name__}: {e})")
             continue
+        units += [unit] if unit is not None else []
         with graph.inserting_before(node):
             new = graph.call_function(target, tuple(ops), {})
         new.meta.update(node.meta)
@@ -109,7 +109,7 @@ def lower_flex(gm: fx.GraphModule, opts, load_kernel, build=None) -> int:
     if done:
         graph.lint()
         gm.recompile()
-    return done
+    return done, tuple(units)
 
 
 __all__ = ["lower_flex"]

@@ -16,7 +16,7 @@ from kiln.codegen.flex import config as cfgs
 from kiln.codegen.flex.hop import MASK_NAMES, FlexCall, buffer_kind
 from kiln.codegen.flex.triton_bwd import backward_kernels
 from kiln.codegen.flex.triton_fwd import decode_kernels, forward_kernel
-from kiln.codegen.to_triton.module import PLACEHOLDER
+from kiln.codegen.text.source import PLACEHOLDER
 from kiln.codegen.to_triton.ops import HELPERS
 
 HEADER = "# kiln generated kernel (FlexAttention)\n"

@@ -336,8 +336,7 @@ class Reduction:
     out_shape: tuple
     split: bool = False   # the second half of a split reduction (never folded back into one program)
     fold: tuple = ()      # a column reduction's partial over row chunks, computed in a row kernel: the
-                          # sizes of the rows it reduces (``lower.split.fold_split``, role 'colpart')
-    fold_src: Any = None  # a folded partial's reduction before the split (``lower.split.SplitSource``)
+                          # sizes of the rows it reduces (``schedule.split.fold_split``, role 'colpart')
 
     def full_index(self, out_idx):
         """Map an output index onto the kept dims of ``ranges`` (reduced dims left as None)."""

@@ -16,9 +16,9 @@ import sympy
 import torch
 import torch.fx
 
-from kiln.codegen.ir.indexing import ZERO, contiguous_strides, size_expr
-from kiln.codegen.ir.loops import (Buffer, Pointwise, Reduction, Seeds, Unsupported, meta_layout,
-                                new_name, ops)
+from kiln.codegen.ir.indexing import ZERO, size_expr
+from kiln.codegen.ir.loops import (Buffer, Pointwise, Reduction, Seeds, Unsupported, contiguous_buffer, meta_layout,
+                                   ops)
 from kiln.debug import log
 from kiln.options import Options
 
@@ -74,7 +74,7 @@ class Lowering:
                     value = self._lower(node)
                 except Unsupported as e:
                     log(5, f"codegen: {node.name} ({node.target}) stays ATen: {e}")
-                    node.meta["kiln_why"] = str(e)   # read by the random-op count (``fuse_graph``)
+                    node.meta["kiln_why"] = str(e)   # read by the random-op count (``codegen.rewrite``)
                     self._extern(node)
                 else:
                     if value is KEEP:
@@ -190,8 +190,7 @@ class Lowering:
             shape, stride = meta_layout(val)
             buf = Buffer(node.name, shape, stride, val.dtype, val.device, "pointwise", node, value, val)
         else:
-            buf = Buffer(new_name(), value.shape, contiguous_strides(value.shape), value.dtype,
-                         value.device, "pointwise", None, value)
+            buf = contiguous_buffer(value.shape, value.dtype, value.device, "pointwise", value)
         self.buffers[buf.name] = buf
         self.computed.append(buf)
         value.buffer = buf
@@ -240,11 +239,7 @@ class Lowering:
 
     def reduction(self, red: Reduction, device) -> Pointwise:
         """A reduction always owns a buffer; returns the value reading it."""
-        shape = tuple(size_expr(s) for s in red.out_shape)
-        buf = Buffer(new_name(), shape, contiguous_strides(shape), red.dtype, device, "reduction", None, red)
-        self.buffers[buf.name] = buf
-        self.computed.append(buf)
-        return Pointwise.of_buffer(buf)
+        return self.add_buffer(contiguous_buffer(red.out_shape, red.dtype, device, "reduction", red))
 
     def add_buffer(self, buf: Buffer) -> Pointwise:
         self.buffers[buf.name] = buf

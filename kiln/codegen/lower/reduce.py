@@ -1,6 +1,7 @@
 """Lowerings of reductions and the normalizations built from them.
 
-``reduce()`` makes one ``Reduction`` (always its own buffer), or two when ``split.py`` cuts it.
+``reduce()`` makes one ``Reduction``, always its own buffer (how it splits, the scheduler decides:
+``schedule/split.py``).
 Softmax, log-softmax, layer norm, var/std and losses are written as a few reductions plus pointwise
 epilogues; the scheduler puts reductions over the same rows into one kernel, so e.g. a layer norm is one
 kernel. Variance is two-pass (mean, then sum of squared deviations) within that kernel.
@@ -10,13 +11,11 @@ from __future__ import annotations
 import sympy
 import torch
 
-from kiln.codegen.ir.indexing import ONE, ZERO, size_expr
+from kiln.codegen.ir.indexing import ONE, ZERO, prod, size_expr
 from kiln.codegen.ir.loops import Pointwise, Reduction, Unsupported, ops, upcast
 from kiln.codegen.lower.base import aten, register, value_at
 from kiln.codegen.lower.index import checker, indirect
 from kiln.codegen.lower.pointwise import E, add, div, mul, sub, un
-from kiln.codegen.lower.split import (SPLITTABLE, SplitSource, fold_split, numel, split_count, split_final,
-                                      split_partial)
 from kiln.codegen.lower.view import reshape_index
 
 
@@ -28,49 +27,28 @@ def _dims(dims, n):
     return sorted({d + n if d < 0 else d for d in dims})
 
 
+def numel(shape, dims):
+    return prod([shape[d] for d in dims])
+
+
 def out_shape(shape, dims, keepdim):
     return tuple(ONE if i in dims else s for i, s in enumerate(shape)) if keepdim else \
         tuple(s for i, s in enumerate(shape) if i not in dims)
 
 
 def reduce(ctx, kind, a: Pointwise, dims, keepdim=False, dtype=None, acc=None, body=None) -> Pointwise:
-    """A ``kind`` reduction of ``a`` over ``dims``; ``body(full_index)`` overrides the element.
-
-    Few long rows (a full sum, a column sum over many rows) are split in two reductions: partial
-    results over ``S`` chunks of each row, then a short reduction of the partials, so the work
-    spreads over ``S`` times more programs."""
-    n = len(a.shape)
-    dims = _dims(dims, n)
+    """A ``kind`` reduction of ``a`` over ``dims``; ``body(full_index)`` overrides the element."""
+    dims = _dims(dims, len(a.shape))
     dtype = dtype or a.dtype
     acc = acc or upcast(dtype)
     fn = body or (lambda idx: ops.cast(a(idx), acc))
-    oshape = out_shape(a.shape, dims, keepdim)
-    fold = fold_split(a.shape, dims, ctx.tuning) if kind in SPLITTABLE else 1
-    if fold > 1:
-        return _split_reduce(ctx, kind, a, dims, fn, acc, dtype, oshape, fold, fold=True)
-    splits = split_count(a.shape, dims, ctx.tuning) if kind in SPLITTABLE else 1
-    if splits > 1:
-        return _split_reduce(ctx, kind, a, dims, fn, acc, dtype, oshape, splits)
-    red = Reduction(kind, a.shape, tuple(dims), fn, acc, dtype, oshape)
+    red = Reduction(kind, a.shape, tuple(dims), fn, acc, dtype, out_shape(a.shape, dims, keepdim))
     return ctx.reduction(red, a.device)
-
-
-def _split_reduce(ctx, kind, a, dims, fn, acc, dtype, oshape, splits, fold=False):
-    part_red = split_partial(kind, list(a.shape), dims, fn, acc, splits, fold)
-    part = ctx.reduction(part_red, a.device)
-    out = ctx.reduction(split_final(kind, part, part_red, acc, dtype, oshape), a.device)
-    if fold:   # what ``schedule.fold.rebuild_split`` needs to make the classic split of this reduction instead
-        part_red.fold_src = SplitSource(kind, tuple(a.shape), tuple(dims), fn, acc, dtype, oshape, out.buffer.name)
-    return out
 
 
 def keep_index(idx, dims):
     """Index of a keepdim reduction result for full-space index ``idx``."""
     return [ZERO if i in dims else v for i, v in enumerate(idx)]
-
-
-def _scalar(v):
-    return ops.index(v, torch.float32) if isinstance(v, sympy.Basic) and not v.is_Number else float(v)
 
 
 @register(aten.sum.dim_IntList, aten.sum.default)

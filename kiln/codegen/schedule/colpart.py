@@ -1,6 +1,6 @@
 """Where a folded column partial (role 'colpart') sits in a row kernel.
 
-A column reduction cut into chunks of whole rows (``lower.split.fold_split``) has one partial per
+A column reduction cut into chunks of whole rows (``split.fold_split``) has one partial per
 chunk; a kernel over (rows, columns) computes them with one program per chunk (``XPID``), each walking
 its chunk's rows and accumulating per column. These helpers give such a partial's kernel domain, the
 element it reduces at (xindex, rindex), and where each program stores its result.

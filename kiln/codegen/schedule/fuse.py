@@ -21,7 +21,7 @@ from kiln.codegen.ir.loops import Pointwise, Reduction, Scatter
 from kiln.codegen.schedule.colpart import colpart_shape
 from kiln.codegen.schedule.domain import (Role, body, current, dims_key, domain_ranges, loads, node_dims, scatter_exprs,
                                           squeeze)
-from kiln.codegen.schedule.fold import unfold
+from kiln.codegen.schedule.split import split_reductions
 from kiln.options import Tuning
 
 
@@ -117,7 +117,7 @@ class Scheduler:
 
     # -- grouping ----------------------------------------------------------------------------
     def run(self):
-        unfold(self.lw, self.tuning)
+        split_reductions(self.lw, self.tuning)
         for buf in self.lw.computed:
             if isinstance(buf.compute, Scatter):
                 self.reads[buf] = {n for e in scatter_exprs(buf) for n, _ in loads(e)}

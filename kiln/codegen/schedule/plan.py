@@ -13,8 +13,8 @@ same for every target:
   whether it draws random numbers, which input its one output may overwrite.
 
 A plan prints as readable text (``describe``; KILN_DEBUG=4 and KILN_DUMP show it) between the fused
-graph and the kernel text. Emitters (``codegen/to_triton``) take a plan and write text in one pass and
-return a ``KernelSource``.
+graph and the kernel text. Emitters (``codegen/to_triton``, ``codegen/to_cpp``) take a plan and write
+text in one pass (``codegen/text``).
 """
 from __future__ import annotations
 
@@ -165,23 +165,6 @@ class ScatterPlan:
         return describe(self.copy, f"{title} (copy of the base)") + "\n" + describe(self.write, f"{title} (write)")
 
 
-@dataclass(frozen=True)
-class KernelSource:
-    """What an emitter makes of a plan: a module's ``text`` (its kernel named by a placeholder), the
-    buffers its ``call`` takes (``inputs``, in order) and returns (``outputs``), the size symbols passed
-    as extra arguments (``scalars``), the kind of kernel, the inputs its output may be written into
-    (``reuse``, positions), whether it runs in Triton's interpreter, and how many philox seeds its ``call``
-    takes after the scalars (``seeds``: one-element int64 tensors the graph draws on the device)."""
-    text: str
-    inputs: tuple
-    outputs: tuple
-    scalars: tuple
-    kind: str
-    reuse: tuple = ()
-    interpret: bool = False
-    seeds: int = 0
-
-
 def red_ref(buf) -> Expr:
     """The in-register result of reduction buffer ``buf``."""
     kind = buf.compute.kind
@@ -259,4 +242,4 @@ def _short(e, limit: int = 160) -> str:
 
 
 __all__ = ["Kind", "Level", "Programs", "Member", "RowPass", "ScatterWrite", "KernelPlan", "ScatterPlan",
-           "KernelSource", "Levels", "red_ref", "reds", "describe"]
+           "Levels", "red_ref", "reds", "describe"]

@@ -10,16 +10,14 @@ from __future__ import annotations
 import sympy
 import torch
 
-from kiln.codegen.ir.bounds import parts, proof
-from kiln.codegen.ir.index_source import index_source
 from kiln.codegen.ir.indexing import RINDEX, XINDEX, Ranges, simplify
 from kiln.codegen.ir.loops import Expr, Unsupported, ops
 from kiln.codegen.ir.scope import Scope
 from kiln.codegen.schedule.colpart import XPID
 from kiln.codegen.schedule.plan import KernelPlan, Level
+from kiln.codegen.text import writer
 from kiln.codegen.to_cpp.ops import (DISCRETE, DISCRETE_REDUCE, MEMORY, VALUE, ZERO_ROW_BYTES, calls_vector_math,
                                      literal, scalar_math, template)
-from kiln.debug import counters
 from kiln.options import Tuning
 
 XO = sympy.Symbol("xo", integer=True, nonnegative=True)   # a pointwise kernel's outer position
@@ -101,19 +99,16 @@ def store_code(value: str, dtype) -> str:
     return f"(({MEMORY[dtype]})({value}))"
 
 
-class ExprWriter:
+class ExprWriter(writer.ExprWriter):
     """The expression half of ``rows.CppKernel``: its state, and how one Expr and one index are written.
-    ``split``: a pointwise kernel's (outer, inner) sizes when its ``xindex`` runs as ``xo * inner + xi``."""
+    ``split``: a pointwise kernel's (outer, inner) sizes when its ``xindex`` runs as ``xo * inner + xi``;
+    ``checks``: bounds-checked Expr -> (its variable, size code, CheckInfo) (``_checked``)."""
+    LOOP_NAMES = {XINDEX: "x", RINDEX: "r", XPID: "xpid", XO: XO.name, XI: XI.name, R0: R0.name, R1: R1.name}
+    DIV, WHAT = "/", "cpp index"
 
     def __init__(self, plan: KernelPlan, tuning: Tuning):
-        self.plan, self.tuning = plan, tuning
-        self.red = plan.reduction
-        self.level = plan.levels
+        super().__init__(plan, tuning)
         self.idx_t = "int64_t" if plan.wide_index else "int32_t"
-        self.inputs, self.sizes = {}, {}
-        self.out_args = {b.name: f"out_ptr{i}" for i, b in enumerate(plan.stored)}
-        self.red_vars = {}
-        self.count = 0
         self.subst, self.ranges = {}, plan.ranges
         # a reduction row's values kept for later loops over it: Expr -> (array, pass that writes it)
         self.row_cache, self.pass_no = {}, -1
@@ -122,13 +117,6 @@ class ExprWriter:
         # a split pointwise kernel: the scope of one outer position, before the vectorized inner loop, and
         # the variables computed there (values that do not depend on ``xi`` go there)
         self.xo_scope, self.xo_vars, self.xi_n, self._xi_free_memo = None, set(), None, {}
-        self.seeds = {}   # random ops' seed slot -> the int64 parameter holding its philox seed
-        # bounds checks of indirect indices: checked Expr -> (its variable, size code, CheckInfo) (``_checked``)
-        self.checks, self.proofs = {}, {}
-
-    def tmp(self, prefix="tmp"):
-        self.count += 1
-        return f"{prefix}{self.count}"
 
     def use_split(self, outer, inner):
         """Write ``xindex`` as ``xo * inner + xi`` (or ``xi`` alone when there is one outer position)."""
@@ -249,7 +237,7 @@ class ExprWriter:
             return f"(({idx}) != 0)" if e.dtype == torch.bool else f"(({VALUE[e.dtype]})({idx}))"
         if op == "rand":
             kind, offset, slot = a
-            seed = self.seeds.setdefault(slot, f"seed{len(self.seeds)}")
+            seed = self.seed(slot)
             return f"kiln_{kind}({seed}, (uint32_t)({self.index(offset, (), sub)}))"
         if op == "cast":
             x = sub(a[0])
@@ -301,11 +289,8 @@ class ExprWriter:
         the check's variable ``kiln_mK``, a ``max`` reduction of every loop (``rows.CppKernel.define``), which
         the function compares with the size after its loops. Masked-off lanes count as 0. An unsigned min and
         max a lane: the loop still vectorizes."""
-        raw, size, info = parts(e)
+        raw, size, info, how = self.proven(e)
         r = sub(raw)
-        how = proof(e, self.plan.ranges, self.plan.buffers, self.proofs)
-        if how is not None:
-            counters["codegen"]["index_proven"] += 1
         if how == "in":
             return r
         s = self.pexpr(size)
@@ -313,7 +298,6 @@ class ExprWriter:
         if how == "wrap":
             return w
         if e not in self.checks:
-            counters["codegen"]["index_checks"] += 1
             self.checks[e] = (f"kiln_m{len(self.checks)}", s, info)
         m = self.checks[e][0]
         var = self.tmp("ix")
@@ -372,34 +356,13 @@ class ExprWriter:
         return ops.where(cond, t, f)
 
     # -- indices ----------------------------------------------------------------------------------
-    def arg_for(self, name):
-        if name not in self.inputs:
-            self.inputs[name] = f"in_ptr{len(self.inputs)}"
-        return self.inputs[name]
-
     def index(self, expr, binds, sub) -> str:
         """C++ for index ``expr`` (``binds``: its indirect symbols' Exprs)."""
         values = {s: f"(({self.idx_t}){sub(v)})" for s, v in binds}
         return self.pexpr(self._split_index(expr), values)
 
-    def size_arg(self, sym):
-        if sym not in self.sizes:
-            self.sizes[sym] = f"ks_{sym.name}"
-        return self.sizes[sym]
-
-    def pexpr(self, e, sub=None) -> str:
-        """An index (or size) expression as C++ over the kernel's loop variables."""
-        sub = sub or {}
-        names = {XINDEX: "x", RINDEX: "r", XPID: "xpid", XO: XO.name, XI: XI.name, R0: R0.name, R1: R1.name}
-
-        def leaf(s):
-            if s in names:
-                return names[s]
-            return sub[s] if s in sub else self.size_arg(s)
-
-        def integer(n):
-            return f"(({self.idx_t}){n}LL)" if abs(n) >= 2 ** 31 else str(n)
-        return index_source(sympy.sympify(e), leaf, integer, div="/", what="cpp index")
+    def integer(self, n: int) -> str:
+        return f"(({self.idx_t}){n}LL)" if abs(n) >= 2 ** 31 else str(n)
 
 
 __all__ = ["Scope", "ExprWriter", "render", "load_code", "store_code", "assume", "row_index_other", "XO", "XI",

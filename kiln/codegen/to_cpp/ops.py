@@ -17,6 +17,7 @@ import re
 import torch
 
 from kiln.codegen.ir.loops import Unsupported, neutral_value
+from kiln.codegen.text.source import VECTOR_MATH   # math functions glibc's libmvec vectorizes
 
 # the C++ type of a value of each dtype (2-byte floats compute in float) and of its memory
 VALUE = {torch.float32: "float", torch.float64: "double", torch.float16: "float", torch.bfloat16: "float",
@@ -26,9 +27,6 @@ VALUE = {torch.float32: "float", torch.float64: "double", torch.float16: "float"
 # slower than with ``uint8_t`` loads compared with 0); a stored bool is 0 or 1, as torch's
 MEMORY = {**VALUE, torch.float16: "_Float16", torch.bfloat16: "uint16_t", torch.bool: "uint8_t"}
 
-# math functions glibc's libmvec vectorizes (float and double variants), declared ``omp declare simd``
-VECTOR_MATH = ("exp", "log", "sin", "cos", "tan", "asin", "acos", "atan", "sinh", "cosh", "tanh", "asinh",
-               "acosh", "atanh", "erf", "erfc", "exp2", "expm1", "log10", "log1p", "log2")
 
 # the other C math functions the templates call; ``<math.h>`` is not included (libstdc++'s takes about 0.4 s
 # of every build), so these and ``VECTOR_MATH`` are declared in the preamble

@@ -1,6 +1,6 @@
 """Triton emitter: the expressions of a kernel plan as Triton source.
 
-``TritonKernel(plan, target)`` writes the body of one ``@triton.jit`` function from a ``KernelPlan``.
+``TritonKernel(plan, flags)`` writes the body of one ``@triton.jit`` function from a ``KernelPlan``.
 Pointwise kernels use 1-D tiles over ``xindex``. Reduction kernels use 2-D ``[XBLOCK, RBLOCK]``
 tiles: straight-line code when the plan's rows are persistent, else one loop over ``rindex`` per
 pass of the plan. A value goes to the loop depth its ``Level`` says (values that do not vary along
@@ -15,22 +15,20 @@ from dataclasses import dataclass
 
 import torch
 
-from kiln.codegen.ir.bounds import parts, proof
-from kiln.codegen.ir.index_source import index_source
 from kiln.codegen.ir.indexing import RINDEX, XINDEX, simplify
 from kiln.codegen.ir.loops import Expr, Unsupported
 from kiln.codegen.ir.scope import Scope
 from kiln.codegen.schedule.colpart import XPID
 from kiln.codegen.schedule.plan import KernelPlan, Level
+from kiln.codegen.text import writer
 from kiln.codegen.to_triton.ops import TL_DTYPE, convert, helpers_in, reduce_code, template
-from kiln.debug import counters
 from kiln.options import Tuning
 
 
 @dataclass(frozen=True)
-class TritonTarget:
+class Flags:
     """What a Triton kernel is written for: Triton's CPU interpreter (no libdevice) or a GPU, with or
-    without autotuned launches, under ``tuning``."""
+    without autotuned launches, under ``tuning`` (``codegen.target.TritonTarget.flags`` decides)."""
     interpret: bool
     autotune: bool
     tuning: Tuning
@@ -42,34 +40,25 @@ def past_l1(interpret: bool) -> str:
     return "" if interpret else ", cache_modifier='.cg'"
 
 
-class ExprWriter:
-    """The expression half of ``rows.TritonKernel``: its state and how one Expr is written."""
+class ExprWriter(writer.ExprWriter):
+    """The expression half of ``rows.TritonKernel``: its state and how one Expr is written. ``checks``:
+    bounds-checked Expr -> its number (``_checked``)."""
+    LOOP_NAMES = {XINDEX: XINDEX.name, RINDEX: RINDEX.name, XPID: XPID.name}
 
-    def __init__(self, plan: KernelPlan, target: TritonTarget):
-        self.plan, self.target = plan, target
-        self.interpret, self.autotune, self.tuning = target.interpret, target.autotune, target.tuning
-        self.red = plan.reduction
+    def __init__(self, plan: KernelPlan, flags: Flags):
+        super().__init__(plan, flags.tuning)
+        self.flags, self.interpret, self.autotune = flags, flags.interpret, flags.autotune
         self.dims, self.xnumel, self.rnumel, self.ranges = plan.dims, plan.xnumel, plan.rnumel, plan.ranges
         self.persistent = plan.persistent
-        self.level = plan.levels
         # a chained tail reads its head's stores of this launch: past L1
         self.load_suffix = past_l1(self.interpret) if plan.chained else ""
-        self.inputs, self.sizes, self.seeds, self.helpers = {}, {}, {}, set()
-        self.libdevice = False
-        self.count = 0
-        self.red_vars = {}
-        self.out_args = {b.name: f"out_ptr{i}" for i, b in enumerate(plan.stored)}
+        self.helpers, self.libdevice = set(), False
         self.top = Scope()
         self.post = Scope() if plan.outer or plan.chunks else None
         self.pre = []
         self.pass_index = None   # the plan's row pass being written (looped kernels)
-        self.checks, self.proofs = {}, {}   # bounds checks of indirect indices: checked Expr -> number (``_checked``)
 
     # -- expression emission ------------------------------------------------------------
-    def tmp(self, prefix="tmp"):
-        self.count += 1
-        return f"{prefix}{self.count}"
-
     def emit(self, e: Expr, scope: Scope, mask=None) -> str:
         """Source for ``e`` (a variable or literal); code goes into ``scope`` or, for values
         that do not vary along rindex, into the outermost scope."""
@@ -192,7 +181,7 @@ class ExprWriter:
             return f"({idx}) + tl.full([1], 0, {TL_DTYPE[e.dtype]})" if e.dtype != torch.bool else f"(({idx}) != 0)"
         if op == "rand":
             kind, offset, slot = a
-            seed = self.seeds.setdefault(slot, f"seed{len(self.seeds)}")
+            seed = self.seed(slot)
             if self.interpret:
                 fn = f"_kiln_{kind}"
                 self.helpers.update([fn, "_kiln_philox", "_kiln_uniform"])
@@ -240,19 +229,14 @@ class ExprWriter:
         CUDA kernels assert); an interpreted one, whose asserts Triton 3.6 drops, writes a flag and the raw
         index of check K to ``err_ptr[2K]`` and ``err_ptr[2K + 1]``, which its launcher reads
         (``kiln.runtime.bounds.check_tensor``)."""
-        raw, size, info = parts(e)
+        raw, size, info, how = self.proven(e)
         r = self._tensor(self.emit(raw, scope, mask), raw)
-        how = proof(e, self.ranges, self.plan.buffers, self.proofs)
-        if how is not None:
-            counters["codegen"]["index_proven"] += 1
         if how == "in":
             return r
         s = self.pexpr(size)
         w = f"tl.where({r} < 0, {r} + {s}, {r})" if info.wraps else r
         if how == "wrap":
             return w
-        if e not in self.checks:
-            counters["codegen"]["index_checks"] += 1
         k = self.checks.setdefault(e, len(self.checks))
         wv, ok = self.tmp("ix"), self.tmp("ok")
         scope.lines += [f"{wv} = {w}", f"{ok} = ({wv} >= 0) & ({wv} < {s})"]
@@ -276,26 +260,6 @@ class ExprWriter:
         return code
 
     # -- indices --------------------------------------------------------------------------
-    def arg_for(self, name):
-        if name not in self.inputs:
-            self.inputs[name] = f"in_ptr{len(self.inputs)}"
-        return self.inputs[name]
-
     def index(self, expr, binds, scope, mask):
         sub = {s: self.emit(v, scope, mask) for s, v in binds}
         return self.pexpr(simplify(expr, self.ranges), sub)
-
-    def size_arg(self, sym):
-        if sym not in self.sizes:
-            self.sizes[sym] = f"ks_{sym.name}"
-        return self.sizes[sym]
-
-    def pexpr(self, e, sub=None):
-        """Print an index expression as Triton source."""
-        sub = sub or {}
-
-        def leaf(s):
-            if s in (XINDEX, RINDEX, XPID):
-                return s.name
-            return sub[s] if s in sub else self.size_arg(s)
-        return index_source(e, leaf)

@@ -1,9 +1,10 @@
 """Kernel module text: the ``@triton.jit`` functions of a plan and the launcher around them.
 
-A generated module holds the kernel (named ``PLACEHOLDER`` until the runtime names it by a hash of the
-text) and ``call(*inputs, *scalars)``, which binds dynamic sizes from its inputs, allocates outputs
-with the graph's strides and launches through ``kiln.runtime.launch``. Everything a launch depends on
-is in the text, so equal text means an equal kernel. ``write_module`` is the emitter's entry point.
+A generated module holds the kernel (named ``PLACEHOLDER`` until ``text.source.named`` names it by a hash
+of the text) and ``call(*inputs, *scalars)`` (``text.launcher``), which binds dynamic sizes from its
+inputs, allocates outputs with the graph's strides and launches through ``kiln.runtime.launch``. Everything
+a launch depends on is in the text, so equal text means an equal kernel. ``write_module`` is the emitter's
+entry point.
 """
 from __future__ import annotations
 
@@ -11,37 +12,16 @@ import sympy
 import torch
 
 from kiln.codegen.ir.bounds import parts
-from kiln.codegen.ir.indexing import RINDEX, XINDEX, FloorDiv, ModIdx, next_pow2
+from kiln.codegen.ir.indexing import next_pow2
 from kiln.codegen.ir.loops import Unsupported
-from kiln.codegen.schedule.plan import KernelPlan, KernelSource, Programs, ScatterPlan
-from kiln.codegen.to_triton.config import Blocks, config, grid_of
-from kiln.codegen.to_triton.emit import TritonTarget, past_l1
+from kiln.codegen.schedule.plan import KernelPlan, Programs, ScatterPlan
+from kiln.codegen.text import launcher
+from kiln.codegen.text.blocks import Blocks, config, grid_of
+from kiln.codegen.text.printer import py
+from kiln.codegen.text.source import PLACEHOLDER, KernelSource
+from kiln.codegen.to_triton.emit import Flags, past_l1
 from kiln.codegen.to_triton.ops import HELPERS, TL_DTYPE, combine, neutral, reduce_code
 from kiln.codegen.to_triton.rows import TritonKernel
-
-HEADER = "# kiln generated kernel\n"
-PLACEHOLDER = "__KILN_KERNEL__"   # the kernel's name in generated text; ``kiln.runtime.kernels`` names it
-
-
-def pyexpr(e, names):
-    """A sympy size expression as Python over local names."""
-    e = sympy.sympify(e)
-    if e.is_Integer:
-        return str(int(e))
-    if e.is_Symbol:
-        return names[e]
-    if isinstance(e, FloorDiv):
-        return f"({pyexpr(e.args[0], names)} // {pyexpr(e.args[1], names)})"
-    if isinstance(e, ModIdx):
-        a, d, m = (pyexpr(x, names) for x in e.args)
-        return f"(({a} // {d}) % {m})"
-    if e.is_Add:
-        return "(" + " + ".join(pyexpr(t, names) for t in e.args) + ")"
-    if e.is_Mul:
-        return "(" + "*".join(pyexpr(t, names) for t in e.args) + ")"
-    if e.is_Pow and e.exp.is_Integer and e.exp > 0:
-        return "(" + "*".join([pyexpr(e.base, names)] * int(e.exp)) + ")"
-    raise ValueError(f"cannot print size {e}")
 
 
 def mask_lines(var, index, numel, shape, static, even):
@@ -66,40 +46,6 @@ def _render(lines, indent, out, static_r, even):
             _render(line[1].lines, indent + "    ", out, static_r, even)
         else:
             out.append(indent + line)
-
-
-def _size_symbols(k) -> set:
-    syms = set(k.sizes)
-    for e in [k.xnumel, k.rnumel]:
-        syms |= sympy.sympify(e).free_symbols
-    for b in k.plan.stored:
-        for e in b.shape + b.stride:
-            syms |= sympy.sympify(e).free_symbols
-    return {s for s in syms if s not in (XINDEX, RINDEX)}
-
-
-def bind_sizes(kernels, inputs, buffers):
-    """(Python name per size symbol, lines binding them, symbols passed as ``call`` arguments): every
-    size symbol of ``kernels`` is read from an input's shape when one has it as a dimension, else
-    passed to ``call`` as an extra argument (``scalars``). Each kernel takes every symbol."""
-    names, lines, scalars = {}, [], []
-    syms = set().union(*[_size_symbols(k) for k in kernels])
-    for s in sorted(syms, key=str):
-        name = f"ks_{s.name}"
-        names[s] = name
-        found = None
-        for i, bname in enumerate(inputs):
-            for d, size in enumerate(buffers[bname].shape):
-                if size == s:
-                    found = f"in{i}.shape[{d}]"
-                    break
-            if found:
-                break
-        if found:
-            lines.append(f"{name} = {found}")
-        else:
-            scalars.append(s)
-    return names, lines, scalars
 
 
 def _nonempty(numel) -> bool:
@@ -265,7 +211,7 @@ def launch_line(k, name, args, names):
         return [f"launch.launch({name}, ({', '.join(args)},), {grid}, {consts}, {warps})"]
     if cfg is None:   # chosen at each launch: the module carries the tuning the choice reads
         meta["blocks"] = tuple(blocks)
-    return [f"xnumel, rnumel = {pyexpr(k.xnumel, names)}, {pyexpr(k.rnumel, names)}",
+    return [f"xnumel, rnumel = {py(k.xnumel, names)}, {py(k.rnumel, names)}",
             f"launch.run({name}, ({', '.join(args)},), xnumel, rnumel, {cfg}, {meta!r})"]
 
 
@@ -279,8 +225,7 @@ def checked_launch(k, launch, err, device, names) -> list:
     zeroed error buffer ``err`` and raises eager's error for a failed check after it ran."""
     if not error_buffer(k):
         return launch
-    checks = ", ".join(f"({info.kind!r}, {info.dim}, {pyexpr(size, names)}, {info.wraps})"
-                       for size, info in (parts(e)[1:] for e in k.checks))
+    checks = launcher.check_list((parts(e)[1:] for e in k.checks), names)
     return [f"{err} = torch.zeros(({2 * len(k.checks)},), dtype=torch.int64, device={device})"] + launch + \
         [f"if {err}.any():", f"    _bounds.check_tensor({err}, ({checks},))"]
 
@@ -298,12 +243,9 @@ def module(kernels, defs, inputs, buffers, body_fn, into=False, seeds=()):
     """(module text, scalars): imports, helpers, kernel ``defs`` (each ``def(names)``) and ``call``
     (body from ``body_fn(names)``; ``into``: ``call`` takes an optional tensor to write its output into;
     ``seeds``: the names of the one-element int64 tensors holding the kernels' philox seeds, which ``call``
-    takes after the scalars: the graph draws them on the device once per call, ``fuse_graph.seed_nodes``)."""
-    names, bind_lines, scalars = bind_sizes(kernels, inputs, buffers)
-    # the input dtypes are part of the text: equal text then means an equal kernel for every
-    # argument, which lets a launch site reuse its compiled kernel (``launch``) without re-checking
-    dtypes = ", ".join(str(buffers[b].dtype).replace("torch.", "") for b in inputs)
-    lines = [HEADER + f"# inputs: {dtypes}", "import torch", "import triton", "import triton.language as tl"]
+    takes after the scalars: the graph draws them on the device once per call, ``codegen.rewrite``)."""
+    names, bind_lines, scalars = launcher.bind_sizes(kernels, inputs, buffers)
+    lines = [launcher.header(inputs, buffers), "import torch", "import triton", "import triton.language as tl"]
     if any(k.libdevice for k in kernels):
         lines.append("from triton.language.extra import libdevice")
     lines += ["from kiln.runtime import launch"] + ["from kiln.runtime import bounds as _bounds"] * any(
@@ -312,25 +254,15 @@ def module(kernels, defs, inputs, buffers, body_fn, into=False, seeds=()):
         lines += ["", HELPERS[h]]
     for d in defs:
         lines += ["", d(names)]
-    args = [f"in{i}" for i in range(len(inputs))] + [names[s] for s in scalars] + list(seeds)
-    args += ["into=None"] if into else []
-    lines += ["", "", f"def call({', '.join(args)}):"]
-    lines += ["    " + b for b in bind_lines]
-    for i, b in enumerate(inputs):
-        buf = buffers[b]
-        if all(sympy.sympify(x).is_Integer for x in buf.shape + buf.stride) and buf.shape:
-            st = _tuple(buf.stride)
-            lines.append(f"    if in{i}.stride() != {st}:")
-            lines.append(f"        in{i} = launch.restride(in{i}, {_tuple(buf.shape)}, {st})")
-    lines += ["    " + ln for b in body_fn(names) for ln in b.split("\n")]
+    body = bind_lines + launcher.restrides(inputs, buffers, "launch.restride") + body_fn(names)
+    lines += launcher.call(inputs, names, scalars, seeds, body, ["into=None"] if into else [])
     return "\n".join(lines) + "\n", scalars
 
 
 def alloc_line(local, buf, names, device):
     """``local = <new tensor>``; ``device`` None: the current CUDA device, through torch's C++ helper
     (``empty_cuda``: the wrapper enters the graph's device before it calls kernels)."""
-    shape = "(" + "".join(pyexpr(x, names) + ", " for x in buf.shape) + ")"
-    stride = "(" + "".join(pyexpr(x, names) + ", " for x in buf.stride) + ")"
+    shape, stride = launcher.sizes(buf.shape, names), launcher.sizes(buf.stride, names)
     if device is None:
         return f"{local} = launch.empty_cuda({shape}, {stride}, {buf.dtype})"
     return f"{local} = torch.empty_strided({shape}, {stride}, dtype={buf.dtype}, device={device})"
@@ -369,14 +301,14 @@ def _chain(head: TritonKernel, tail: TritonKernel):
     return params, args, lines, name
 
 
-def write_module(plan, target: TritonTarget) -> KernelSource:
+def write_module(plan, flags: Flags) -> KernelSource:
     """The Triton module of ``plan`` (a ``KernelPlan``, with its chained tail if any, or a ``ScatterPlan``)."""
     if isinstance(plan, ScatterPlan):
-        return _scatter_module(plan, target)
-    k = TritonKernel(plan, target).write()
+        return _scatter_module(plan, flags)
+    k = TritonKernel(plan, flags).write()
     tail = None
     if plan.tail is not None:
-        tail = TritonKernel(plan.tail, TritonTarget(target.interpret, False, target.tuning)).write()
+        tail = TritonKernel(plan.tail, Flags(flags.interpret, False, flags.tuning)).write()
         if error_buffer(tail):
             raise Unsupported("triton: bounds checks in an interpreted chained tail")
     name = PLACEHOLDER
@@ -392,18 +324,17 @@ def write_module(plan, target: TritonTarget) -> KernelSource:
     def body(names):
         out = [alloc_line(outs[b.name], b, names, device) for b in plan.stored]
         if reuse:   # the wrapper may hand over a dying input of the output's layout (``KernelPlan.reusable``)
-            st = _tuple(plan.stored[0].stride)
+            st = launcher.ints(plan.stored[0].stride)
             out[0] = f"if into is not None and into.stride() == {st}:\n    out0 = into\nelse:\n    {out[0]}"
         out += [alloc_line(f"tail{i}", b, names, device) for i, b in enumerate(tail_bufs)]
         for i, (_, _, dt, _, _) in enumerate(k.partials):   # one partial per program at most
-            n = pyexpr(k.xnumel, names)
+            n = py(k.xnumel, names)
             out.append(f"part{i} = torch.empty(({n},), dtype={dt}, device={device or 'launch.cuda_here()'})")
         if counter:
             out.append(f"sem = launch.semaphore(SEMAPHORES, {device or 'launch.cuda_here()'})")
         out += checked_launch(k, launch_line(k, name, kernel_args(k, ins, outs, names, extra_args), names), "err",
                               device, names)
-        locs = [outs[b.name] for b in plan.stored] + [f"tail{i}" for i in range(len(tail_bufs))]
-        out.append(f"return {locs[0]}" if len(locs) == 1 else f"return ({', '.join(locs)},)")
+        out.append(launcher.returns([outs[b.name] for b in plan.stored] + [f"tail{i}" for i in range(len(tail_bufs))]))
         return out
     defs = [lambda names: kernel_def(tail, tail_name, names)] if tail is not None else []
     defs += [lambda names: kernel_def(k, name, names, extra_params, tail_lines)]
@@ -414,22 +345,22 @@ def write_module(plan, target: TritonTarget) -> KernelSource:
                            into=bool(reuse), seeds=k.seeds.values())
     kind = "reduction" if k.red else "pointwise"
     return KernelSource(text, tuple(inputs), tuple(b.name for b in plan.stored + tuple(tail_bufs)), tuple(scalars),
-                        kind, tuple(reuse), target.interpret, len(k.seeds))
+                        kind, tuple(reuse), flags.interpret, len(k.seeds))
 
 
-def _scatter_module(plan: ScatterPlan, target: TritonTarget) -> KernelSource:
+def _scatter_module(plan: ScatterPlan, flags: Flags) -> KernelSource:
     """One module, two kernels: a pointwise copy of the base into the output, then a kernel over the
     source positions that writes (``tl.store``) or accumulates (``tl.atomic_add``) each value at its
     computed target index (the scatter kernel reads the output it writes: its out_ptr0 only)."""
-    target = TritonTarget(target.interpret, False, target.tuning)   # scatters are never autotuned
-    copy = TritonKernel(plan.copy, target).write()
-    scatter = TritonKernel(plan.write, target).write()
+    flags = Flags(flags.interpret, False, flags.tuning)   # scatters are never autotuned
+    copy = TritonKernel(plan.copy, flags).write()
+    scatter = TritonKernel(plan.write, flags).write()
     buf = plan.write.scatter.buffer
     name = PLACEHOLDER
     inputs = list(dict.fromkeys(list(copy.inputs) + list(scatter.inputs)))
     ins = {b: f"in{i}" for i, b in enumerate(inputs)}
     outs = {buf.name: "out0"}
-    device = device_expr(target.interpret, bool(inputs), buf.device)
+    device = device_expr(flags.interpret, bool(inputs), buf.device)
 
     def body(names):
         out = [alloc_line("out0", buf, names, device)]
@@ -448,9 +379,6 @@ def _scatter_module(plan: ScatterPlan, target: TritonTarget) -> KernelSource:
     asserts = assert_options([copy], f"{name}_copy") + assert_options([scatter], name)
     defs += [lambda names: "\n".join(asserts)] * bool(asserts)
     text, scalars = module([copy, scatter], defs, inputs, plan.write.buffers, body, seeds=scatter.seeds.values())
-    return KernelSource(text, tuple(inputs), (buf.name,), tuple(scalars), "scatter", (), target.interpret,
+    return KernelSource(text, tuple(inputs), (buf.name,), tuple(scalars), "scatter", (), flags.interpret,
                         len(scatter.seeds))
 
-
-def _tuple(xs):
-    return "(" + "".join(f"{int(x)}, " for x in xs) + ")"

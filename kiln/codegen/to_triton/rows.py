@@ -13,15 +13,15 @@ from kiln.codegen.ir.indexing import RINDEX, XINDEX
 from kiln.codegen.ir.loops import ops
 from kiln.codegen.schedule.domain import Role
 from kiln.codegen.schedule.plan import KernelPlan, Level, Programs
-from kiln.codegen.to_triton.emit import ExprWriter, Scope, TritonTarget
+from kiln.codegen.to_triton.emit import ExprWriter, Flags, Scope
 from kiln.codegen.to_triton.ops import TL_DTYPE, combine, convert, helpers_in, neutral, reduce_code, template
 
 
 class TritonKernel(ExprWriter):
     """One ``@triton.jit`` function written from a plan; ``module.kernel_def`` renders it."""
 
-    def __init__(self, plan: KernelPlan, target: TritonTarget):
-        super().__init__(plan, target)
+    def __init__(self, plan: KernelPlan, flags: Flags):
+        super().__init__(plan, flags)
         self.partials = []   # (result var, kind, acc dtype, accumulator, scratch arg) per outer reduction
 
     def write(self) -> "TritonKernel":

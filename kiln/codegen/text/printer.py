@@ -1,15 +1,17 @@
-"""Index expressions as source text, for the emitters (Python-like Triton and C++ alike)."""
+"""The one printer of index and size expressions, for every emitter and launcher (Python and C++ alike)."""
 from __future__ import annotations
+
+import sympy
 
 from kiln.codegen.ir.indexing import FloorDiv, ModIdx
 from kiln.codegen.ir.loops import Unsupported
 
 
-def index_source(e, leaf, integer=str, div: str = "//", what: str = "index") -> str:
+def source(e, leaf, integer=str, div: str = "//", what: str = "index") -> str:
     """``e`` (a sympy index expression) as source: ``leaf(symbol)`` names a symbol, ``integer(n)`` writes
     a constant, ``div`` is floor division of the non-negative operands indices have ('//' in Python, '/'
     in C: both languages give * / % one precedence, left to right). Unprintable: ``Unsupported``."""
-    p = lambda x: index_source(x, leaf, integer, div, what)  # noqa: E731
+    p = lambda x: source(x, leaf, integer, div, what)  # noqa: E731
     if e.is_Integer:
         return integer(int(e))
     if e.is_Symbol:
@@ -28,3 +30,8 @@ def index_source(e, leaf, integer=str, div: str = "//", what: str = "index") -> 
     if e.is_Pow and e.exp.is_Integer and e.exp > 0:
         return "(" + "*".join([p(e.base)] * int(e.exp)) + ")"
     raise Unsupported(f"cannot print {what} {e}")
+
+
+def py(e, names: dict) -> str:
+    """A size expression as Python over a launcher's local ``names`` (size symbol -> name)."""
+    return source(sympy.sympify(e), names.__getitem__, what="size")

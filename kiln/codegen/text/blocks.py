@@ -1,4 +1,5 @@
-"""Launch configurations of Triton kernels: block sizes, warps and grids.
+"""Launch configurations of Triton kernels: block sizes, warps and grids (a leaf: the Triton emitter and
+the runtime's launcher both read it).
 
 A kernel whose sizes are static gets its configuration when its module is written (constants in the
 launch line); one with dynamic sizes, or autotuned, at each launch (``kiln.runtime.launch.run``), from
@@ -9,8 +10,11 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from kiln.codegen.ir.indexing import next_pow2
 from kiln.options import Tuning
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
 
 
 class Blocks(NamedTuple):

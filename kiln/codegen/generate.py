@@ -1,0 +1,260 @@
+"""Code generation for one graph, as data: ``generate(gm, opts, emit) -> Code``.
+
+Lower the post-grad ATen graph to the loop IR (``lower/``), decide how reductions split, group computed
+buffers into kernels and plan each one (``schedule/``: splits and folds, fusion, chains), have the
+target's emitter write each plan's text (``emit``: ``to_triton`` or ``to_cpp``, through a
+``codegen.target.Target``), name each kernel and extract its ATen fallback. Nothing here changes the
+graph, loads or builds anything: ``codegen.rewrite`` puts the kernels into the graph, ``kiln.runtime``
+builds and binds them. Nodes without a lowering stay ATen calls.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import sympy
+import torch
+import torch.fx
+
+from kiln.codegen.fallback import NoFallback, extract, graph_inputs
+from kiln.codegen.ir.loops import Unsupported, release_indirect
+from kiln.codegen.lower import Lowering, is_tensor
+from kiln.codegen.schedule.chain import chain_plans
+from kiln.codegen.schedule.domain import body, loads, scatter_exprs
+from kiln.codegen.schedule.fuse import schedule
+from kiln.codegen.schedule.plan import ScatterPlan
+from kiln.codegen.schedule.planner import numel_summary, plan_group
+from kiln.codegen.text.source import Unit, named
+from kiln.debug import log
+
+
+class CodegenError(RuntimeError):
+    """kiln could not generate kernels for a graph; without ``strict`` the graph stays ATen.
+    Report it with the graph (``KILN_DEBUG=2``) and run with ``codegen='aten'`` meanwhile."""
+
+
+@dataclass(frozen=True, eq=False)
+class Generated:
+    """One kernel of a graph: its ``plan``, its ``source`` (``text.source.KernelSource``), the node
+    ``target`` its graph node calls (a named ``KernelRef``, or for a kernel the emitter declined its ATen
+    ``Fallback``), the graph nodes of its size arguments (``symbols``), the fake values of its outputs
+    (``vals``) and whether its call site has an ATen fallback of its own (``own``)."""
+    plan: object
+    source: object
+    target: object
+    symbols: tuple
+    vals: tuple
+    own: bool
+
+
+@dataclass(frozen=True, eq=False)
+class Code:
+    """What code generation makes of a graph: the lowering (its buffers, the nodes it keeps), the
+    ``kernels`` in launch order, the C++ translation unit to build (``unit``, None for other targets) and,
+    when some kernel has no ATen fallback of its own or a unit is to be built, the graph as it was
+    (``unfused``: the compiled graph runs it if such a kernel fails on its first call, or the unit does not
+    build). ``position``: each node's index in the graph."""
+    lowering: object
+    kernels: tuple
+    unit: Optional[Unit]
+    unfused: Optional[torch.fx.GraphModule]
+    position: dict
+
+    @property
+    def plans(self) -> list:
+        return [k.plan for k in self.kernels]
+
+
+def generate(gm: torch.fx.GraphModule, opts, emit) -> Code:
+    """The kernels of ``gm`` under ``opts`` (see the module docstring). ``emit(plans, on_cuda)`` is the
+    target's emitter: ``([KernelSource per plan], unit or None)``, a declined plan's source without text.
+    Raises when the graph cannot be compiled (``Unsupported``, ``CodegenError``)."""
+    try:
+        return _generate(gm, opts, emit)
+    finally:
+        release_indirect()   # the indirect symbols of this graph's lowering
+
+
+def _generate(gm, opts, emit) -> Code:
+    lw = Lowering(gm, opts).run()
+    groups = _toposort_groups(schedule(lw, opts.tuning), lw)
+    summary = numel_summary(lw.buffers)
+    plans = [plan_group(g, lw.buffers, opts.tuning, summary) for g in groups]
+    plans = chain_plans(groups, plans, opts.tuning)   # small kernels chained into the one they read
+    sources, unit = emit(plans, on_cuda(gm))
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    fakes = FakeMaker(gm.graph)
+    kernels = []
+    for plan, src in zip(plans, sources):
+        if not src.text:   # declined: its ATen nodes run, reading the graph inputs they need too
+            src = _declined(src, lw)
+        symbols = tuple(_symbol_node(gm.graph, s) for s in src.scalars)
+        vals = tuple(fakes(lw.buffers[name]) for name in src.outputs)
+        kernels.append(_kernel(lw, position, plan, src, symbols, vals))
+    _check_replaceable(gm, lw, plans)
+    unit = unit if unit is not None and unit.functions else None
+    unfused = None if all(k.own for k in kernels) and unit is None else _copy(gm)
+    return Code(lw, tuple(kernels), unit, unfused, position)
+
+
+def on_cuda(gm) -> bool:
+    return any(is_tensor(n.meta.get("val")) and n.meta["val"].device.type == "cuda" for n in gm.graph.nodes)
+
+
+def _kernel(lw, position, plan, src, symbols, vals) -> Generated:
+    """One kernel with its node target: its named ``KernelRef`` carrying the group's original ATen nodes
+    as its fallback, which run if the kernel fails on its first call (``runtime.kernels.KernelCall``); a
+    kernel the emitter declined (a source without text) is its fallback."""
+    # the call passes the philox seeds after the sizes (``rewrite.seed_nodes``): the fallback takes them unused
+    ins = [lw.buffers[name].node for name in src.inputs] + list(symbols) + [None] * src.seeds
+    outs = [lw.buffers[name].node for name in src.outputs]
+    why = None
+    try:
+        fb = extract(ins, outs, len(vals) > 1, position)
+    except Exception as e:   # NoFallback, or any surprise: the kernel just runs without one
+        fb, why = None, e
+    if not src.text:
+        if fb is None:
+            raise CodegenError(f"codegen: a declined kernel has no ATen fallback ({why})")
+        return Generated(plan, src, fb, symbols, vals, True)
+    target = named(src, fb)
+    log(4, f"codegen: kernel {target.name} ({len(members(plan))} buffers, {src.kind})\n{target.source}")
+    if why is not None:
+        log(4 if isinstance(why, NoFallback) else 1,
+            f"codegen: kernel {target.name} has no ATen fallback of its own ({type(why).__name__}: {why}); "
+            f"the graph keeps its ATen nodes for it")
+    return Generated(plan, src, target, symbols, vals, fb is not None)
+
+
+def members(plan) -> list:
+    """The buffers a plan's kernel computes (its tail's too)."""
+    if isinstance(plan, ScatterPlan):
+        return [plan.write.scatter.buffer]
+    return [m.buffer for m in plan.members] + (members(plan.tail) if plan.tail is not None else [])
+
+
+def _declined(src, lw):
+    nodes = {b.node: name for name, b in lw.buffers.items() if b.compute is None and b.node is not None}
+    extra = graph_inputs([lw.buffers[n].node for n in src.inputs], [lw.buffers[n].node for n in src.outputs])
+    return replace(src, inputs=src.inputs + tuple(nodes[n] for n in extra if n in nodes))
+
+
+def _check_replaceable(gm, lw, plans):
+    """Every lowered node that an ATen call or the output still uses must be a kernel output."""
+    stored = {b.node for p in plans for b in p.outputs() if b.node is not None}
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n in lw.kept or n in stored:
+            continue
+        for u in n.users:
+            if u.op == "output" or u in lw.kept:
+                raise CodegenError(f"codegen: {n.name} is used by {u.name} but no kernel writes it")
+
+
+def _toposort_groups(groups, lw):
+    owner = {b.name: g for g in groups for b in g.nodes}
+    deps = {}
+    for g in groups:
+        d = set()
+        for b in g.nodes:
+            exprs = scatter_exprs(b) if g.kind == "scatter" else [body(b, g.dims, g.role(b))]
+            for e in exprs:
+                for name, _ in loads(e):
+                    o = owner.get(name)
+                    if o is not None and o is not g:
+                        d.add(id(o))
+        deps[id(g)] = d
+    order, done = [], set()
+    pending = list(groups)
+    while pending:
+        progressed = False
+        for g in list(pending):
+            if deps[id(g)] <= done:
+                order.append(g)
+                done.add(id(g))
+                pending.remove(g)
+                progressed = True
+        if not progressed:
+            raise CodegenError("codegen: kernel groups depend on each other in a cycle")
+    return order
+
+
+def _copy(gm) -> torch.fx.GraphModule:
+    """The graph as it is now (before kernels replace its nodes), runnable."""
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return torch.fx.GraphModule(gm, graph, class_name="KilnUnfused")
+
+
+class FakeMaker:
+    """``maker(buf)``: a FakeTensor for a kernel-internal buffer that crosses kernels. The graph's
+    fake mode and its SymInts by expression are gathered on the first call, once per graph."""
+
+    def __init__(self, graph):
+        self.graph, self.mode, self.table = graph, None, None
+
+    def _scan(self):
+        self.table = {}
+        for n in self.graph.nodes:
+            v = n.meta.get("val")
+            if is_tensor(v) and hasattr(v, "fake_mode"):
+                self.mode = v.fake_mode
+                for s in list(v.shape) + list(v.stride()):
+                    if isinstance(s, torch.SymInt):
+                        self.table.setdefault(sympy.sympify(s.node.expr), s)
+            elif isinstance(v, torch.SymInt):
+                self.table.setdefault(sympy.sympify(v.node.expr), v)
+
+    def empty(self, shape, dtype, device):
+        """A FakeTensor (or a meta tensor where the graph has no fake mode) of a new dense tensor."""
+        if self.table is None:
+            self._scan()
+        if self.mode is None:
+            return torch.empty(shape, dtype=dtype, device="meta")
+        with self.mode:
+            return torch.empty(shape, dtype=dtype, device=device)
+
+    def __call__(self, buf):
+        if buf.fake is not None:
+            return buf.fake
+        if self.table is None:
+            self._scan()
+        conv = lambda e: _to_symint(sympy.sympify(e), self.table)  # noqa: E731
+        shape, stride = [conv(s) for s in buf.shape], [conv(s) for s in buf.stride]
+        if self.mode is None:
+            return torch.empty_strided(shape, stride, dtype=buf.dtype, device="meta")
+        with self.mode:
+            return torch.empty_strided(shape, stride, dtype=buf.dtype, device=buf.device)
+
+
+def _to_symint(e, table):
+    if e.is_Integer:
+        return int(e)
+    if e in table:
+        return table[e]
+    if e.is_Add:
+        out = 0
+        for t in e.args:
+            out = out + _to_symint(t, table)
+        return out
+    if e.is_Mul:
+        out = 1
+        for t in e.args:
+            out = out * _to_symint(t, table)
+        return out
+    if e.is_Pow and e.exp.is_Integer:
+        out = 1
+        for _ in range(int(e.exp)):
+            out = out * _to_symint(e.base, table)
+        return out
+    raise Unsupported(f"size {e} has no SymInt in the graph")
+
+
+def _symbol_node(graph, sym):
+    for n in graph.nodes:
+        v = n.meta.get("val")
+        if isinstance(v, torch.SymInt) and sympy.sympify(v.node.expr) == sym:
+            return n
+    raise Unsupported(f"no graph value carries size {sym}")
+
+
+__all__ = ["CodegenError", "Code", "Generated", "generate", "members", "FakeMaker"]

@@ -1,0 +1,173 @@
+"""How reductions split, decided once, before fusion (the scheduler's first step: ``split_reductions``).
+
+Lowering makes one ``Reduction`` per reduction. A splittable one (sum, max, min, prod) over few long rows
+(a full sum) or over many rows of few columns (a bias gradient) would leave most of a GPU idle as one
+kernel. It is left whole, or cut in two:
+
+- the classic split (``split_count`` chunks): partial results over chunks of each row
+  (``split_partial``), then a short reduction of the partials (``split_final``);
+- a fold (``fold_split``): a column reduction of short rows (a norm's weight and bias gradients) cut into
+  chunks of whole rows, whose partials run inside the row kernel that reads those rows (role 'colpart',
+  ``colpart.py``), reading each row once, then the reduction over the partials.
+
+A fold pays where a row reduction over the same rows and columns reads a buffer the column reduction
+reads (a norm backward's row kernel, which it joins): there it costs no extra reads. Elsewhere (a bias
+gradient, a pointwise producer's column sums) the classic split measured faster on an H200 (GELU backward
+with its bias gradient, 8192x3072 bf16: 0.058 ms against 0.083 folded). ``tuning.fold``: 'shared' (that
+rule), 'always' (wherever ``fold_split`` allows), 'never'.
+"""
+from __future__ import annotations
+
+import sympy
+import torch
+
+from kiln.codegen.ir.indexing import ONE, next_pow2, prod, unflatten
+from kiln.codegen.ir.loops import Pointwise, Reduction, contiguous_buffer, neutral_value, ops
+from kiln.codegen.schedule.domain import body, loads, node_dims
+from kiln.options import Tuning
+
+SPLITTABLE = {"sum": "sum", "max": "max", "min": "min", "prod": "prod"}
+
+
+def split_reductions(lowering, tuning: Tuning) -> int:
+    """Split the lowering's splittable reductions in place (see the module docstring): a split's partial
+    buffer goes into ``lowering.computed`` before its final, which keeps its buffer and name. Returns how
+    many were split."""
+    folds, n = [], 0
+    for buf in list(lowering.computed):
+        c = buf.compute
+        if isinstance(c, Reduction) and c.kind in SPLITTABLE:
+            if tuning.fold != "never" and fold_split(c.ranges, c.reduced, tuning) > 1:
+                folds.append(buf)
+            else:
+                n += _split(lowering, buf, split_count(c.ranges, c.reduced, tuning))
+    shared = _read_by_rows(lowering, set(folds)) if tuning.fold == "shared" else None
+    for buf in folds:
+        c = buf.compute
+        k = len(c.reduced)
+        if shared is None or _reads(buf) & shared.get(_key(c.ranges[:k], c.ranges[k:]), set()):
+            n += _split(lowering, buf, fold_split(c.ranges, c.reduced, tuning), fold=True)
+        else:
+            n += _split(lowering, buf, split_count(c.ranges, c.reduced, tuning))
+    return n
+
+
+def _key(rows, cols):
+    return sympy.expand(prod(list(rows))), sympy.expand(prod(list(cols)))
+
+
+def _reads(buf) -> set:
+    return {name for name, _ in loads(body(buf, node_dims(buf)))}
+
+
+def _read_by_rows(lowering, skip) -> dict:
+    """(rows, columns) -> the buffers row reductions over them read (reductions over trailing dims, no
+    final of a split; ``skip``: the fold candidates)."""
+    out = {}
+    for b in lowering.computed:
+        c = b.compute
+        if isinstance(c, Reduction) and b not in skip and not c.split and c.reduced:
+            kept = len(c.ranges) - len(c.reduced)
+            if list(c.reduced) == list(range(kept, len(c.ranges))):
+                out.setdefault(_key(c.ranges[:kept], c.ranges[kept:]), set()).update(_reads(b))
+    return out
+
+
+def _split(lowering, buf, splits: int, fold: bool = False) -> int:
+    """Cut ``buf``'s reduction in ``splits`` chunks (nothing when below 2): a new partial buffer, and
+    ``buf`` reducing the partials."""
+    if splits <= 1:
+        return 0
+    c = buf.compute
+    part_red = split_partial(c.kind, list(c.ranges), list(c.reduced), c.fn, c.acc_dtype, splits, fold)
+    part = contiguous_buffer(part_red.out_shape, c.acc_dtype, buf.device, "reduction", part_red)
+    lowering.buffers[part.name] = part
+    lowering.computed.insert(lowering.computed.index(buf), part)
+    buf.compute = split_final(c.kind, Pointwise.of_buffer(part), part_red, c.acc_dtype, c.dtype, c.out_shape)
+    return 1
+
+
+def numel(shape, dims):
+    out = ONE
+    for d in dims:
+        out = out * shape[d]
+    return out
+
+
+def split_count(shape, dims, tuning: Tuning) -> int:
+    """How many chunks to split each row of a reduction into (1: do not split)."""
+    r = numel(shape, dims)
+    x = numel(shape, [d for d in range(len(shape)) if d not in dims])
+    if not (r.is_Integer and x.is_Integer):
+        return 1
+    r, x = int(r), int(x)
+    if r < tuning.split_min_r or r * x < tuning.split_min_numel:
+        return 1
+    inner = (len(shape) - 1) in dims
+    # split only what cannot fill a GPU otherwise: a handful of rows (splitting a norm's rows
+    # would cost its fusion), or fewer columns than an outer reduction needs
+    if (inner and x > tuning.split_max_rows) or (not inner and x >= 8192):
+        return 1
+    target = tuning.split_target_inner if inner else tuning.split_target_outer
+    s = min(next_pow2(-(-target // x)), r // (tuning.split_min_chunk if inner else tuning.split_min_chunk_outer))
+    return s if s >= 2 else 1
+
+
+def fold_split(shape, dims, tuning: Tuning) -> int:
+    """Row chunks for a column reduction computed inside a row kernel (1: not one).
+
+    A reduction over the leading dims of ``shape`` that keeps a short static tail (at most
+    ``tuning.persistent_max`` elements: a row of a persistent row kernel) and many rows (a norm's weight
+    and bias gradients, a bias gradient) is split into ``S`` chunks of rows, ``S`` dividing the row count.
+    Its partial results are computed by a kernel over (rows, columns) whose ``S`` programs each walk
+    one chunk, reading each row once, coalesced along the columns."""
+    n = len(shape)
+    if not dims or list(dims) != list(range(len(dims))) or len(dims) == n:
+        return 1
+    r, c = numel(shape, dims), numel(shape, range(len(dims), n))
+    if not (r.is_Integer and c.is_Integer) or int(c) > tuning.persistent_max:
+        return 1
+    r, c = int(r), int(c)
+    if r < tuning.split_min_r or r * c < tuning.split_min_numel:
+        return 1
+    s = tuning.fold_programs
+    while s > 1 and (r % s or r // s < tuning.fold_min_chunk):
+        s //= 2
+    return s
+
+
+def split_partial(kind, shape, dims, fn, acc, splits, fold=False) -> Reduction:
+    """The first half of a split reduction: the reduced dims become (splits, chunk) at the first
+    reduced position, and chunk is reduced."""
+    total = numel(shape, dims)
+    chunk = -(-int(total) // splits)
+    pos = dims[0]
+    ranges = []
+    for d, size in enumerate(shape):
+        if d == pos:
+            ranges += [sympy.Integer(splits), sympy.Integer(chunk)]
+        elif d not in dims:
+            ranges.append(size)
+    red_sizes = [shape[d] for d in dims]
+    pad = splits * chunk != int(total)
+    fill = ops.const(neutral_value(kind, acc), acc)
+
+    def partial_fn(idx):
+        g = idx[pos] * chunk + idx[pos + 1]
+        rid = iter(unflatten(g, red_sizes))
+        rest = iter(idx[:pos] + idx[pos + 2:])
+        full = [next(rid) if d in dims else next(rest) for d in range(len(shape))]
+        v = fn(full)
+        if pad:
+            v = ops.masked(ops.binary("lt", ops.index(g), ops.const(int(total), torch.int64)), v, fill)
+        return v
+    pshape = ranges[:pos + 1] + ranges[pos + 2:]
+    return Reduction(kind, tuple(ranges), (pos + 1,), partial_fn, acc, acc, tuple(pshape),
+                     fold=tuple(red_sizes) if fold else ())
+
+
+def split_final(kind, part: Pointwise, part_red: Reduction, acc, dtype, oshape) -> Reduction:
+    """The second half: the reduction of the partials (value ``part``) over the chunks."""
+    pos = part_red.reduced[0] - 1
+    return Reduction(SPLITTABLE[kind], part_red.out_shape, (pos,), lambda idx: ops.cast(part(idx), acc), acc, dtype,
+                     oshape, split=True)

@@ -1,0 +1,264 @@
+"""Code generation targets: one ``Target`` per generator (ATen, Triton, C++), resolved once per graph.
+
+``resolve(opts, example_inputs)`` picks one ('auto': Triton when an input lives on CUDA and Triton
+imports, else C++ when a compiler builds and loads a test library, else ATen; the reason logged). The
+pipeline then asks the target, never ``opts.codegen``: its decompositions, its graph passes (``joint``,
+``prepare``, and those ``fuse`` runs), its kernels (``fuse``: generated as data by ``codegen.generate`` and
+put into the graph by ``codegen.rewrite``; nothing built or loaded), how the runtime builds and loads them
+once the wrapper is written (``load``: C++ units built, Triton kernels precompiled, kernel references
+bound), its flags (interpreter, autotuning, CUDA graphs, oneDNN convolutions under freezing) and its share
+of the compile cache's key. A new generator (a C-level launcher, a C++ wrapper) is a new subclass.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.fx as fx
+
+from kiln.capture.decomp import decomposition_table
+from kiln.codegen.flex import lower_flex
+from kiln.codegen.generate import generate, on_cuda
+from kiln.codegen.rewrite import random_nodes, rewrite
+from kiln.codegen.schedule.plan import ScatterPlan
+from kiln.codegen.text.source import declined
+from kiln.codegen.to_cpp.module import write_unit
+from kiln.codegen.to_triton.emit import Flags
+from kiln.codegen.to_triton.module import write_module
+from kiln.debug import counters, log
+from kiln.options import Options
+from kiln.passes.channels_last import to_channels_last
+from kiln.passes.constant_fold import fold_constants
+from kiln.passes.conv_bias import split_conv_bias
+from kiln.runtime import cpp_build, precompile
+from kiln.runtime.load import load, load_aten
+
+
+@dataclass(frozen=True, eq=False)
+class Fused:
+    """What ``Target.fuse`` made of a graph: its number of kernel nodes, the graph as it was when some
+    kernel has no ATen fallback of its own (``fallback``: the compiled graph runs it if such a kernel
+    fails), the C++ units to build (the compile cache stores them) and the kernel plans (to show them)."""
+    kernels: int = 0
+    fallback: Optional[fx.GraphModule] = None
+    units: tuple = ()
+    plans: tuple = ()
+
+
+def _stage(trace, name, fn, *args):
+    return trace.stage(name, fn, *args) if trace is not None else fn(*args)
+
+
+class Target:
+    """The ATen target: composite ops kept whole (fewer, faster library calls), no kernels of kiln's."""
+    name = "aten"
+    fuses = False    # lowers ATen ops into kernels of its own
+    mkldnn = True    # a CPU target: freezing prepacks convolutions for oneDNN
+
+    def __init__(self, opts: Options):
+        self.opts = opts
+
+    def decompositions(self) -> dict:
+        return decomposition_table(fusion=self.fuses)
+
+    def start(self) -> None:
+        """Work begun while AOTAutograd traces."""
+
+    def cuda_graphs(self) -> bool:
+        """Whether ``mode="reduce-overhead"`` applies (CUDA graphs need the Triton target on CUDA)."""
+        if self.opts.mode == "reduce-overhead":
+            log(1, f"mode='reduce-overhead': CUDA graphs need the Triton target on CUDA (target {self.name})")
+        return False
+
+    def joint(self, joint: fx.GraphModule, trace) -> None:
+        """The target's passes on a training graph's joint graph, before partitioning."""
+
+    def prepare(self, gm: fx.GraphModule, kind: str, trace) -> None:
+        """The target's passes on a forward/backward/inference graph before the post-grad passes."""
+
+    def fuse(self, gm: fx.GraphModule, inputs, kind: str = "inference", trace=None, strict: bool = False) -> Fused:
+        """Replace the ATen nodes of ``gm`` the target fuses by its kernels, in place (see ``Fused``). Any
+        failure leaves the graph unchanged, logged (``strict=True`` raises instead)."""
+        return Fused()
+
+    def build(self, gm: fx.GraphModule, fused: Fused, kind: str = "inference", trace=None) -> bool:
+        """Make ``fused``'s kernels ready to run (``gm``: the fused graph, its kernel nodes unbound); False
+        when they cannot run."""
+        return True
+
+    def load(self, gm, wrapper, fused: Fused, kind: str, trace):
+        """The compiled graph (``runtime.load.Compiled``) of ``wrapper``: its kernels built, then bound; the
+        graph as it was before fusion (ATen) when they could not be built."""
+        built = self.build(gm, fused, kind, trace)
+        compiled = load(wrapper, fused.fallback) if built else load_aten(wrapper, fused.fallback)
+        compiled.units = fused.units
+        return compiled
+
+    def cache_key(self) -> str:
+        return self.name
+
+
+class _Fusing(Target):
+    """A target with kernels of its own (``emit``: plans -> sources)."""
+    fuses = True
+
+    def prepare(self, gm, kind, trace):
+        if self.opts.fold_constants:
+            _stage(trace, f"fold_{kind}", fold_constants, gm)
+
+    def emit(self, plans, opts: Options, on_cuda: bool) -> tuple:
+        """``([KernelSource per plan], Unit or None)``; a plan the emitter declines gets a source without text."""
+        raise NotImplementedError
+
+    def fuse(self, gm, inputs, kind="inference", trace=None, strict=False) -> Fused:
+        opts = self.opts
+        if kind == "inference" and opts.tuning.cheap_loads != opts.tuning.cheap_loads_inference:
+            opts = opts.replace(**{"tuning.cheap_loads": opts.tuning.cheap_loads_inference})
+        fused = _stage(trace, f"fuse_{kind}", self._fuse, gm, opts, strict)
+        if trace is not None:
+            trace.show(f"fuse_{kind}", gm, note=f"{fused.kernels} kernels")
+        return fused
+
+    def _fuse(self, gm, opts, strict) -> Fused:
+        gm.graph.eliminate_dead_code()
+        try:
+            code = generate(gm, opts, lambda plans, on_cuda: self.emit(plans, opts, on_cuda))
+        except Exception as e:
+            if strict:
+                raise
+            counters["codegen"]["fallback"] += 1
+            counters["random"]["aten"] += len(random_nodes(gm.graph))
+            log(1, f"codegen: graph stays ATen ({type(e).__name__}: {e})")
+            code = None
+        kernels = rewrite(gm, code) if code is not None else 0
+        # FlexAttention's ops, which the lowering keeps: kernels of their own (the unfused graph keeps the op)
+        flex, units = lower_flex(gm, opts, self.name == "cpp")
+        if code is None:
+            return Fused(flex, None, units)
+        units = ((code.unit,) if code.unit is not None else ()) + units
+        return Fused(kernels + flex, code.unfused, units, tuple(code.plans))
+
+
+class TritonTarget(_Fusing):
+    """Triton kernels: compiled for CUDA, or run in Triton's CPU interpreter (CPU tensors, unless
+    ``emit_for='cuda'``: the offline tools write GPU kernels on a machine without one)."""
+    name = "triton"
+    mkldnn = False
+
+    def start(self):
+        precompile.start(self.opts)   # the workers start while AOTAutograd traces
+
+    def cuda_graphs(self):
+        if self.opts.mode != "reduce-overhead":
+            return False
+        if not torch.cuda.is_available():
+            log(1, "mode='reduce-overhead': CUDA graphs need the Triton target on CUDA (no CUDA here)")
+            return False
+        return True
+
+    def joint(self, joint, trace):
+        if self.opts.layout_optimization:
+            _stage(trace, "channels_last", to_channels_last, joint, self.opts)
+
+    def prepare(self, gm, kind, trace):
+        if kind == "inference" and self.opts.layout_optimization:
+            _stage(trace, "channels_last", to_channels_last, gm, self.opts)
+        super().prepare(gm, kind, trace)
+
+    def fuse(self, gm, inputs, kind="inference", trace=None, strict=False):
+        # cuDNN adds a bias in a pass of its own; oneDNN adds it in the convolution
+        _stage(trace, f"conv_bias_{kind}", split_conv_bias, gm)
+        return super().fuse(gm, inputs, kind, trace, strict)
+
+    def build(self, gm, fused, kind="inference", trace=None):
+        _stage(trace, f"precompile_{kind}", precompile.warm, gm, self.opts)   # GPU kernels, in worker processes
+        return True
+
+    def flags(self, plan, opts: Options = None) -> Flags:
+        """What ``plan``'s kernel is written for: the interpreter for CPU tensors (unless
+        ``emit_for='cuda'``), autotuned launches under ``max_autotune`` on a GPU."""
+        opts = opts or self.opts
+        device = (plan.copy if isinstance(plan, ScatterPlan) else plan).device
+        interpret = device.type != "cuda" and opts.emit_for != "cuda"
+        autotune = opts.max_autotune or opts.mode in ("max-autotune", "max-autotune-no-cudagraphs")
+        return Flags(interpret, autotune and not interpret, opts.tuning)
+
+    def interpreted(self, plan, graph_on_cuda: bool) -> bool:
+        """Whether ``plan``'s kernel would run in Triton's interpreter inside a graph with CUDA values (a
+        Python number written into a tensor is a CPU 0-dim constant): milliseconds a launch there,
+        microseconds as ATen, which runs such plans; the interpreter serves graphs on the CPU throughout."""
+        return graph_on_cuda and self.flags(plan).interpret
+
+    def writes(self, plan, graph_on_cuda: bool) -> bool:
+        """Whether the emitter writes ``plan`` (else its ATen nodes run): not an interpreted kernel in a
+        graph on CUDA, nor an interpreted atomic add of bf16 values (numpy has no bf16)."""
+        add = isinstance(plan, ScatterPlan) and plan.write.scatter.mode == "add"
+        if add and plan.write.scatter.buffer.dtype == torch.bfloat16 and self.flags(plan).interpret:
+            return False
+        return not self.interpreted(plan, graph_on_cuda)
+
+    def emit(self, plans, opts, on_cuda):
+        return [write_module(p, self.flags(p, opts)) if self.writes(p, on_cuda) else declined(p)
+                for p in plans], None
+
+
+class CppTarget(_Fusing):
+    """C++/OpenMP kernels for CPU tensors: one translation unit per graph, built by the system compiler."""
+    name = "cpp"
+
+    def fuse(self, gm, inputs, kind="inference", trace=None, strict=False):
+        if on_cuda(gm):
+            return Fused()   # C++ kernels run on CPU tensors only
+        return super().fuse(gm, inputs, kind, trace, strict)
+
+    def emit(self, plans, opts, on_cuda):
+        unit, sources = write_unit(plans, opts.tuning)
+        return sources, unit
+
+    def build(self, gm, fused, kind="inference", trace=None):
+        """Build (or find built) and load each unit, its source shown first (KILN_DEBUG=4, the dump). A
+        failed build is warned about once (``cpp_build``): the graph then runs as ATen."""
+        for unit in fused.units:
+            log(4, f"{kind} C++ kernels:\n{unit.source}", artifact="output_code")
+            if trace is not None:
+                trace.dump(f"kernels_{kind}.cpp", unit.source)
+                trace.trace(f"kiln_kernels_{kind}_cpp", unit.source)
+            try:
+                cpp_build.build(unit, self.opts)
+            except cpp_build.CppBuildError:
+                return False
+        return True
+
+    def cache_key(self):
+        cxx = cpp_build.find_compiler(self.opts)
+        return f"cpp|cxx={cpp_build.compiler_version(cxx) if cxx else ''}|isa={cpp_build.host_isa()}"
+
+
+TARGETS = {t.name: t for t in (Target, TritonTarget, CppTarget)}
+
+
+def triton_available() -> str:
+    """Why Triton kernels cannot be generated here ('' when they can)."""
+    try:
+        import triton  # noqa: F401  (importable is all that is asked)
+    except ImportError as e:
+        return str(e)
+    return ""
+
+
+def resolve(opts: Options, example_inputs) -> Target:
+    """The target of a graph with ``example_inputs`` under ``opts``. 'auto' picks Triton when inputs live
+    on CUDA and Triton is usable, else (CPU inputs) C++ kernels when a working C++ compiler is found
+    (``cpp_build.unusable``); otherwise ATen kernels, with the reason logged."""
+    name = opts.codegen
+    if name == "auto":
+        cuda = any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in example_inputs)
+        why = triton_available() if cuda else cpp_build.unusable(opts)
+        name = "aten" if why else ("triton" if cuda else "cpp")
+        if why:
+            log(1, f"codegen: {'Triton' if cuda else 'C++'} target unavailable ({why}); running ATen kernels")
+    return TARGETS[name](opts)
+
+
+__all__ = ["Target", "TritonTarget", "CppTarget", "Fused", "TARGETS", "resolve", "triton_available"]

@@ -1,0 +1,100 @@
+"""A kernel module's launcher, the same for every emitter: ``call(*inputs, *sizes, *seeds)``.
+
+It binds each size symbol its kernels take from an input's shape where one has it as a dimension (the
+others are arguments, ``scalars``), restrides inputs whose static strides differ from the graph's,
+allocates the outputs, launches (the emitter's lines) and returns the outputs. The input dtypes are in the
+module's header: equal text is then an equal kernel for every argument (a launch site reuses what it
+compiled without checking again).
+"""
+from __future__ import annotations
+
+import sympy
+
+from kiln.codegen.ir.indexing import RINDEX, XINDEX
+from kiln.codegen.text.printer import py
+
+
+def size_symbols(k) -> set:
+    """The size symbols written kernel ``k`` takes: its index sizes, numels and stored buffers' layouts."""
+    syms = set(k.sizes)
+    for e in [k.xnumel, k.rnumel]:
+        syms |= sympy.sympify(e).free_symbols
+    for b in k.plan.stored:
+        for e in b.shape + b.stride:
+            syms |= sympy.sympify(e).free_symbols
+    return {s for s in syms if s not in (XINDEX, RINDEX)}
+
+
+def bind_sizes(kernels, inputs, buffers):
+    """(Python name per size symbol, lines binding them, symbols passed as ``call`` arguments): every
+    size symbol of ``kernels`` is read from an input's shape when one has it as a dimension, else
+    passed to ``call`` as an extra argument (``scalars``). Each kernel takes every symbol."""
+    names, lines, scalars = {}, [], []
+    syms = set().union(*[size_symbols(k) for k in kernels])
+    for s in sorted(syms, key=str):
+        name = f"ks_{s.name}"
+        names[s] = name
+        found = next((f"in{i}.shape[{d}]" for i, b in enumerate(inputs)
+                      for d, size in enumerate(buffers[b].shape) if size == s), None)
+        if found:
+            lines.append(f"{name} = {found}")
+        else:
+            scalars.append(s)
+    return names, lines, scalars
+
+
+def header(inputs, buffers, what: str = "") -> str:
+    """The module's first lines: what generated it and its inputs' dtypes."""
+    dtypes = ", ".join(str(buffers[b].dtype).replace("torch.", "") for b in inputs)
+    return f"# kiln generated kernel{what}\n# inputs: {dtypes}"
+
+
+def ints(xs) -> str:
+    return "(" + "".join(f"{int(x)}, " for x in xs) + ")"
+
+
+def sizes(xs, names) -> str:
+    """A tuple of size expressions as Python over the launcher's names."""
+    return "(" + "".join(py(x, names) + ", " for x in xs) + ")"
+
+
+def contiguous(shape, stride) -> bool:
+    """Whether static ``stride`` is the contiguous layout of ``shape`` (dims of size 1 aside, as
+    ``Tensor.is_contiguous`` and the runtime's ``restride`` both ignore them)."""
+    expected = 1
+    for size, st in reversed(list(zip(shape, stride))):
+        if int(size) != 1 and int(st) != expected:
+            return False
+        expected *= int(size)
+    return True
+
+
+def restrides(inputs, buffers, fn: str, test_contiguous: bool = False) -> list:
+    """Lines giving each input of a static layout the strides its kernel was written for (``fn``: the
+    runtime's restride); ``test_contiguous``: a contiguous layout is tested with ``is_contiguous``."""
+    out = []
+    for i, b in enumerate(inputs):
+        buf = buffers[b]
+        if buf.shape and all(sympy.sympify(x).is_Integer for x in buf.shape + buf.stride):
+            st = ints(buf.stride)
+            test = f"not in{i}.is_contiguous()" if test_contiguous and contiguous(buf.shape, buf.stride) \
+                else f"in{i}.stride() != {st}"
+            out += [f"if {test}:", f"    in{i} = {fn}(in{i}, {ints(buf.shape)}, {st})"]
+    return out
+
+
+def returns(locs) -> str:
+    return f"return {locs[0]}" if len(locs) == 1 else f"return ({', '.join(locs)},)"
+
+
+def check_list(checks, names) -> str:
+    """The bounds checks a launcher hands the runtime when one failed: ``(kind, dim, size, wraps)`` each
+    (``checks``: (size expression, ``ir.bounds.CheckInfo``) pairs)."""
+    return ", ".join(f"({info.kind!r}, {info.dim}, {py(size, names)}, {info.wraps})" for size, info in checks)
+
+
+def call(inputs, names, scalars, seeds, body, extra=()) -> list:
+    """The ``call`` function: its arguments (inputs, size scalars, seeds, ``extra``), then ``body`` (lines,
+    each of which may hold several)."""
+    args = [f"in{i}" for i in range(len(inputs))] + [names[s] for s in scalars] + list(seeds) + list(extra)
+    return ["", "", f"def call({', '.join(args)}):"] + ["    " + ln for b in body for ln in b.split("\n")]
