@@ -18,11 +18,7 @@ __all__ = ["compile", "config", "Options", "OptionError", "OptionTypeError", "Us
 
 
 def compile(model=None, *, dynamic=None, fullgraph: bool = False, mode=None, **options):
-    """Compile a function or nn.Module with kiln: ``kiln.compile(fn, activation_memory_budget=0.5)``.
-
-    Options are checked now (an unknown name or bad value raises OptionError listing what is valid) and
-    apply on top of any ``kiln.config.patch`` scope in force when the graph is traced.
-    """
+    """``kiln.compile(fn, activation_memory_budget=0.5)``; options are checked now, applied over ``config.patch``."""
     if mode is not None:
         options["mode"] = mode
     _current(**options)  # validate eagerly
@@ -34,11 +30,8 @@ def compile(model=None, *, dynamic=None, fullgraph: bool = False, mode=None, **o
 
 def run_and_get_code(fn, *args, **kwargs):
     """Run ``fn(*args)`` and return ``(result, [source of each wrapper and kernel generated meanwhile])``.
-
-    Dynamo is reset first (as inductor's ``run_and_get_code`` does), so a compiled function that already
-    ran compiles again (or loads from kiln's compile cache) and its code is collected. The backward compiles
-    at its first ``.backward()``: call that inside ``fn`` to see it.
-    """
+    Dynamo is reset first (as by inductor's ``run_and_get_code``), so compiled functions compile again; the
+    backward compiles at its first ``.backward()``: call that inside ``fn`` to see it."""
     from kiln.runtime.load import collect_sources
     torch._dynamo.reset()
     with collect_sources() as sources:
@@ -62,15 +55,10 @@ def explain(fn, *args, **kwargs):
 
 def __getattr__(name):
     # Late imports keep ``import kiln`` light and let each stage load only when used.
-    lazy = {
-        "fx_graph_cse": ("kiln.passes.cse", "fx_graph_cse"),
-        "pattern_matcher": ("kiln.pattern_matcher", None),
-        "lowerings": ("kiln.passes.match.fx_lowerings", None),
-        "passes": ("kiln.passes", None),
-        "memory_efficient_fusion": ("kiln.mef", "memory_efficient_fusion"),
-        "explain_memory": ("kiln.memory", "explain_memory"),
-        "resume": ("kiln.repro", "resume"),
-    }
+    lazy = {"fx_graph_cse": ("kiln.passes.cse", "fx_graph_cse"), "pattern_matcher": ("kiln.pattern_matcher", None),
+            "lowerings": ("kiln.passes.match.fx_lowerings", None), "passes": ("kiln.passes", None),
+            "memory_efficient_fusion": ("kiln.memory", "memory_efficient_fusion"),
+            "explain_memory": ("kiln.memory", "explain_memory"), "resume": ("kiln.repro", "resume")}
     if name not in lazy:
         raise AttributeError(f"module 'kiln' has no attribute {name!r}")
     import importlib

@@ -45,8 +45,7 @@ def version() -> str:
 
 
 def main(argv=None) -> int:
-    """Run a ``kiln`` command; one that draws tables or plots without the bench extra, or a tool's command
-    without the tools installed, says how to get them."""
+    """Run a ``kiln`` command (one that lacks the bench extra or the tools says how to get them)."""
     try:
         return _main(argv)
     except ModuleNotFoundError as e:
@@ -101,9 +100,7 @@ def show_option(name: str) -> int:
 
 
 def cache_command(argv) -> int:
-    """``kiln cache info`` (where kiln writes: the kernel directory and the compile cache's, its entries and
-    size, and why the cache is off when it is) or ``kiln cache clear`` (deletes the cache's entries, no other
-    file); the directories are the options' (``cache_dir``, ``KILN_CACHE_DIR``, ``KILN_KERNEL_DIR``)."""
+    """``kiln cache info`` (directories, entries, size, why off) or ``kiln cache clear`` (only its entries)."""
     import os
 
     from kiln import cache

@@ -15,12 +15,8 @@ def major_minor(version: str) -> tuple:
     return tuple(int(p) for p in re.match(r"(\d+)\.(\d+)", version).groups())
 
 
-TORCH_VERSION = major_minor(torch.__version__)
-
-
 def check_torch_version(version: str = torch.__version__) -> bool:
-    """Whether kiln supports torch ``version``; if not, warn (UserWarning) naming it and the supported range.
-    ``import kiln`` calls it once."""
+    """Whether kiln supports torch ``version``; if not, warn naming it and the supported range."""
     (a, b), (c, d) = SUPPORTED_TORCH
     if SUPPORTED_TORCH[0] <= major_minor(version) < SUPPORTED_TORCH[1]:
         return True
@@ -41,15 +37,7 @@ def size_hint(s) -> int:
         pass
     node = getattr(s, "node", None)
     hint = getattr(node, "hint", None)
-    if hint is not None:
-        return int(hint)
-    return int(node.shape_env.size_hint(node.expr))
-
-
-def boxed(fn):
-    """Mark ``fn(args_list)`` as taking a boxed argument list (AOTAutograd's calling convention)."""
-    fn._boxed_call = True
-    return fn
+    return int(hint) if hint is not None else int(node.shape_env.size_hint(node.expr))
 
 
 def aot_autograd_kwargs(**kw) -> dict:
@@ -72,21 +60,14 @@ def reinterpret_fn():
 
 
 def empty_strided_cuda_fn():
-    """``f(size, stride, dtype)``: an uninitialized tensor on the current CUDA device, through torch's
-    C++ helper behind Inductor's wrappers (no argument parsing, no device object); the public
-    ``torch.empty_strided`` where torch lacks it."""
+    """``f(size, stride, dtype)`` on the current CUDA device, through torch's C++ helper, else ``empty_strided``."""
     guards = getattr(getattr(torch._C, "_dynamo", None), "guards", None)
-    fn = getattr(guards, "_empty_strided_cuda", None)
-    if fn is not None:
-        return fn
-    return lambda size, stride, dtype: torch.empty_strided(size, stride, dtype=dtype, device="cuda")
+    return getattr(guards, "_empty_strided_cuda", None) or \
+        (lambda size, stride, dtype: torch.empty_strided(size, stride, dtype=dtype, device="cuda"))
 
 
 def triton_c_launcher_ok(version: str) -> bool:
-    """Whether Triton's generated C launcher takes the arguments kiln's launch sites pass it
-    (grid, stream, function, cooperative, pdl, two scratch buffers, metadata, hooks, kernel
-    arguments): read from Triton 3.6's ``make_launcher``. Other versions go through the launcher's
-    Python ``__call__``, whose signature is public."""
+    """Whether Triton's C launcher takes kiln's launch-site arguments (3.6's; others: the Python ``__call__``)."""
     return version.split(".")[:2] == ["3", "6"]
 
 
@@ -94,8 +75,8 @@ def aot_runtime_wrappers(fw, bw, meta, n_saved, n_symints, detach):
     """AOTAutograd's post-compile steps on compiled graphs ``fw`` (forward or inference) and ``bw``
     (None: inference), in the order AOTAutograd applies them, for a graph without tensor subclasses,
     input deduplication, synthetic bases or parameters of its own (the cache bypasses those); returns the
-    boxed callable (``args`` list). The compile
-    spec of ``AOTDispatchAutograd.post_compile`` is an object from torch 2.13 on, positional before."""
+    boxed callable (``args`` list). The compile spec of ``AOTDispatchAutograd.post_compile`` is an object
+    from torch 2.13 on, positional before."""
     import dataclasses
     from torch._functorch._aot_autograd import runtime_wrappers as rw
     from torch._functorch._aot_autograd.schemas import AOTConfig
@@ -129,9 +110,7 @@ def aot_runtime_wrappers(fw, bw, meta, n_saved, n_symints, detach):
 
 
 def dynamo_frame_times() -> list:
-    """Seconds of each Dynamo frame compile finished in this process, in order: torch's ``dynamo_timed``
-    record of ``_compile.compile_inner`` (its "entire_frame_compile": tracing, the backend, guards), the
-    same key in 2.11 to 2.14; empty where torch keeps no such record."""
+    """Seconds of each Dynamo frame compile of this process: ``dynamo_timed``'s ``_compile.compile_inner``."""
     try:
         from torch._dynamo.utils import compilation_time_metrics
     except ImportError:
@@ -140,9 +119,7 @@ def dynamo_frame_times() -> list:
 
 
 def compile_debug_dir():
-    """torch's debug folder of this process when ``TORCH_COMPILE_DEBUG=1`` (``<debug_dir_root>/run_<time>-
-    pid_<pid>``, ``debug_dir_root`` from ``torch._dynamo.config``: ``./torch_compile_debug`` or under
-    ``TORCH_COMPILE_DEBUG_DIR``), where Dynamo and inductor write their own; None otherwise."""
+    """torch's debug folder of this process when ``TORCH_COMPILE_DEBUG=1``, else None."""
     if os.environ.get("TORCH_COMPILE_DEBUG", "0") != "1":
         return None
     from torch._dynamo.utils import get_debug_dir

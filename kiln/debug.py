@@ -1,15 +1,9 @@
-"""Inspectability: the KILN_DEBUG ladder, counters, and KILN_DUMP.
+"""Inspectability: the KILN_DEBUG ladder, counters, KILN_DUMP, the per-region ``Trace``.
 
-Levels: 1 stage names and times, 2 the graph after each stage, 3 remat decisions,
-4 generated kernels and wrappers, 5 every rule that fired. Messages go through torch's logging
-(``kiln.logs``: ``TORCH_LOGS=+kiln``, the ``output_code``, ``kiln_plans`` and ``kiln_remat`` artifacts);
-KILN_DEBUG prints those torch's settings do not show. ``Trace`` also writes each stage's graph, the kernels
-and the stage times to a structured trace (``TORCH_TRACE``, tlparse) and a failing stage's error to the dump.
-
-A compile the compile cache will store keeps a ``Record`` of all it shows (stage graphs, remat decisions, plans,
-kernels, wrappers: every message, dump file and trace entry, built whether or not anyone reads them now); the
-cache stores it compressed in the entry, and a hit replays it through the same channels (``Trace.replay``),
-under a header naming the entry, so that a second run is as inspectable as the first.
+Levels: 1 stage names and times, 2 the graph after each stage, 3 remat decisions, 4 generated kernels and
+wrappers, 5 every rule that fired. Messages go through torch's logging (``kiln.logs``); KILN_DEBUG prints
+what torch's settings do not show. A compile the compile cache will store keeps a ``Record`` of all it
+shows, which a hit replays through the same channels (``Trace.replay``).
 """
 from __future__ import annotations
 
@@ -30,8 +24,7 @@ from kiln.options import UserError
 
 
 class Counters(collections.defaultdict):
-    """``kiln.counters[group][name]``: how often something happened, e.g. ``['fallback']['eager_graphs']``
-    (graphs run as captured). ``kiln.counters.clear()`` starts over."""
+    """``kiln.counters[group][name]``: how often something happened, e.g. ``['fallback']['eager_graphs']``."""
 
 
 counters = Counters(collections.Counter)
@@ -50,9 +43,8 @@ def _py_level(lvl: int) -> int:
 
 
 def log(lvl: int, msg: str, artifact: str | None = None) -> None:
-    """Hand ``msg`` to the ``kiln`` log (level 1 as INFO, higher levels as DEBUG), or to ``artifact``'s
-    (``kiln_plans``, ``kiln_remat``, ``output_code``); when torch's logging settings do not show it, print
-    it to stderr if the debug level is at least ``lvl``. Recorded for the compile cache (``Record``)."""
+    """Hand ``msg`` to the ``kiln`` log (level 1 as INFO, higher as DEBUG), or to ``artifact``'s; print it to
+    stderr at debug level ``lvl`` when torch's settings do not show it. Recorded for the compile cache."""
     record = logs.recording()
     if record is not None:
         f = sys._getframe(1)
@@ -61,8 +53,7 @@ def log(lvl: int, msg: str, artifact: str | None = None) -> None:
 
 
 def _emit(lvl: int, msg: str, artifact: str | None = None, origin=None, stacklevel: int = 1) -> None:
-    """``log``'s output, as logged from the caller's frame ``stacklevel`` (1: the caller) or from ``origin``,
-    the (file, line, function) a replayed message was first logged from."""
+    """``log``'s output, from the caller's frame ``stacklevel`` or a replayed message's ``origin``."""
     py = _py_level(lvl)
     if logs.enabled(py, artifact):
         lg = logs.logger(artifact)
@@ -75,23 +66,21 @@ def _emit(lvl: int, msg: str, artifact: str | None = None, origin=None, stacklev
 
 
 def wanted(lvl: int, artifact: str | None = None) -> bool:
-    """Whether ``log(lvl, ..., artifact)`` would show anything (to skip building costly messages), or would
-    be recorded for the compile cache."""
+    """Whether ``log(lvl, ..., artifact)`` would show or record anything (to skip building costly messages)."""
     return level() >= lvl or logs.enabled(_py_level(lvl), artifact) or logs.recording() is not None
 
 
 def inspecting(trace=None) -> bool:
-    """Whether anything reads what a compile shows: KILN_DEBUG, torch's logging of kiln or its artifacts,
-    ``kiln.explain``, a structured trace, ``trace``'s dump folder."""
+    """Whether anything reads what a compile shows (KILN_DEBUG, logging, explain, a trace, a dump folder)."""
     return (level() >= 1 or logs.enabled(logging.INFO) or bool(_EXPLAIN_SINKS) or logs.tracing()
             or any(logs.enabled(logging.DEBUG, a) for a in ("output_code", *logs.ARTIFACTS))
             or (trace is not None and trace.dir is not None))
 
 
 class Record:
-    """What one compile showed, in order, for the compile cache: ``("log", level, message, artifact,
-    origin)``, ``("stage", phase, name, seconds, cpu_ms)``, ``("explain", stage, graph text)``, ``("dump",
-    file name, text, numbered)``, ``("trace", entry name, payload, encoding)``. ``pack`` closes it."""
+    """What one compile showed, in order, for the compile cache: ``("log", level, message, artifact, origin)``,
+    ``("stage", phase, name, seconds, cpu_ms)``, ``("explain", stage, text)``, ``("dump", file, text,
+    numbered)``, ``("trace", name, payload, encoding)``."""
 
     def __init__(self):
         self.events: list = []
@@ -103,9 +92,8 @@ class Record:
 
     def pack(self) -> bytes:
         """The events, pickled and compressed (``unpack`` reads them); the record takes no more."""
-        self.open = False
         data = zlib.compress(pickle.dumps(self.events, protocol=pickle.HIGHEST_PROTOCOL), 6)
-        self.events = []
+        self.close()
         return data
 
     def close(self) -> None:
@@ -123,10 +111,9 @@ _OBSERVERS: list = []      # callables (event, data) while ``observe`` scopes ru
 
 @contextlib.contextmanager
 def observe(fn):
-    """Call ``fn(event, data)`` with what the pipeline does in this scope: ``"graph"`` with
-    ``{trace, stage, gm}`` for every graph a stage produces, ``"partition"`` with ``{joint, saved,
-    num_fwd_outputs}`` for every cut of a joint graph. Tools (``kiln_bench.graph_peak``,
-    ``peak_sweep``) read the pipeline this way instead of patching it."""
+    """Call ``fn(event, data)`` with what the pipeline does in this scope: ``"graph"`` with ``{trace, stage,
+    gm}`` for every graph a stage produces, ``"partition"`` with ``{joint, saved, num_fwd_outputs}`` for every
+    cut of a joint graph (the tools read the pipeline so instead of patching it)."""
     _OBSERVERS.append(fn)
     try:
         yield fn
@@ -135,15 +122,12 @@ def observe(fn):
 
 
 def notify(event: str, **data) -> None:
-    """Hand ``event`` to the observers in scope (``observe``)."""
     for fn in list(_OBSERVERS):
         fn(event, data)
 
 
 class Trace:
-    """Per compiled region: numbers, times, prints and verifies stages, dumps them under KILN_DUMP, writes
-    them to the structured trace, feeds explain; records a failing stage's error (``fail``) and reports
-    where the compile's time went (``report``)."""
+    """Per compiled region: numbers, times, shows, verifies and dumps stages; ``fail``, ``report``, ``replay``."""
     _count = 0
 
     def __init__(self, opts, kind: str = "graph"):
@@ -192,8 +176,7 @@ class Trace:
                 notify("graph", trace=self, stage=label, gm=gm)
             if self.opts.verify or level() >= 1:
                 verify(gm, label)
-            tracing = logs.tracing()
-            if not wanted(2) and not _EXPLAIN_SINKS and self.dir is None and not tracing:
+            if not wanted(2) and not _EXPLAIN_SINKS and self.dir is None and not logs.tracing():
                 continue   # nobody reads the text: printing a large graph costs seconds
             text = graph_text(gm, label, note)
             log(2, text)
@@ -205,12 +188,10 @@ class Trace:
             self.trace(f"kiln_{label}", text)
 
     def trace(self, name: str, text: str) -> None:
-        """A structured-trace entry ``name`` under this region's compile (tlparse lists it there)."""
         logs.trace(name, lambda: text, cid=self.cid)
 
     def dump(self, filename: str, text: str, numbered: bool = True):
-        """Write ``text`` to the dump folder as ``NN_filename`` (``filename`` when not ``numbered``);
-        returns the path, None when not dumping."""
+        """Write ``text`` to the dump folder as ``NN_filename`` (or ``filename``); returns the path, or None."""
         if self.record is not None:
             self.record.add("dump", filename, text, numbered)
         if self.dir is None:
@@ -228,9 +209,8 @@ class Trace:
 
     @contextlib.contextmanager
     def timed(self, key: str):
-        """Add the block's wall time to ``clock[key]``: ``backend`` (kiln's backend call), ``aot`` (the
-        AOTAutograd call in it), ``kiln`` (kiln's compilers, called by AOTAutograd), ``backward`` (the
-        backward's compiler); ``kiln_in_aot`` gathers the time of the last two spent inside ``aot``."""
+        """Add the block's wall time to ``clock[key]``: ``backend`` (kiln's backend call), ``aot`` (AOTAutograd
+        in it), ``kiln`` and ``backward`` (kiln's compilers, which ``kiln_in_aot`` counts inside ``aot``)."""
         t0 = time.perf_counter()
         self._open.add(key)
         scope = logs.active(self) if key in ("backend", "backward") else contextlib.nullcontext()
@@ -245,8 +225,7 @@ class Trace:
                 self.clock["kiln_in_aot"] += dt
 
     def fail(self, error: BaseException, stage: str | None = None) -> None:
-        """Record that compiling the region raised ``error`` (in ``stage``), once: ``error.txt`` in the dump
-        folder (the stage, the error, its traceback; ``repro.py`` reads it), a ``kiln_error`` trace entry."""
+        """Record once that compiling raised ``error``: ``error.txt`` in the dump folder, a ``kiln_error`` entry."""
         if _same_error(error, self.error):
             return
         self.error = error
@@ -259,8 +238,7 @@ class Trace:
             log(1, f"{self.name}: compiling failed {where}; the error is in {path}")
 
     def on_first_call(self, fn):
-        """``fn``, reporting the compile's times (``report``) at its first call (when Dynamo has finished
-        the frame) if anyone reads them; ``fn`` itself otherwise."""
+        """``fn``, reporting the compile's times at its first call (Dynamo has finished the frame by then)."""
         if not (wanted(1) or logs.tracing()):
             return fn
         pending = [True]
@@ -271,14 +249,12 @@ class Trace:
                 with options.using(self.opts):
                     self.report()
             return fn(*args, **kwargs)
-        if getattr(fn, "_boxed_call", False):
-            run._boxed_call = True
+        run._boxed_call = getattr(fn, "_boxed_call", False)
         return run
 
     def report(self) -> None:
         """Where the forward compile's time went: Dynamo (its frame compile less kiln's backend call),
-        AOTAutograd (its call less kiln's compilers), kiln (the rest of the backend call: its stages and
-        its other work) and the total; logged at level 1, written to the trace as ``kiln_stage_times``."""
+        AOTAutograd (its call less kiln's compilers), kiln (the rest), the total (``kiln_stage_times``)."""
         frames = compat.dynamo_frame_times()
         backend = self.clock["backend"]
         frame = frames[self.frames] if len(frames) > self.frames and frames[self.frames] >= backend else None
@@ -295,14 +271,11 @@ class Trace:
             "aot_autograd_s": aot, "kiln_s": kiln, "stages_s": dict(stages)}), "json", cid=self.cid)
 
     def report_backward(self) -> None:
-        """The backward compile's kiln time and stages (AOTAutograd calls kiln's backward compiler lazily,
-        at the first ``.backward()``)."""
+        """The backward compile's kiln time and stages (at the first ``.backward()``)."""
         kiln = self.clock["backward"]
         stages = [(n, s) for p, n, s in self.stages if p == "backward"]
-        if self.cached:
-            log(1, f"{self.name} backward loaded from the compile cache with the forward ({self.cached})")
-        else:
-            log(1, f"{self.name} backward compiled by kiln in {kiln:.2f} s ({_stage_list(stages, kiln)})")
+        log(1, f"{self.name} backward loaded from the compile cache with the forward ({self.cached})" if self.cached
+            else f"{self.name} backward compiled by kiln in {kiln:.2f} s ({_stage_list(stages, kiln)})")
         logs.trace("kiln_stage_times_backward", lambda: self._cached({"region": self.name, "kiln_s": kiln,
                                                                       "stages_s": dict(stages)}), "json", cid=self.cid)
 
@@ -310,10 +283,7 @@ class Trace:
         return {**times, "from_cache": self.cached} if self.cached else times
 
     def replay(self, events: list, source: str) -> None:
-        """Show what the compile that stored a cache entry showed (``events``: its ``Record``), through the
-        channels a compile uses (the kiln log and its artifacts, KILN_DEBUG, the dump folder, the structured
-        trace, ``kiln.explain``), each under a header naming ``source`` ("entry kiln_<key>"). Stage lines keep
-        the stored times; the hit's own time is in ``report``."""
+        """Show what the compile that stored a cache entry showed (its ``Record``), each under a header."""
         self.cached = source
         _emit(1, f"{self.name}: compile cache hit ({source}); what follows is what the compile that stored it showed")
         backward = False
@@ -365,9 +335,7 @@ def _same_error(error, recorded) -> bool:
 
 
 def _dump_dir(root: str, kind: str):
-    """A new folder ``root/<kind>_NNN`` for one compiled region: the first number not taken, made with
-    ``mkdir`` (atomic), so that processes sharing ``root`` never write into each other's folders. None
-    (with the reason logged) when ``root`` cannot hold it."""
+    """A new folder ``root/<kind>_NNN`` (``mkdir`` is atomic: processes never share one), or None (logged)."""
     try:
         os.makedirs(root, exist_ok=True)
         for n in range(1, 100000):
@@ -385,18 +353,13 @@ def _dump_dir(root: str, kind: str):
 
 def graph_text(gm, stage: str, note: str = "") -> str:
     """Runnable Python for ``gm`` with shapes as comments, under a ``# after: stage`` header."""
-    n = len(gm.graph.nodes)
-    header = f"# after: {stage} ({n} nodes{', ' + note if note else ''})\n"
-    try:
-        body = gm.print_readable(print_output=False, include_stride=True, include_device=True)
-    except TypeError:  # older signatures
-        body = gm.print_readable(print_output=False)
-    return header + body
+    header = f"# after: {stage} ({len(gm.graph.nodes)} nodes{', ' + note if note else ''})\n"
+    return header + gm.print_readable(print_output=False, include_stride=True, include_device=True)
 
 
 class VerifyError(RuntimeError, UserError):
-    """A stage produced an ill-formed graph (use before definition, dangling node). The message names
-    the stage; rerun with KILN_DEBUG=2 to see the graph it produced."""
+    """A stage produced an ill-formed graph (use before definition, dangling node); the message names the
+    stage. Rerun with KILN_DEBUG=2 to see the graph."""
 
 
 def verify(gm, stage: str) -> None:

@@ -1,15 +1,12 @@
 """kiln in torch's logging (``torch._logging``): the ``kiln`` log, kiln's artifacts, structured-trace entries.
 
-``TORCH_LOGS=kiln`` shows kiln's INFO messages (stages and times, the compile-time report, fallbacks), ``+kiln``
-the DEBUG ones too (graphs, remat decisions, kernel plans, rules). Artifacts: torch's ``output_code`` (kiln's
-wrappers and kernels), ``kiln_plans`` and ``kiln_remat`` (also shown under ``+kiln``). torch rejects names it does
-not know while ``import torch`` reads ``TORCH_LOGS``, before kiln can add its own (pytorch/pytorch#173759): kiln's
-artifacts are named in a program, ``torch._logging.set_logs(modules={"kiln_plans": True})``. ``KILN_DEBUG``
-prints what torch's settings do not show (``kiln.debug.log``). A structured trace (``TORCH_TRACE``, tlparse) gets
-``artifact`` entries named ``kiln_*`` under the compile that made them (``trace``).
-
-While a compile that the compile cache will store runs on a thread (``active``), what it logs and traces is
-also added to its record (``recording``), which a cache hit replays (``kiln.debug.Trace.replay``).
+``TORCH_LOGS=kiln`` shows kiln's INFO messages (stages, times, fallbacks), ``+kiln`` the DEBUG ones too
+(graphs, remat decisions, kernel plans, rules). Artifacts: ``output_code`` (wrappers and kernels),
+``kiln_plans``, ``kiln_remat``. torch rejects names it does not know while ``import torch`` reads
+``TORCH_LOGS``, before kiln can add its own (pytorch/pytorch#173759): kiln's artifacts are named in a
+program, ``torch._logging.set_logs(modules={"kiln_plans": True})``. A structured trace (``TORCH_TRACE``)
+gets ``kiln_*`` entries under the compile that made them. While a compile the cache will store runs on a
+thread (``active``), what it logs and traces is added to its record too (``recording``).
 """
 from __future__ import annotations
 
@@ -30,8 +27,7 @@ _ACTIVE = threading.local()   # .stack: the compiles running on this thread (obj
 
 
 def register() -> bool:
-    """Register the ``kiln`` log and kiln's artifacts with torch's logging (once; True when registered).
-    A torch whose logging lacks these functions leaves kiln printing through ``KILN_DEBUG`` alone."""
+    """Register the ``kiln`` log and kiln's artifacts with torch's logging (once; True when registered)."""
     try:
         from torch._logging import _internal as tl
         registry = tl.log_registry
@@ -43,15 +39,11 @@ def register() -> bool:
                 tl.register_artifact(name, help, visible=True)
         # torch set up its handlers before kiln was imported; when TORCH_LOGS names kiln, torch itself is
         # importing kiln now and sets up the kiln log after this returns
-        if fresh and not _named_in_torch_logs():
+        if fresh and not re.search(r"(^|,)\s*[+-]?kiln(\.|\s*,|\s*$)", os.environ.get("TORCH_LOGS", "")):
             tl._init_logs()
         return True
     except Exception:   # a debugging aid never stops kiln from loading
         return False
-
-
-def _named_in_torch_logs() -> bool:
-    return re.search(r"(^|,)\s*[+-]?kiln(\.|\s*,|\s*$)", os.environ.get("TORCH_LOGS", "")) is not None
 
 
 def logger(artifact: str | None = None) -> logging.Logger:
@@ -76,26 +68,20 @@ def enabled(py_level: int, artifact: str | None = None) -> bool:
 
 
 def tracing() -> bool:
-    """Whether a structured trace is being written (``TORCH_TRACE``, ``TORCH_COMPILE_DEBUG``, a handler a
-    test added): the payloads of ``trace`` entries are only computed then."""
+    """Whether a structured trace is being written (``TORCH_TRACE``, ``TORCH_COMPILE_DEBUG``, a test's handler);
+    not by pytest's capture handlers (they join every non-propagating log), nor torch's lazy handler without
+    a folder (it removes itself on its first record outside Meta's servers)."""
     try:
         from torch._logging._internal import trace_log
     except ImportError:
         return False
-    return any(_writes_trace(h) for h in trace_log.handlers)
-
-
-def _writes_trace(handler) -> bool:
-    if type(handler).__module__.startswith("_pytest"):   # pytest's capture handlers join every non-propagating log
-        return False
-    # torch's lazy handler without a folder removes itself on its first record (outside Meta's servers)
-    return getattr(handler, "root_dir", "") is not None
+    return any(not type(h).__module__.startswith("_pytest") and getattr(h, "root_dir", "") is not None
+               for h in trace_log.handlers)
 
 
 @contextlib.contextmanager
 def active(compile_):
-    """The scope in which ``compile_`` (a ``kiln.debug.Trace``) compiles on this thread: ``recording`` returns
-    its ``record`` there."""
+    """The scope in which ``compile_`` (a ``kiln.debug.Trace``) compiles on this thread."""
     stack = _ACTIVE.__dict__.setdefault("stack", [])
     stack.append(compile_)
     try:
@@ -105,15 +91,13 @@ def active(compile_):
 
 
 def recording():
-    """The record (``kiln.debug.Record``) of the compile running on this thread, None when there is none or
-    nothing records it (the compile cache is off, or this is a hit)."""
+    """The record (``kiln.debug.Record``) of the compile running on this thread, or None."""
     stack = getattr(_ACTIVE, "stack", None)
     return stack[-1].record if stack else None
 
 
 def compile_id():
-    """The id of the Dynamo compile in progress (None outside one): entries written later, a first call's
-    report or a backward's, name it so that tlparse files them under their compile."""
+    """The id of the Dynamo compile in progress (None outside one), for entries written after it."""
     try:
         import torch._guards
         return torch._guards.CompileContext.current_compile_id()

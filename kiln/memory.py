@@ -1,42 +1,40 @@
-"""``kiln.explain_memory(fn, *args)``: the partition kiln makes of ``fn``'s training graph, explained.
+"""kiln's memory-facing entry points, on the pipeline's AOTAutograd set-up (``pipeline.aot_compilers``).
 
-The joint graph is the one kiln compiles: Dynamo's graph goes through kiln's pre-grad passes, AOTAutograd
-traces it with kiln's decompositions for the target its inputs resolve to, and the joint passes and the
-partition run as in a compile, through the pipeline's own AOTAutograd set-up (``pipeline.aot_compilers``,
-as ``kiln.memory_efficient_fusion`` uses it). Only code generation is left out: the forward and backward
-graphs run as traced. ``partition/report.py`` then explains the saved set the pipeline chose (bytes,
-reason, source line), what the backward recomputes, the modelled peak and a sweep of budgets.
+``kiln.memory_efficient_fusion`` compiles a function or nn.Module without Dynamo, through AOTAutograd's entry
+points; unlike ``aot_function``, which traces once and silently reuses that graph for any later input, it
+keeps one compiled graph per input signature (shapes, strides, dtypes, devices, requires_grad).
+``kiln.explain_memory`` explains the partition kiln makes of a training graph (``partition/report.py``): the
+joint graph kiln compiles (pre-grad passes, kiln's decompositions for the target, joint passes, partition),
+code generation left out.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence
 
 import torch
+import torch.utils._pytree
 
 from kiln import passes
 from kiln.debug import Trace, observe
 from kiln.options import current, using
 from kiln.partition.report import MemoryReport, report
-from kiln.pipeline import aot_compilers, resolve_target
+from kiln.codegen.target import resolve
+from kiln.pipeline import aot_compilers
 
 
 def explain_memory(fn, *args, budgets: Optional[Sequence[float]] = None, png: Optional[str] = None,
                    **options) -> MemoryReport:
-    """Report the partition kiln makes of ``fn(*args)`` under the kiln options in force plus ``options``
-    (for the first graph, when Dynamo splits ``fn`` into several). Dynamo is reset first (as by
-    ``kiln.explain``): functions compiled earlier compile again at their next call.
-
-    ``budgets``: also sweep these activation_memory_budget values (default 1.0..0.0 by 0.1 when ``png``
-    is given). ``png``: write the budget -> (peak bytes, recompute FLOPs) plot there (matplotlib, Agg).
-    """
+    """Report the partition kiln makes of ``fn(*args)`` (its first graph) under the options in force plus
+    ``options``; Dynamo is reset first, as by ``kiln.explain``. ``budgets``: also sweep these budgets (by
+    default 1.0..0.0 by 0.1 with ``png``); ``png``: plot budget -> (peak bytes, recompute FLOPs) there."""
     opts = current(**options)
     cut = capture_partition(fn, args, opts)
     return report(cut["joint"], cut["saved"], cut["num_fwd_outputs"], opts, budgets=budgets, png=png)
 
 
 def capture_partition(fn, args, opts) -> dict:
-    """Run ``fn(*args)`` once through kiln's pipeline up to the partition (see the module docstring) and
-    return the first cut it made: ``{joint, saved, num_fwd_outputs}``, as ``kiln.debug.observe`` reports it."""
+    """Run ``fn(*args)`` through kiln's pipeline up to the partition; returns its first cut (as ``observe``)."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.aot_autograd import make_boxed_func
     cuts: list = []
@@ -52,7 +50,7 @@ def capture_partition(fn, args, opts) -> dict:
         with using(opts):
             trace = Trace(opts, "explain_memory")
             registered = passes.snapshot()
-            target = resolve_target(opts, example_inputs)
+            target = resolve(opts, example_inputs)
             trace.stage("pre_grad", passes.pre_grad, gm, opts, registered)
             # no precompile workers: no kernel is compiled (compile_workers changes no graph)
             kw = aot_compilers(opts.replace(compile_workers=0), target, trace, registered=registered)
@@ -65,3 +63,76 @@ def capture_partition(fn, args, opts) -> dict:
     if not cuts:
         raise ValueError("explain_memory: no joint graph was traced; does any input or parameter require grad?")
     return cuts[0]
+
+
+# -- memory_efficient_fusion ----------------------------------------------------------------------------
+def _signature(args, kwargs=None) -> tuple:
+    """What a compiled graph depends on: positional and keyword arguments, tensors by layout."""
+    flat, spec = torch.utils._pytree.tree_flatten((args, kwargs or {}))
+    return (str(spec), *((tuple(a.shape), tuple(a.stride()), a.dtype, a.device, a.requires_grad)
+                         if isinstance(a, torch.Tensor) else (type(a), a) for a in flat))
+
+
+def memory_efficient_fusion(fn, **options):
+    """Return a compiled version of ``fn`` (a function or nn.Module) that trains with less memory."""
+    from torch._functorch.aot_autograd import aot_function
+
+    opts = current(**options)
+    compiled: dict = {}
+
+    def get(args, kwargs):
+        key = _signature(args, kwargs)
+        if key not in compiled:
+            leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+            target = resolve(opts, [a for a in leaves if isinstance(a, torch.Tensor)])
+            kw = aot_compilers(opts, target, Trace(opts, "mef"))
+            compiled[key] = aot_function(_functional(fn) if isinstance(fn, torch.nn.Module) else fn, **kw)
+        return compiled[key]
+
+    if isinstance(fn, torch.nn.Module):
+        class _Compiled(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.orig_module = fn
+
+            def forward(self, *args, **kwargs):
+                state = _state(fn)
+                return _run(get((state, *args), kwargs), (state, *args), kwargs)
+        return _Compiled()
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return _run(get(args, kwargs), args, kwargs)
+    return wrapper
+
+
+def _state(module: torch.nn.Module) -> tuple:
+    """The module's parameters and buffers, read at every call (the compiled module sees replaced tensors)."""
+    return dict(module.named_parameters()), dict(module.named_buffers())
+
+
+def _functional(module: torch.nn.Module):
+    """``module`` as a function of ``(parameters, buffers)`` and its inputs, tied weights kept tied (AOTAutograd's
+    ``aot_module`` passes both names of a tied weight and ``functional_call`` refuses)."""
+    def call(state, *args, **kwargs):
+        return torch.func.functional_call(module, state, args, kwargs, tie_weights=True)
+    return call
+
+
+def _run(compiled, args, kwargs):
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+    try:
+        return compiled(*args, **kwargs)
+    except DataDependentOutputException as e:
+        raise TypeError(
+            f"kiln.memory_efficient_fusion: the function reads a tensor's value while tracing ({e}: an "
+            f"``.item()``, a ``bool(tensor)``, a data-dependent shape). Without Dynamo there is no graph "
+            f"break to run that part eagerly: use kiln.compile(fn) (or torch.compile(fn, backend='kiln')), "
+            f"which splits the function there.") from e
+    except AssertionError as e:
+        if "FakeTensor" not in str(e):
+            raise
+        raise TypeError(
+            "kiln.memory_efficient_fusion: the function reads a tensor that is not one of its arguments "
+            "(a module's parameter captured by a closure, say), so its gradient could not flow. Pass the "
+            "nn.Module itself to memory_efficient_fusion, or make the tensor an argument.") from e

@@ -1,14 +1,11 @@
 """kiln's options: one frozen dataclass, scoped overrides through a context variable.
 
 Every field has a default, one line of help and an environment variable (``KILN_<NAME>``).
-``kiln.config.patch(**overrides)`` is a context manager and a decorator; it never mutates a
-module global, so overrides end with their scope and do not leak between threads or compiles.
-
-The tuning constants of code generation and of a few passes form a nested frozen group,
-``Options.tuning`` (a ``Tuning``). Its fields are named ``tuning.<name>`` everywhere: as keys of
-``kiln.config.patch(**{"tuning.persistent_max": 1024})`` or ``patch(tuning={"persistent_max": 1024})``
-(both merge into the tuning in force), as ``KILN_TUNING_<NAME>`` in the environment, as
-``--set tuning.<name>=VALUE`` on the command lines, and in ``kiln options``.
+``kiln.config.patch(**overrides)`` (a context manager and a decorator) never mutates a module global, so
+overrides end with their scope and do not leak between threads or compiles. The tuning constants form a
+nested frozen group, ``Options.tuning``, named ``tuning.<name>`` everywhere: ``patch(**{"tuning.x": 1})``
+or ``patch(tuning={"x": 1})`` (both merge into the tuning in force), ``KILN_TUNING_<NAME>``, ``--set
+tuning.<name>=VALUE``, ``kiln options``.
 """
 from __future__ import annotations
 
@@ -37,14 +34,12 @@ class OptionError(ValueError, UserError):
 
 
 class OptionTypeError(OptionError, TypeError):
-    """An option's value has the wrong type (a str where a number goes): the message names the type the
-    option expects and the one it got."""
+    """An option's value has the wrong type; the message names the type expected and the one it got."""
 
 
 def _opt(default, help, choices=None, env=True, cache=True, check=None):
-    """A field: ``choices`` lists the valid values; ``check`` is 'pos' (>= 1), 'nonneg' (>= 0),
-    'pow2' (a power of two), 'warps' (a power of two up to 32) or a range (lo, hi) for numbers, 'path'
-    for a directory; ``cache``: whether the value changes what a compile produces (part of ``cache_key``)."""
+    """A field: ``choices`` lists the valid values; ``check``: 'pos', 'nonneg', 'pow2', 'warps' (a power of two
+    up to 32), a range (lo, hi), 'path'; ``cache``: whether the value changes what a compile produces."""
     return field(default=default, metadata={"help": help, "choices": choices, "env": env, "cache": cache,
                                             "check": check})
 
@@ -84,10 +79,6 @@ def _check_value(f, value, name):
     if name == "compile_workers" and value < -1:
         raise OptionError(f"compile_workers={value!r}: use -1 (as many as suit the machine), 0 (off) or a "
                           f"number of processes")
-    _check_range(name, value, check)
-
-
-def _check_range(name, value, check):
     if isinstance(check, tuple) and not check[0] <= value <= check[1]:
         raise OptionError(f"{name}={value!r} is outside the valid range [{check[0]}, {check[1]}]")
     if check == "nonneg" and value < 0:
@@ -108,17 +99,15 @@ def parse_bytes(value) -> int:
     """'4GiB' -> 4294967296; an int passes through."""
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return value
-    if isinstance(value, str):
-        s = value.strip().upper().replace(" ", "")
-        num = s.rstrip("KMGTIB")
-        unit = s[len(num):]
-        if num and unit in _UNITS:
-            try:
-                amount = float(num) * _UNITS[unit]
-            except ValueError:
-                amount = None
-            if amount is not None and math.isfinite(amount) and amount >= 0:
-                return int(amount)
+    s = value.strip().upper().replace(" ", "") if isinstance(value, str) else ""
+    num = s.rstrip("KMGTIB")
+    if num and s[len(num):] in _UNITS:
+        try:
+            amount = float(num) * _UNITS[s[len(num):]]
+        except ValueError:
+            amount = -1
+        if math.isfinite(amount) and amount >= 0:
+            return int(amount)
     raise (OptionError if type(value) in (int, str) else OptionTypeError)(
         f"activation_memory_limit={value!r} is not a byte count; use a non-negative int or a string like '4GiB' "
         f"or '512MB' (units: {sorted(k for k in _UNITS if k)}), got {type(value).__name__}")
@@ -126,16 +115,14 @@ def parse_bytes(value) -> int:
 
 @dataclass(frozen=True)
 class Tuning:
-    """Tuning constants of code generation and passes (``Options.tuning``); each was measured where
-    its help says. Changing one changes the generated code, never its results."""
+    """Tuning constants of code generation and passes (``Options.tuning``): they change code, never results."""
     # kernel shapes (Triton)
     persistent_max: int = _opt(4096, "static rows up to this many elements stay in registers (a persistent row "
                                      "kernel); also the longest row a folded column reduction keeps", check="pos")
     outer_persistent_max: int = _opt(64, "... for reductions over a non-innermost dim: columns up to this long",
                                      check="pos")
-    outer_max: int = _opt(1 << 18, "a row kernel with a reduction over all its rows runs as one program up to "
-                                   "this many elements; above, the last program to finish combines the partials",
-                          check="pos")
+    outer_max: int = _opt(1 << 18, "a row kernel reducing all its rows runs as one program up to this many "
+                                   "elements; above, the last program to finish combines the partials", check="pos")
     parts_block: int = _opt(1024, "partial results the last program combines per step", check="pow2")
     pw_xblock: int = _opt(1024, "elements of a pointwise kernel's tile", check="pow2")
     pw_warps: int = _opt(8, "warps of a pointwise kernel (4-byte data)", check="warps")
@@ -164,10 +151,9 @@ class Tuning:
     cpp_outer_chunks: int = _opt(64, "chunks of rows whose partials a C++ reduction over all rows combines",
                                  check="pos")
     cpp_row_cache: int = _opt(16384, "a C++ reduction row of at most this many elements keeps the exponentials "
-                                     "(and other vector math) one loop over it computes for the next loops; 0: never",
-                              check="nonneg")
-    cpp_row_split: int = _opt(16, "a C++ reduction row read at r / K and r % K (NCHW BatchNorm: the batch and the "
-                                  "pixels) loops over K contiguous elements inside when K is at least this; 0: never",
+                                     "(vector math) one loop computes for the next loops; 0: never", check="nonneg")
+    cpp_row_split: int = _opt(16, "a C++ reduction row read at r / K and r % K (NCHW BatchNorm: batch, pixels) "
+                                  "loops over K contiguous elements inside when K is at least this; 0: never",
                               check="nonneg")
     cpp_vector_math: bool = _opt(True, "C++ kernels call glibc's vector math (libmvec) where no comparison, "
                                        "rounding or max depends on the result (false: scalar math everywhere, "
@@ -175,13 +161,11 @@ class Tuning:
     flex_decode_q: int = _opt(16, "FlexAttention (Triton): queries of at most this many tokens over a long key/value "
                                   "cache run the split-KV decoding kernels; 0: never", check="nonneg")
     # reductions split in two kernels
-    split_min_r: int = _opt(4096, "split a reduction only when its rows are at least this long ...",
-                            check="pos")
+    split_min_r: int = _opt(4096, "split a reduction only when its rows are at least this long ...", check="pos")
     split_min_numel: int = _opt(1 << 20, "... and it reads at least this many elements", check="pos")
     split_min_chunk: int = _opt(1024, "elements of a row each partial of a split reduction reduces, at least",
                                 check="pos")
-    split_min_chunk_outer: int = _opt(512, "... of a column (H200, GPT-2's layer norm backward: 512 best)",
-                                      check="pos")
+    split_min_chunk_outer: int = _opt(512, "... of a column (H200, GPT-2's layer norm backward: 512 best)", check="pos")
     split_max_rows: int = _opt(16, "inner reductions with more rows than this are never split", check="nonneg")
     split_target_inner: int = _opt(1024, "rows x chunks a split inner reduction aims at", check="pos")
     split_target_outer: int = _opt(8192, "columns x chunks a split column reduction aims at", check="pos")
@@ -190,30 +174,25 @@ class Tuning:
                               "'shared' (where a row reduction there reads a buffer they read), 'always', 'never'",
                      ("shared", "always", "never"))
     fold_programs: int = _opt(256, "programs (row chunks) of a folded column reduction, at most", check="pow2")
-    fold_min_chunk: int = _opt(16, "rows each program of a folded column reduction reduces, at least",
-                               check="pos")
+    fold_min_chunk: int = _opt(16, "rows each program of a folded column reduction reduces, at least", check="pos")
     # chained kernels
     chain: bool = _opt(True, "run a small kernel that reads one kernel's results in that kernel's last program")
     tail_max: int = _opt(1 << 16, "elements a chained tail may reduce or write", check="pos")
     tail_tile: int = _opt(4096, "elements of a reducing chained tail's tile on the GPU", check="pow2")
     # fusion
     max_group: int = _opt(64, "buffers per kernel, at most", check="pos")
-    near: int = _opt(32, "graph nodes between a kernel's members, at most (see schedule's _far rule)",
-                     check="pos")
+    near: int = _opt(32, "graph nodes between a kernel's members, at most (see schedule's _far rule)", check="pos")
     cheap_ops: int = _opt(8, "a pointwise value read by several users is recomputed in each when it has at "
                              "most this many ops, else stored", check="nonneg")
     cheap_loads: int = _opt(1 << 30, "... and reads at most this many buffers at every element (a residual stream "
-                                      "over many layers reads them all), in forward and backward graphs",
-                            check="nonneg")
+                                     "over many layers reads them all), in forward and backward graphs", check="nonneg")
     cheap_loads_inference: int = _opt(2, "cheap_loads in inference graphs, where each layer's output dies once read: "
                                          "recomputing a residual stream from them keeps them all alive", check="nonneg")
     fuse_stored_views: bool = _opt(True, "read views of stored tensors inside kernels (else ATen views)")
     reuse_inputs: bool = _opt(True, "a kernel may write its output into an input that dies at the call")
     # passes
-    pad_mm_min_flops: float = _opt(1e9, "pad_mm: pad only matmuls of at least this many FLOPs ...",
-                                   check="nonneg")
-    pad_mm_min_flops_per_byte: float = _opt(80.0, "... and this many FLOPs per byte the padding copies",
-                                            check="nonneg")
+    pad_mm_min_flops: float = _opt(1e9, "pad_mm: pad only matmuls of at least this many FLOPs ...", check="nonneg")
+    pad_mm_min_flops_per_byte: float = _opt(80.0, "... and this many FLOPs per byte the padding copies", check="nonneg")
     empty_mask_max_bytes: int = _opt(1 << 28, "drop_empty_masks: evaluate (at compile time, on its device) only "
                                               "masks of at most this many bytes", check="nonneg")
     pad_mm_out_blocks: int = _opt(8, "pad_mm: a padded matmul whose result the graph returns is computed in this "
@@ -240,8 +219,7 @@ class Tuning:
 
 @dataclass(frozen=True)
 class Options:
-    """Every option of a compile (frozen): a default, one line of help and a ``KILN_<NAME>`` variable each;
-    ``kiln options`` lists them. ``kiln.config.current()`` gives the ones in force."""
+    """Every option of a compile (frozen), each with a default, help and a ``KILN_<NAME>`` (``kiln options``)."""
     # graph passes
     pattern_matcher: bool = _opt(True, "run kiln's built-in pattern rewrites (user hooks always run)")
     cse: bool = _opt(True, "common-subexpression elimination on the joint and inference graphs")
@@ -263,7 +241,6 @@ class Options:
     layout_optimization: bool = _opt(True, "pick channels-last for convolution nets")
     layout_devices: str = _opt("cuda", "where layout_optimization acts: 'cuda' (where channels-last pays) or 'any' "
                                        "(CPU graphs too, e.g. to test it)", ("cuda", "any"))
-    keep_output_stride: bool = _opt(True, "user-visible outputs keep eager strides")
     cpp_wrapper: bool = _opt(False, "accepted for compatibility; kiln runs its Python wrapper")
     # partitioner
     activation_memory_budget: float = _opt(1.0, "fraction of the runtime-optimal saved bytes to keep, in [0, 1]",
@@ -304,9 +281,8 @@ class Options:
     cache_size_mb: int = _opt(2048, "the compile cache's size limit in MB: the entries used longest ago go first",
                               cache=False, check="pos")
     # debugging
-    on_error: str = _opt("eager", "when compiling a graph raises (in AOTAutograd or in kiln): 'eager' (run that graph "
-                                  "as eager does, with a warning naming the error) or 'raise'", ("eager", "raise"),
-                         cache=False)
+    on_error: str = _opt("eager", "when compiling a graph raises (in AOTAutograd or kiln): 'eager' (run that graph "
+                                  "as eager does, warning with the error) or 'raise'", ("eager", "raise"), cache=False)
     debug: int = _opt(0, "0..5: stage names, graphs, remat decisions, kernels, rules", cache=False, check=(0, 5))
     dump_dir: Optional[str] = _opt(None, "write every stage's graph, kernels and a repro here", cache=False,
                                    check="path")
@@ -331,18 +307,9 @@ class Options:
 
 
 # -- names ------------------------------------------------------------------------------------------------
-def _fields():
-    """[(name, field)] of every option, tuning ones as ``tuning.<name>``, in declaration order."""
-    out = []
-    for f in dataclasses.fields(Options):
-        if f.name == TUNING:
-            out += [(f"{TUNING}.{t.name}", t) for t in dataclasses.fields(Tuning)]
-        else:
-            out.append((f.name, f))
-    return out
-
-
-FIELDS = dict(_fields())
+# {name: field} of every option, tuning ones as ``tuning.<name>``, in declaration order
+FIELDS = {name: f for top in dataclasses.fields(Options) for name, f in
+          ([(f"{TUNING}.{t.name}", t) for t in dataclasses.fields(Tuning)] if top.name == TUNING else [(top.name, top)])}
 ENV_NAMES = {name: "KILN_" + name.replace(".", "_").upper() for name in FIELDS}
 ENV_NAMES["debug"] = "KILN_DEBUG"
 ENV_NAMES["dump_dir"] = "KILN_DUMP"
@@ -388,8 +355,7 @@ def _check_names(overrides):
 
 
 def suggest(name: str) -> list:
-    """The option names closest to ``name`` by edit distance over the whole name (``tuning.`` names also by
-    their last part), else those containing all of its words."""
+    """The option names closest to ``name`` by edit distance, else those containing all of its words."""
     dist = {n: min(_distance(name, n), _distance(name, n.split(".")[-1])) for n in FIELDS}
     best = min(dist.values())
     if best <= max(2, len(name) // 4):
@@ -430,8 +396,7 @@ def _stable_repr(value) -> str:
 
 
 def parse_value(name: str, raw: str):
-    """Option ``name``'s value from text (an environment variable, a command line): read as the type
-    of its default (bools accept 1/true/yes/on, and 0/false/no/off), then checked."""
+    """Option ``name``'s value from text, as the type of its default (bools: 1/true/yes/on, 0/false/no/off)."""
     _check_names([name])
     f = FIELDS[name]
     kind = type(f.default)
@@ -450,8 +415,7 @@ def _from_env() -> dict:
     out = {}
     for name, f in FIELDS.items():
         var = ENV_NAMES[name]
-        raw = os.environ.get(var) if f.metadata.get("env") else None
-        if raw:
+        if f.metadata.get("env") and (raw := os.environ.get(var)):
             try:
                 out[name] = parse_value(name, raw)
             except OptionError as e:
@@ -460,8 +424,6 @@ def _from_env() -> dict:
 
 
 _OVERRIDES: contextvars.ContextVar[dict] = contextvars.ContextVar("kiln_options", default={})
-
-
 _ACTIVE: contextvars.ContextVar[Optional[Options]] = contextvars.ContextVar("kiln_active", default=None)
 
 
@@ -477,8 +439,7 @@ def using(opts: Options):
 
 def active() -> Options:
     """The options of the compile in progress, else ``current()``."""
-    opts = _ACTIVE.get()
-    return opts if opts is not None else current()
+    return _ACTIVE.get() or current()
 
 
 def current(**extra) -> Options:
@@ -510,9 +471,8 @@ def _from_compile_debug() -> dict:
 
 
 class _Patch(contextlib.ContextDecorator):
-    """A scope of option overrides. Each use as a decorator enters a fresh copy (``_recreate_cm``), and
-    each thread keeps its own stack of entries, so one patch object shared by threads whose scopes end
-    in any order restores each thread's own options."""
+    """A scope of option overrides. Each use as a decorator enters a fresh copy (``_recreate_cm``), and each
+    thread its own stack of entries: threads sharing one patch object restore their own options."""
 
     def __init__(self, overrides, _checked=False):
         self.overrides = overrides if _checked else _flatten(overrides)
@@ -541,8 +501,5 @@ def patch(**overrides) -> _Patch:
 
 def describe() -> str:
     """One line per option: name, default, env var, help (tuning fields as ``tuning.<name>``)."""
-    rows = []
-    for name, f in FIELDS.items():
-        env = ENV_NAMES[name] if f.metadata.get("env") else "-"
-        rows.append(f"{name:45s} {f.default!r:10} {env:45s} {f.metadata['help']}")
-    return "\n".join(rows)
+    return "\n".join(f"{name:45s} {f.default!r:10} {ENV_NAMES[name] if f.metadata.get('env') else '-':45s} "
+                     f"{f.metadata['help']}" for name, f in FIELDS.items())

@@ -1,12 +1,11 @@
 """Standalone repros under KILN_DUMP, and ``kiln.resume`` to feed a dump back in.
 
-For each compiled region kiln writes ``graph.pt`` (Dynamo's GraphModule), ``inputs.pt`` (the real
-example inputs, SymInts as ints) and ``repro.py``, which reruns the region in eager mode and through kiln
-(with ``on_error='raise'``: a compile that fails raises) and compares values and gradients. ``python
-repro.py`` exits non-zero on a mismatch, raises where the compile raises, and exits non-zero when the
-original compile failed (``error.txt`` in the folder, written by ``Trace.fail``) but this run did not.
-Options that cannot be written to a file (callables: custom passes; other values without a literal) and
-passes registered through ``kiln.passes.register`` are named in ``repro.py`` and in a warning it prints.
+Each compiled region's dump folder gets ``graph.pt`` (Dynamo's GraphModule), ``inputs.pt`` (the example
+inputs, SymInts as ints) and ``repro.py``, which runs the region eagerly and through kiln (``on_error=
+'raise'``) and compares values and gradients: it exits non-zero on a mismatch, and when the original
+compile failed (``error.txt``) but this run did not. Options that cannot be written to a file (callables,
+values without a literal) and passes registered through ``kiln.passes.register`` are named in it and in
+a warning it prints.
 """
 from __future__ import annotations
 
@@ -40,8 +39,7 @@ def main():
     grad = any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)
     ref_in = [t.detach().clone().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
               for t in inputs]
-    ctx = torch.enable_grad() if grad else torch.no_grad()
-    with ctx:
+    with torch.enable_grad() if grad else torch.no_grad():
         torch.manual_seed(0)
         ref = gm(*ref_in)
         torch.manual_seed(0)
@@ -51,16 +49,15 @@ def main():
         if isinstance(r, torch.Tensor) and not torch.allclose(r, o, rtol=1e-4, atol=1e-5, equal_nan=True):
             ok = False
             print("output mismatch: max abs diff", (r - o).abs().max().item())
-    if grad:
-        tensors = [(r, o) for r, o in zip(ref, out) if isinstance(r, torch.Tensor) and r.requires_grad]
-        if tensors:
-            sum(r.float().sum() for r, _ in tensors).backward()
-            sum(o.float().sum() for _, o in tensors).backward()
-            for a, b in zip(ref_in, inputs):
-                if isinstance(a, torch.Tensor) and a.grad is not None:
-                    if not torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-5):
-                        ok = False
-                        print("gradient mismatch: max abs diff", (a.grad - b.grad).abs().max().item())
+    tensors = [(r, o) for r, o in zip(ref, out) if grad and isinstance(r, torch.Tensor) and r.requires_grad]
+    if tensors:
+        sum(r.float().sum() for r, _ in tensors).backward()
+        sum(o.float().sum() for _, o in tensors).backward()
+        for a, b in zip(ref_in, inputs):
+            if (isinstance(a, torch.Tensor) and a.grad is not None
+                    and not torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-5)):
+                ok = False
+                print("gradient mismatch: max abs diff", (a.grad - b.grad).abs().max().item())
     if ok and os.path.exists(os.path.join(here, "error.txt")):
         print("repro NOT REPRODUCED: the original compile failed (error.txt) but this run did not"
               + (" (the omitted entries above may be why)" if OMITTED else ""))
@@ -85,8 +82,7 @@ def _concrete(x):
 
 
 def write_repro(trace, gm: fx.GraphModule, example_inputs, opts, registered=()) -> None:
-    """Write graph.pt, inputs.pt and repro.py into the trace's dump folder (best effort, logged).
-    ``registered``: the passes registered through ``kiln.passes.register`` (named in the repro)."""
+    """Write graph.pt, inputs.pt and repro.py into the trace's dump folder (best effort, logged)."""
     if trace.dir is None:
         return
     try:
@@ -109,9 +105,8 @@ def write_repro(trace, gm: fx.GraphModule, example_inputs, opts, registered=()) 
 
 
 def _plain_options(opts) -> tuple:
-    """``(kept, omitted)``: the options that differ from their defaults and can be written as literals
-    (tuning fields as ``tuning.<name>``), and those that cannot (callables, values without a literal),
-    each described."""
+    """``(kept, omitted)``: the options that differ from their defaults and can be written as literals, and
+    those that cannot, each described."""
     kept, omitted = {}, {}
     for name, value in flat_options(opts).items():
         if name in ("dump_dir", "debug") or value == FIELDS[name].default:
@@ -146,12 +141,8 @@ def _describe(value) -> str:
 
 
 def resume(path: str, compile: bool = True, **options):
-    """Load a dump back in.
-
-    ``path`` is a dump folder (with graph.pt and inputs.pt) or one stage file (``NN_stage.py``).
-    For a folder it returns ``(module, inputs)``, the module kiln-compiled unless ``compile=False``.
-    For a stage file it returns the GraphModule class instance defined in it (runnable Python).
-    """
+    """Load a dump back in: for a dump folder ``(module, inputs)``, the module kiln-compiled unless
+    ``compile=False``; for one stage file (``NN_stage.py``) an instance of the GraphModule it defines."""
     if os.path.isdir(path):
         gm = torch.load(os.path.join(path, "graph.pt"), weights_only=False)
         inputs = torch.load(os.path.join(path, "inputs.pt"), weights_only=False)

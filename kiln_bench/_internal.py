@@ -19,9 +19,8 @@ from kiln.runtime.load import collect_sources  # noqa: F401
 from kiln.runtime import kernels  # noqa: F401
 from kiln.runtime.kernels import _CACHE as kernel_cache  # noqa: F401
 
-# peak_sweep: the partitioner's model of a saved set's peak, and the measured peak of live storage on the CPU
+# peak_sweep: the partitioner's model of a saved set's peak
 from kiln.partition.peak import model_peak  # noqa: F401
-from kiln.partition.livemem import measure_peak  # noqa: F401
 
 # graph_peak: which nodes are views of their input (``ops.is_view``), as the partitioner counts them
 from kiln.partition import ops  # noqa: F401

@@ -7,7 +7,7 @@ For each budget (``torch._dynamo.reset()`` between budgets) it compiles the GPT 
 ``--warmup`` training steps (forward, backward, gradients set to None; bf16 autocast on CUDA unless
 ``--dtype fp32``), then measures ``--steps`` more and reports per budget
 - ``measured``: CUDA ``max_memory_allocated()`` above the allocated bytes before the step, or on the CPU
-  the peak of live storage bytes created during the step (``kiln.partition.livemem``);
+  the peak of live storage bytes created during the step (``kiln_bench.livemem``);
 - ``requested`` (CUDA): the same peak in the bytes the program asked for (the allocator's
   ``requested_bytes`` statistic). ``measured`` counts whole allocator blocks, and the allocator hands
   out a cached block up to 1 MiB larger than the request rather than split it: that slack depends
@@ -112,7 +112,7 @@ def measure_budget(model, batch, budget: float, *, device: str, autocast: bool, 
                    warmup: int = 1, explain: bool = False, **options) -> dict:
     """Compile ``model`` with kiln at ``budget`` and measure its training step (see module docstring)."""
     import kiln
-    from kiln_bench._internal import measure_peak
+    from kiln_bench.livemem import measure_peak
     torch._dynamo.reset()
     compiled = kiln.compile(model, activation_memory_budget=budget, **options)
     ctx = (lambda: torch.autocast(device, dtype=torch.bfloat16)) if autocast else contextlib.nullcontext

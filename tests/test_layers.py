@@ -38,7 +38,7 @@ PARTS = {
     "runtime": ["kiln.runtime"],                                  # builds, binds, launches
     "targets": ["kiln.codegen.target"],                           # one Target per generator
     "compile cache": ["kiln.cache"],
-    "pipeline": ["kiln.pipeline", "kiln.repro", "kiln.mef", "kiln.memory", "kiln.capture.dynamo", "kiln"],
+    "pipeline": ["kiln.pipeline", "kiln.repro", "kiln.memory", "kiln.capture.dynamo", "kiln"],
     "command line": ["kiln.cli", "kiln.__main__"],
 }
 
@@ -49,7 +49,7 @@ ARROWS = {
     "base": set(),
     "capture": {"base"},
     "passes": {"base", "capture"},
-    "partition": {"base"},
+    "partition": {"base", "passes"},                              # gc_paused (passes.cse)
     "loop IR": {"base"},
     "lowering": {"base", "loop IR"},
     "scheduling": {"base", "loop IR"},

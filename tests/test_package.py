@@ -110,8 +110,7 @@ def test_import_kiln_warns_once_for_an_unsupported_torch():
                 "warnings.simplefilter('always')\n"
                 "torch.__version__ = '2.10.0'\n"   # torch's, in this child process only
                 "import kiln\n"
-                "import kiln\n"
-                "assert kiln.compat.TORCH_VERSION == (2, 10)\n")
+                "import kiln\n")
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stderr.count("kiln supports torch>=2.11,<2.15") == 1, r.stderr
 

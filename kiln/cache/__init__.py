@@ -1,45 +1,32 @@
 """The compile cache: graphs compiled by one process, reused by the next.
 
-``open_graph`` decides whether a Dynamo graph may use the cache and computes its key
-(``key.graph_key``: the code of the graph and of its subgraphs, the identity of what it calls
-(``identity``), its inputs, the global state and options that change a trace; a graph calling something
-without an identity across processes, or compiled with a custom pass without ``uuid()``, bypasses the
-cache, logged). ``Session.load`` returns the compiled callable of a hit: the stored wrappers,
-kernels and C++ libraries loaded (``serial``), AOTAutograd's runtime wrappers put back together
-(``aot``), the stored shape guards checked and added to Dynamo's; tracing, passes, partitioning and
-code generation are skipped. On a miss the pipeline compiles as usual; kiln's compilers hand their
-results to ``Session.recorder`` and ``Session.save`` writes the entry once the graph is complete (a
-training graph when its backward compiles, at its first ``backward()``). Entries live in ``store``'s
-directory (``cache_dir``, ``KILN_CACHE_DIR``; by default ``graphs/`` in the user's cache directory),
-authenticated with the directory's key; a directory that is not private or takes no file turns the cache
-off with one warning naming the option (``status`` says why), and so does an entry that cannot be written;
-``kiln cache info|clear`` reads and empties it.
+``open_graph`` decides whether a Dynamo graph may use the cache and computes its key. ``Session.load``
+returns the compiled callable of a hit: its wrappers, kernels and C++ libraries loaded (``serial``),
+AOTAutograd's runtime wrappers rebuilt (``rebuild``), the stored shape guards checked and added to
+Dynamo's; nothing is traced or generated. On a miss the session stores the compiled graphs once complete (a
+training graph at its first ``backward()``) in ``store``'s directory, signed; a directory that is not
+private, or an entry that cannot be written, turns the cache off with one warning naming the option. An
+entry also keeps what its compile showed (``debug.Record``); a hit replays it when anything inspects.
 
-An entry also keeps what its compile showed (``debug.Record``: each stage's graph, the remat decisions, the
-kernel plans, kernels and wrappers, compressed); a hit replays it to the channels a compile uses (the kiln
-log, ``output_code``, KILN_DEBUG, KILN_DUMP, TORCH_TRACE, ``kiln.explain``) when any of them is on, under a
-header naming the entry, and does not even decompress it otherwise.
-
-Counters (``kiln.counters['cache']``): ``hit``, ``miss``, ``saved``, ``bypass`` (not cacheable),
-``off`` (the directory is refused or read-only),
-``damaged`` (an entry failed its check and was deleted), ``guard_miss`` (stored for other shapes),
-``load_failed`` (an entry that did not load: compiled again), ``write_failed`` (an entry not written),
-``replayed`` (a hit that showed its compile's output: something inspects).
+Counters (``kiln.counters['cache']``): ``hit``, ``miss``, ``saved``, ``bypass`` (not cacheable), ``off``
+(the directory refused), ``damaged`` (an entry failed its check and was deleted), ``guard_miss`` (stored
+for other shapes), ``load_failed``, ``write_failed``, ``replayed`` (a hit that showed its compile's output).
 """
 from __future__ import annotations
 
 import pickle
+import threading
 
 import torch
 
-from kiln.cache import aot, identity, key, serial, store
+from kiln import compat
+from kiln.cache import identity, key, serial, store
 from kiln.debug import Record, counters, inspecting, log
 from kiln.runtime import private
 
 
 def status(opts):
-    """``(directory, reason)``: the cache's directory (checked, made when missing) and '' when it is in
-    use, else why the cache is off (``cache=False``, a directory refused or read-only)."""
+    """``(directory, reason)``: the cache's directory (checked, made) and why the cache is off ('' when on)."""
     path = opts.cache_dir or store.default_dir()
     try:
         path = store.directory(opts.cache_dir)
@@ -72,16 +59,13 @@ def open_graph(gm, inputs, opts, options_key: str, target: str, frozen: bool = F
     return Session(root, key.graph_key(gm, inputs, opts, options_key, target, ident), opts, inputs)
 
 
-def _backed_symints(inputs) -> list:
-    return [x for x in inputs if isinstance(x, torch.SymInt) and getattr(x.node, "hint", None) is not None]
-
-
 class Session:
     def __init__(self, root: str, k: str, opts, inputs):
         # the SymInts only: a session lives as long as the compiled function (its lazy backward compile
         # records into it), and the example tensors are a first call's real values (a logits input)
-        self.root, self.key, self.opts, self.symints = root, k, opts, _backed_symints(inputs)
-        self.recorder = aot.Recorder(self._guards_expr)
+        self.root, self.key, self.opts = root, k, opts
+        self.symints = [x for x in inputs if isinstance(x, torch.SymInt) and getattr(x.node, "hint", None) is not None]
+        self.recorder = Recorder(self._guards_expr)
         self.record = Record()   # what the compile shows, for a later hit to replay
 
     def _guards_expr(self):
@@ -94,12 +78,12 @@ class Session:
         return env.produce_guards_expression(placeholders=symints, guards=guards)
 
     def load(self, trace=None):
-        """The compiled callable of a hit, else None (a miss: compile, and ``save``). ``trace``: the
-        compile's ``debug.Trace``; a hit replays to it what the compile that stored the entry showed, a miss
-        records into it what this compile shows."""
+        """The compiled callable of a hit (replaying what its compile showed to ``trace``), else None."""
         fn, shown = self._load()
-        if trace is not None and fn is None:
-            trace.record = self.record
+        if fn is None:
+            counters["cache"]["miss"] += 1
+            if trace is not None:
+                trace.record = self.record
         elif trace is not None and shown is not None and inspecting(trace):
             counters["cache"]["replayed"] += 1
             try:
@@ -109,13 +93,12 @@ class Session:
         return fn
 
     def _load(self):
-        """(the compiled callable, the stored ``Record``'s bytes) of a hit, else (None, None)."""
+        """(the compiled callable, the stored ``Record``'s bytes) of a hit, else (None, None): a miss."""
         payload, why = store.read(self.root, self.key)
         if payload is None:
             if why != "missing":
                 counters["cache"]["damaged"] += 1
                 log(1, f"cache: entry {self.key} was damaged ({why}); deleted, compiling again")
-            counters["cache"]["miss"] += 1
             return None, None
         try:
             entry = pickle.loads(payload)
@@ -124,16 +107,14 @@ class Session:
                 env = symints[0].node.shape_env
                 if not env.evaluate_guards_expression(entry["guards"], [s.node.hint for s in symints]):
                     counters["cache"]["guard_miss"] += 1
-                    counters["cache"]["miss"] += 1
                     log(2, f"cache: entry {self.key} holds other shapes")
                     return None, None
             parts = {k: serial.unpack(v, self.opts) for k, v in entry["parts"].items()}
-            fn = aot.rebuild(entry, parts.get("forward"), parts.get("backward"), parts.get("inference"))
+            fn = rebuild(entry, parts.get("forward"), parts.get("backward"), parts.get("inference"))
             if entry["guards"] is not None:   # the same guards as a compile would add, now in Dynamo's
                 env.evaluate_guards_expression(entry["guards"], symints)
         except Exception as e:   # noqa: BLE001  (a stale or foreign entry: compile as without the cache)
             counters["cache"]["load_failed"] += 1
-            counters["cache"]["miss"] += 1
             log(1, f"cache: entry {self.key} did not load ({type(e).__name__}: {e}); compiling again")
             return None, None
         counters["cache"]["hit"] += 1
@@ -146,8 +127,7 @@ class Session:
         self.save()
 
     def add(self, kind: str, compiled, units=()) -> None:
-        """A compiled graph of this miss (``kind``: forward, backward, inference); saves the entry
-        once it is complete and AOTAutograd is done (``traced``)."""
+        """A compiled graph of this miss (``kind``: forward, backward, inference); saves when complete."""
         try:
             self.recorder.add(kind, serial.pack(compiled, units))
         except serial.NotCacheable as e:
@@ -187,3 +167,72 @@ class Session:
             return
         counters["cache"]["saved"] += 1
         log(2, f"cache: saved {self.key} ({len(payload)} bytes)")
+
+
+# -- what AOTAutograd knows about a compiled graph --------------------------------------------------------
+# AOTAutograd wraps the compiled graphs in runtime wrappers (an ``autograd.Function`` saving what the
+# backward needs, the replay of input mutations and aliased outputs), built from its ``ViewAndMutationMeta``
+# and a few counts: ``Recorder`` collects them on a miss; a hit runs the same post-compile steps on the stored
+# graphs (``compat.aot_runtime_wrappers`` hides the differences between torch releases).
+class Recorder:
+    """Collects a miss's parts; ``entry()``: what the cache stores, once they are all there."""
+
+    def __init__(self, guards_expr_fn):
+        self.parts, self.counts, self.meta, self.guards_expr_fn = {}, {}, None, guards_expr_fn
+        self.lock = threading.Lock()
+        self.failed = ""   # why this graph cannot be stored
+        self.closed = False   # stored, or given up
+        self.traced = False   # AOTAutograd has returned (its metadata made runtime-safe)
+
+    def metadata(self):
+        """Take the metadata AOTAutograd set for the graph being compiled (that its wrappers use)."""
+        ctx = torch._guards.TracingContext.try_get()
+        self.meta = getattr(ctx, "fw_metadata", None)
+        if self.meta is None:
+            self.failed = "no AOTAutograd metadata in the tracing context"
+
+    def forward_graph(self, gm, n_user: int) -> None:
+        """The forward's saved values, counted as AOTAutograd does (before kiln lowers the graph)."""
+        saved = list(gm.graph.output_node().args[0])[n_user:]
+        self.counts["n_saved"] = len(saved)
+        self.counts["n_symints"] = sum(1 for o in saved if isinstance(getattr(o, "meta", {}).get("val"),
+                                                                   (torch.SymInt, torch.SymFloat, torch.SymBool)))
+
+    def backward_graph(self, gm) -> None:
+        """Inputs AOTAutograd detaches: non-leaf inputs that require grad and get no gradient."""
+        from torch._functorch._aot_autograd.schemas import MutationType
+        info = self.meta.input_info if self.meta is not None else []
+        self.counts["detach"] = [
+            i for i, (o, inp) in enumerate(zip(gm.graph.output_node().args[0], info))
+            if o is None and inp.requires_grad and not inp.is_leaf and not (
+                getattr(inp, "mutation_type", None) == MutationType.MUTATED_IN_GRAPH
+                and getattr(inp, "mutates_storage_metadata", False))]
+
+    def add(self, kind: str, part) -> None:
+        with self.lock:
+            self.parts[kind] = part
+
+    def entry(self):
+        """The entry to store, or None while parts are missing or when the graph cannot be stored."""
+        kinds = set(self.parts)
+        if self.failed or self.meta is None or not (kinds == {"inference"} or kinds == {"forward", "backward"}):
+            return None
+        try:
+            expr = self.guards_expr_fn()
+        except Exception as e:   # noqa: BLE001  (a guard torch cannot print)
+            self.failed = f"guards: {type(e).__name__}: {e}"
+            return None
+        return {"parts": dict(self.parts), "meta": self.meta, "counts": dict(self.counts), "guards": expr}
+
+
+def rebuild(entry: dict, forward, backward, inference):
+    """The (non-boxed) callable AOTAutograd would have returned, from ``entry`` and the loaded graphs."""
+    counts, training = entry["counts"], inference is None
+    fn = compat.aot_runtime_wrappers(
+        forward if training else inference, backward if training else None, entry["meta"],
+        n_saved=counts.get("n_saved"), n_symints=counts.get("n_symints", 0), detach=counts.get("detach", []))
+
+    def forward_call(*args):
+        return fn(list(args))
+    log(2, f"cache: rebuilt AOTAutograd's wrappers ({'training' if training else 'inference'})")
+    return torch._dynamo.disable(forward_call, reason="kiln: a graph loaded from the compile cache")

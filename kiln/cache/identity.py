@@ -1,22 +1,11 @@
 """What the compile cache knows a Dynamo graph by: the code of all its subgraphs and the identity of every
-Python callable and custom operator it calls, the same text in every process that traces the same program.
-
-Dynamo's top-level code names subgraphs (``cond_true_0``, ``body_fn_0``, ``wrap_body_0``, ``fwd_body_0``)
-and user functions (an ``allow_in_graph`` one) without their bodies; ``graph_identity`` adds them:
-
-- every GraphModule in the graph, recursively: its code, and the Python objects its metadata holds that
-  change tracing (a selective checkpoint's ``context_fn``); other submodules by type, mode and repr;
-- torch's operators, higher-order operators and functions, Python's builtins and standard library: their
-  names (torch's and Python's versions are in the key); a user's Triton kernel by Triton's own cache key;
-- a Python function: its code objects (bytecode, constants, names), defaults, closure values and the
-  globals it reads, recursively (a helper in another module included), a class by its methods;
-- a custom operator (a namespace of its own): what tracing runs of it, the Python functions registered
-  through ``torch.library`` (fake kernel, autograd formula and context, vmap and dispatch rules, autocast);
-- a value: a plain constant by its repr, a small tensor by its bytes, an object by its ``uuid()``.
-
-What has no identity that holds across processes (an object without ``uuid()``, a large tensor, a Python
-kernel registered with ``Library.impl`` for a key that tracing runs, which Python cannot read back)
-raises ``Unkeyable``: the graph then compiles without the cache, with the reason logged.
+Python callable and custom operator it calls, the same text in every process that traces the same program
+(Dynamo's top-level code names subgraphs and user functions without their bodies). torch's and Python's
+own objects go by name (their versions are in the key); a user's function by its code, defaults, closure
+and the globals it reads, recursively; a custom operator by the Python functions ``torch.library`` holds
+for it; a value by its repr, a small tensor by its bytes, an object by its ``uuid()``. What has no
+identity across processes (an object without ``uuid()``, a large tensor, a ``Library.impl`` kernel, which
+Python cannot read back) raises ``Unkeyable``: the graph compiles without the cache, the reason logged.
 """
 from __future__ import annotations
 
@@ -134,10 +123,8 @@ class _Ids:
                 out.append(f"{node.name}: {self.value(obj, node.target)}")
         leaves = []
         torch.fx.node.map_aggregate((node.args, node.kwargs), leaves.append)
-        for a in leaves:
-            if not isinstance(a, (torch.fx.Node,) + _SCALARS) and not isinstance(a, (slice, range)):
-                out.append(f"{node.name} arg: {self.value(a, node.name)}")
-        return out
+        return out + [f"{node.name} arg: {self.value(a, node.name)}" for a in leaves
+                      if not isinstance(a, (torch.fx.Node, slice, range) + _SCALARS)]
 
     def _user_triton(self, node) -> str:
         from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
@@ -148,6 +135,9 @@ class _Ids:
     def value(self, v, where: str, depth: int = 0) -> str:
         if depth > 12:
             raise Unkeyable(f"{where}: objects nested too deeply to key")
+
+        def sub(x):
+            return self.value(x, where, depth + 1)
         if isinstance(v, _SCALARS) or isinstance(v, (slice, range)):
             return repr(v)
         if isinstance(v, enum.Enum) or hasattr(type(v), "__members__") and _library(type(v).__module__):
@@ -157,12 +147,11 @@ class _Ids:
         if isinstance(v, torch.Size):
             return repr(tuple(v))
         if isinstance(v, (tuple, list)):
-            return type(v).__name__ + "(" + ",".join(self.value(x, where, depth + 1) for x in v) + ")"
+            return type(v).__name__ + "(" + ",".join(sub(x) for x in v) + ")"
         if isinstance(v, (set, frozenset)):
-            return "{" + ",".join(sorted(self.value(x, where, depth + 1) for x in v)) + "}"
+            return "{" + ",".join(sorted(sub(x) for x in v)) + "}"
         if isinstance(v, dict):
-            return "{" + ",".join(sorted(f"{self.value(k, where, depth + 1)}:{self.value(x, where, depth + 1)}"
-                                         for k, x in v.items())) + "}"
+            return "{" + ",".join(sorted(f"{sub(k)}:{sub(x)}" for k, x in v.items())) + "}"
         if isinstance(v, torch._ops.OpOverload):
             return self.op(v)
         if isinstance(v, torch._ops.OpOverloadPacket):
@@ -181,23 +170,21 @@ class _Ids:
         if isinstance(v, types.FunctionType):
             return self.function(v, depth)
         if isinstance(v, types.MethodType):
-            return f"method {self.value(v.__func__, where, depth + 1)} of {self.value(v.__self__, where, depth + 1)}"
+            return f"method {sub(v.__func__)} of {sub(v.__self__)}"
         if isinstance(v, functools.partial):
-            return (f"partial({self.value(v.func, where, depth + 1)},{self.value(v.args, where, depth + 1)},"
-                    f"{self.value(v.keywords, where, depth + 1)})")
+            return f"partial({sub(v.func)},{sub(v.args)},{sub(v.keywords)})"
         if isinstance(v, (staticmethod, classmethod)):
-            return f"{type(v).__name__}({self.value(v.__func__, where, depth + 1)})"
+            return f"{type(v).__name__}({sub(v.__func__)})"
         if isinstance(v, property):
-            return f"property({self.value(v.fget, where, depth + 1)})"
+            return f"property({sub(v.fget)})"
         if isinstance(v, type):
             return self.klass(v, depth)
         if type(v).__name__ in ("JITFunction", "Autotuner", "Heuristics") and _library(type(v).__module__):
             return self.triton(v, where, depth)
-        if callable(v) and not hasattr(v, "__dict__") and _library(getattr(v, "__module__", None) or
-                                                                   type(v).__module__):
+        if callable(v) and not hasattr(v, "__dict__") and _library(getattr(v, "__module__", None) or type(v).__module__):
             return f"builtin:{_name(v)}"   # a C function, a method descriptor
         if dataclasses.is_dataclass(v) and _library(type(v).__module__):   # a pytree spec, a config
-            return f"{_name(type(v))}({self.value(dataclasses.asdict(v), where, depth + 1)})"
+            return f"{_name(type(v))}({sub(dataclasses.asdict(v))})"
         raise Unkeyable(f"{where} uses a {type(v).__module__}.{type(v).__qualname__} object, which has no identity "
                         f"that holds across processes (give it a uuid() method returning a string that "
                         f"changes when its behaviour does)")
@@ -212,14 +199,19 @@ class _Ids:
         return (f"tensor({t.dtype},{tuple(t.shape)},{t.stride()},{t.device.type},{t.requires_grad},"
                 f"{hashlib.sha256(data).hexdigest()[:24]})")
 
+    def _hashed(self, obj, prefix: str, parts) -> str:
+        """``prefix`` and a hash of ``parts(where)``, once per object (met again while in progress: its name)."""
+        key = id(obj)
+        if key not in self.done:
+            self.done[key] = "..."
+            self.done[key] = prefix + hashlib.sha256("|".join(parts(_name(obj))).encode()).hexdigest()[:24]
+        return self.done[key] if self.done[key] != "..." else f"recursive:{_name(obj)}"
+
     def function(self, fn: types.FunctionType, depth: int) -> str:
-        if _library(fn.__module__):
-            return f"fn:{_name(fn)}"
-        key = id(fn)
-        if key in self.done:
-            return self.done[key] if self.done[key] != "..." else f"recursive:{_name(fn)}"
-        self.done[key] = "..."
-        where = _name(fn)
+        return f"fn:{_name(fn)}" if _library(fn.__module__) else \
+            self._hashed(fn, "fn:", lambda where: self._function_parts(fn, where, depth))
+
+    def _function_parts(self, fn, where: str, depth: int) -> list:
         parts = [where, _code(fn.__code__), self.value(fn.__defaults__, where, depth + 1),
                  self.value(fn.__kwdefaults__, where, depth + 1)]
         for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
@@ -229,36 +221,26 @@ class _Ids:
                 parts.append(f"{name}=<empty>")
         names, attrs = set(), set()
         _reads(fn.__code__, names, attrs)
-        g = fn.__globals__
-        for name in sorted(names):
-            if name in g:
-                obj = g[name]
-                parts.append(f"{name}={self.value(obj, f'{where} (global {name})', depth + 1)}")
-                if isinstance(obj, types.ModuleType) and not _library(obj.__name__):
-                    for a in sorted(attrs):   # a helper read from a module of the user's
-                        if hasattr(obj, a):
-                            parts.append(f"{name}.{a}={self.value(getattr(obj, a), f'{name}.{a}', depth + 1)}")
-        out = "fn:" + hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
-        self.done[key] = out
-        return out
+        for name in sorted(n for n in names if n in fn.__globals__):
+            obj = fn.__globals__[name]
+            parts.append(f"{name}={self.value(obj, f'{where} (global {name})', depth + 1)}")
+            if isinstance(obj, types.ModuleType) and not _library(obj.__name__):
+                parts += [f"{name}.{a}={self.value(getattr(obj, a), f'{name}.{a}', depth + 1)}"
+                          for a in sorted(attrs) if hasattr(obj, a)]   # a helper read from a module of the user's
+        return parts
 
     def klass(self, cls: type, depth: int) -> str:
         if _library(cls.__module__):
             return f"class:{_name(cls)}"
-        key = id(cls)
-        if key in self.done:
-            return self.done[key] if self.done[key] != "..." else f"recursive:{_name(cls)}"
-        self.done[key] = "..."
-        where = _name(cls)
-        parts = [where] + [self.value(b, where, depth + 1) for b in cls.__bases__]
-        for k, v in sorted(vars(cls).items()):
-            code = isinstance(v, (types.FunctionType, staticmethod, classmethod, property))
-            if k.startswith("__") and k.endswith("__") and not code or k == "_abc_impl":
-                continue   # what Python fills in: annotations, the module's name, slots
-            parts.append(f"{k}={self.value(v, f'{where}.{k}', depth + 1)}")
-        out = "class:" + hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
-        self.done[key] = out
-        return out
+
+        def parts(where):
+            out = [where] + [self.value(b, where, depth + 1) for b in cls.__bases__]
+            for k, v in sorted(vars(cls).items()):
+                code = isinstance(v, (types.FunctionType, staticmethod, classmethod, property))
+                if not (k.startswith("__") and k.endswith("__") and not code or k == "_abc_impl"):
+                    out.append(f"{k}={self.value(v, f'{where}.{k}', depth + 1)}")   # not what Python fills in
+            return out
+        return self._hashed(cls, "class:", parts)
 
     def triton(self, k, where: str, depth: int) -> str:
         if type(k).__name__ == "JITFunction":

@@ -1,26 +1,13 @@
-"""The compile cache's key: everything a compiled graph depends on, hashed.
-
-- the graph: the code of Dynamo's GraphModule (its node names come from the user's source, so they are
-  the same in every process) with the code of its subgraphs and the identity of the Python functions
-  and custom operators it calls (``identity.graph_identity``) and, per input, its kind, dtype, device,
-  sizes and strides (symbols by name under dynamic shapes), storage offset, conjugate and negative bits,
-  view and inference flags and whether it requires grad;
-- the state a trace reads (``_state``): grad mode, autocast, deterministic algorithms (and their
-  warn-only and fill settings), the default dtype and device, matmul precision and the
-  ``torch.backends`` flags that change numerics or the kernels picked, AOTAutograd's configuration;
-- the options that change what a compile produces (``Options.cache_key``) with the passes registered
-  through ``kiln.passes.register`` (by their uuid()), and the resolved target's share
-  (``Target.cache_key``: for C++ kernels the compiler and the host's CPU flags);
-- the versions: kiln's own source (a hash of its files, so an edited checkout misses), torch, Triton,
-  Python; the CUDA device's name and capability for CUDA graphs.
-
-``bypass`` says why a graph is not cached at all (the cache stores no AOTAutograd wrappers for input
-subclasses, aliased inputs or module-held parameters; freezing and CUDA graphs keep process state; a
-custom pass or callable option without ``uuid()`` could change behind the same name, as Inductor's rule
-has it; ``identity.Unkeyable``: the graph calls something without an identity across processes).
+"""The compile cache's key: everything a compiled graph depends on, hashed (``graph_key``): Dynamo's code and
+``identity.graph_identity``, the inputs' metadata, the global state a trace reads (``_state``), the options
+and registered passes, the target's share (``Target.cache_key``), the versions (kiln's own source included: an edited checkout misses).
+``bypass`` says why a graph is not cached at all (no stored AOTAutograd wrappers for input subclasses,
+aliased inputs or module-held parameters; freezing and CUDA graphs keep process state; a custom pass or
+callable option without ``uuid()`` could change behind the same name, as Inductor's rule has it).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -38,7 +25,6 @@ KILN_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @functools.lru_cache(maxsize=None)
 def kiln_source_hash() -> str:
-    """A hash of every kiln source file: a checkout that changed compiles afresh."""
     root, h = KILN_ROOT, hashlib.sha256()
     for d, dirs, files in sorted(os.walk(root)):
         dirs.sort()
@@ -86,12 +72,7 @@ def _flags() -> list:
              "cudnn.benchmark", "cudnn.fp32_precision", "cudnn.conv.fp32_precision", "cudnn.rnn.fp32_precision",
              "mkldnn.enabled", "mkldnn.fp32_precision", "mkldnn.matmul.fp32_precision",
              "mkldnn.conv.fp32_precision", "fp32_precision", "opt_einsum.enabled", "opt_einsum.strategy"]
-    out = []
-    for name in names:
-        obj = b
-        for part in name.split("."):
-            obj = getattr(obj, part, None)
-        out.append(f"{name}={obj}")
+    out = [f"{name}={functools.reduce(lambda o, a: getattr(o, a, None), name.split('.'), b)}" for name in names]
     for sdp in ("flash", "mem_efficient", "math", "cudnn"):
         fn = getattr(b.cuda, f"{sdp}_sdp_enabled", None)
         out.append(f"sdp.{sdp}={fn() if fn is not None else None}")
@@ -102,11 +83,9 @@ def _state() -> str:
     """The global state that changes what a trace produces (as Dynamo, AOTAutograd and Inductor key it)."""
     auto = []
     for dev in ("cpu", "cuda", "xpu", "mps"):
-        try:
+        with contextlib.suppress(AttributeError, RuntimeError, TypeError):
             if torch.is_autocast_enabled(dev):
                 auto.append(f"{dev}:{torch.get_autocast_dtype(dev)}")
-        except (AttributeError, RuntimeError, TypeError):
-            pass
     functorch = torch._functorch.config.get_config_copy()
     aot = sorted(f"{k}={v!r}" for k, v in functorch.items()
                  if isinstance(v, (type(None), bool, int, float, str)) and not k.startswith("_"))
@@ -119,9 +98,7 @@ def _state() -> str:
 
 
 def graph_key(gm: torch.fx.GraphModule, inputs, opts, options_key: str, target: str, ident: str = None) -> str:
-    """``options_key``: ``pipeline.cache_key`` (the options and the registered passes); ``target``: the
-    target's ``cache_key()``; ``ident``: the graph's ``identity.graph_identity`` (computed here when None;
-    raises ``identity.Unkeyable``)."""
+    """``options_key``: ``pipeline.cache_key``; ``ident``: ``identity.graph_identity(gm)`` (None: computed here)."""
     ident = identity.graph_identity(gm) if ident is None else ident
     parts = [gm.code, ident, *(_input(x) for x in inputs), _state(), options_key, target, _versions(),
              _devices(inputs)]
@@ -137,24 +114,19 @@ def unkeyed_pass(fn) -> str:
     """Why custom pass (or callable option) ``fn`` cannot key a stored compile ('' when it can): it is
     known by its ``uuid()`` only, as Inductor's rule has it; its source would miss a helper it calls in
     another module, a closure or bound state that differs between processes."""
-    uuid = getattr(fn, "uuid", None)
+    uuid, name = getattr(fn, "uuid", None), getattr(fn, "__qualname__", type(fn).__name__)
     if callable(uuid):
         try:
             value = uuid()
         except Exception as e:   # noqa: BLE001  (the user's method)
-            return f"custom pass {_pass_name(fn)}: uuid() raised {type(e).__name__}: {e}"
-        return "" if value is not None else f"custom pass {_pass_name(fn)}: uuid() returned None"
-    return (f"custom pass {_pass_name(fn)} has no uuid() method (a pass is keyed by its uuid(); give it one "
+            return f"custom pass {name}: uuid() raised {type(e).__name__}: {e}"
+        return "" if value is not None else f"custom pass {name}: uuid() returned None"
+    return (f"custom pass {name} has no uuid() method (a pass is keyed by its uuid(); give it one "
             f"that changes whenever the pass or a helper it calls changes)")
 
 
-def _pass_name(fn) -> str:
-    return getattr(fn, "__qualname__", type(fn).__name__)
-
-
 def bypass(gm: torch.fx.GraphModule, inputs, opts, frozen: bool, registered=()) -> str:
-    """Why this graph is compiled without the cache ('' when it may use it). ``registered``: the
-    passes registered through ``kiln.passes.register`` (a snapshot)."""
+    """Why this graph is compiled without the cache ('' when it may use it)."""
     hooks = [getattr(opts, h) for h in CALLABLE_OPTIONS]
     for fn in [h for h in hooks if callable(h) and not isinstance(h, str)] + [p.fn for p in registered]:
         why = unkeyed_pass(fn)
@@ -169,7 +141,7 @@ def bypass(gm: torch.fx.GraphModule, inputs, opts, frozen: bool, registered=()) 
     seen = {}
     for i, x in enumerate(inputs):
         if isinstance(x, torch.Tensor):
-            if type(x) not in (torch.Tensor, torch.nn.Parameter) and not _is_fake(x):
+            if type(x) not in (torch.Tensor, torch.nn.Parameter) and type(x).__name__ != "FakeTensor":
                 return f"input {i} is a tensor subclass ({type(x).__name__})"
             try:
                 ref = x.untyped_storage()._cdata
@@ -183,7 +155,3 @@ def bypass(gm: torch.fx.GraphModule, inputs, opts, frozen: bool, registered=()) 
     if torch._functorch.config.functionalize_rng_ops:
         return "functionalized random ops"
     return ""
-
-
-def _is_fake(x) -> bool:
-    return type(x).__name__ == "FakeTensor"

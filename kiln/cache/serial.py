@@ -1,14 +1,7 @@
-"""A compiled graph (``runtime.load.Compiled``) as bytes, and back.
-
-What a wrapper needs is its source and its globals. The globals are pickled with a pickler that knows
-kiln's and torch's objects that plain pickle does not: ATen overloads (and the C++ handles the wrapper
-binds in their place) and higher-order ops by their names, kernels by their module text (and the ATen
-graph of their call site's fallback), the ATen fallbacks of declined kernels by their graphs. Functions
-and classes go by reference, GraphModules through their own pickling (their code, not their node
-metadata), small tensors by value. Anything else, a closure or a large constant, makes the graph
-uncacheable (``NotCacheable``): it is compiled every time, as without the cache. The C++ translation
-units a graph's kernels were built from travel with it and are built (or found built) before the
-wrapper loads.
+"""A compiled graph (``runtime.load.Compiled``) as bytes, and back: its wrapper's source and globals, pickled
+with a pickler that knows kiln's and torch's objects (ATen overloads and higher-order ops by name, kernels
+by their module text, fallbacks by their graphs, small tensors by value; anything else, a closure or a
+large constant, raises ``NotCacheable``), and the C++ units its kernels were built from.
 """
 from __future__ import annotations
 
@@ -61,10 +54,6 @@ class StoredFallback(Fallback):
         return self.module.graph
 
 
-def _fallback(data: bytes):
-    return StoredFallback(data)
-
-
 class _Pickler(pickle.Pickler):
     def reducer_override(self, obj):
         if isinstance(obj, torch._ops.OpOverload):
@@ -74,9 +63,9 @@ class _Pickler(pickle.Pickler):
         if isinstance(obj, torch._ops.HigherOrderOperator):
             return _higher_order, (obj.name(),)
         if isinstance(obj, StoredFallback):
-            return _fallback, (obj._data,)
+            return StoredFallback, (obj._data,)
         if isinstance(obj, Fallback):
-            return _fallback, (dumps(obj.module),)
+            return StoredFallback, (dumps(obj.module),)
         if isinstance(obj, torch.Tensor):
             if type(obj) not in (torch.Tensor, torch.nn.Parameter) or obj.device.type == "meta":
                 raise NotCacheable(f"a constant of type {type(obj).__name__} on {obj.device}")

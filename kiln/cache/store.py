@@ -1,20 +1,14 @@
 """The compile cache's directory: entries written atomically, authenticated before they are read.
 
-An entry is one file, ``kiln_<key>.kiln``: a header line (a magic word, the HMAC-SHA256 of the payload
-under the directory's key, ``private.secret``, and its length) and the payload (pickled bytes). ``read``
-returns the payload only when the file is whole and its MAC verifies; a truncated, garbled or foreign
-file (one that no kiln of this user wrote: it could hand this process code) is deleted and reported as a
-miss, so the caller compiles again and writes a good entry. Writers write a private temporary file
-(``kiln_*.tmp``) and rename it over the entry: several processes filling one cache (ranks of one job)
-never see a partial file, and the last rename wins with an equal entry. The directory
-(``$XDG_CACHE_HOME/kiln/graphs`` unless ``cache_dir`` names one) is made with mode 0700 and refused when
-it is another user's, others may write to it or it takes no file (``private.directory``). ``evict``
-keeps it under a size limit, dropping the entries read longest ago first (a hit touches its file's
-modification time); it and ``clear`` delete only files kiln named (``kiln_*.kiln``, ``kiln_*.tmp``), so a
-directory holding other files (``cache_dir=$PWD``) keeps them.
+An entry, ``kiln_<key>.kiln``, is a header line (a magic word, the payload's HMAC-SHA256 under the
+directory's key, its length) and the pickled payload. A truncated, garbled or foreign file (one no kiln of
+this user wrote: it could hand this process code) is deleted and reported as a miss. Writers rename a
+private temporary file over the entry, so processes sharing a cache never see a partial file. ``evict``
+drops the entries read longest ago first; it and ``clear`` delete only files kiln named.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
@@ -27,15 +21,12 @@ CacheDirError = private.DirRefused   # the cache directory cannot be used safely
 
 
 def default_dir() -> str:
-    """``$XDG_CACHE_HOME/kiln/graphs``, else ``~/.cache/kiln/graphs`` (``cache_dir``, ``KILN_CACHE_DIR``
-    override)."""
+    """``$XDG_CACHE_HOME/kiln/graphs``, else ``~/.cache/kiln/graphs``."""
     return private.user_dir("graphs")
 
 
 def directory(path=None) -> str:
-    """The cache directory, made with mode 0700 when missing; raises ``CacheDirError`` when it is not the
-    user's own, others may write to it or it is read-only (``private.directory``), or it cannot be made
-    (a file in its way, a dangling link), each message naming the option. Its key is made or read here too."""
+    """The cache directory (made with mode 0700) and its key; ``CacheDirError`` when refused or not makeable."""
     path = path or default_dir()
     try:
         root = private.directory(path, HOW)
@@ -60,8 +51,7 @@ def write(root: str, key: str, payload: bytes) -> str:
 
 
 def read(root: str, key: str):
-    """(payload, None) for a whole entry; (None, reason) for a missing one (reason "missing") or a
-    damaged one (deleted here, reason says what was wrong)."""
+    """(payload, None) for a whole entry, else (None, "missing" or what was wrong: the entry is deleted)."""
     path = entry_path(root, key)
     try:
         data = private.read(path)
@@ -81,42 +71,27 @@ def read(root: str, key: str):
     if why is not None:
         private.remove(path)
         return None, why
-    touch(path)
+    with contextlib.suppress(OSError):
+        os.utime(path)   # read now: evicted last
     return payload, None
-
-
-def touch(path: str) -> None:
-    try:
-        os.utime(path)
-    except OSError:
-        pass
 
 
 def entries(root: str) -> list:
     """[(path, size, mtime)] of the entries, oldest first."""
     out = []
-    try:
-        names = os.listdir(root)
-    except FileNotFoundError:
-        return out
-    for name in names:
-        if not (name.startswith(private.PREFIX) and name.endswith(SUFFIX)):
-            continue
-        try:
-            st = os.stat(os.path.join(root, name))
-        except FileNotFoundError:
-            continue
-        out.append((os.path.join(root, name), st.st_size, st.st_mtime))
-    out.sort(key=lambda e: e[2])
-    return out
+    for name in os.listdir(root) if os.path.isdir(root) else ():
+        if name.startswith(private.PREFIX) and name.endswith(SUFFIX):
+            with contextlib.suppress(FileNotFoundError):
+                st = os.stat(os.path.join(root, name))
+                out.append((os.path.join(root, name), st.st_size, st.st_mtime))
+    return sorted(out, key=lambda e: e[2])
 
 
 _EVICT_LOCK = threading.Lock()
 
 
 def evict(root: str, limit_bytes: int) -> int:
-    """Delete the oldest entries until the rest fit in ``limit_bytes``; also kiln's stale temporary files
-    (an hour old: a writer that died). Returns how many entries went."""
+    """Delete the oldest entries until the rest fit in ``limit_bytes``, and stale temporary files."""
     with _EVICT_LOCK:
         private.remove_stale(root)
         found = entries(root)

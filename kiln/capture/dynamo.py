@@ -1,7 +1,5 @@
-"""The ``torch.compile`` backend named "kiln".
-
-``torch.compile(model, backend="kiln")`` finds it through the ``torch_dynamo_backends`` entry point,
-so users never import kiln first. Dynamo calls it as ``backend(gm, example_inputs, options=..., mode=...)``.
+"""The ``torch.compile`` backend named "kiln" (found through the ``torch_dynamo_backends`` entry point, so users
+never import kiln first); Dynamo calls it as ``backend(gm, example_inputs, options=..., mode=...)``.
 """
 from __future__ import annotations
 
@@ -9,10 +7,8 @@ from kiln.options import OptionError, Options, current
 
 
 def backend(gm, example_inputs, options=None, mode=None, **unused):
-    """Compile one Dynamo graph with the options in scope, overridden by ``torch.compile(options=...)``.
-
-    torch.compile hands a string backend its options only here, at the first graph (torch 2.13 calls no
-    backend code when ``torch.compile`` runs), so their check names where they came from."""
+    """Compile one Dynamo graph with the options in scope, overridden by ``torch.compile(options=...)``:
+    torch hands a string backend its options only here, at the first graph, so their check names them."""
     extra = dict(options or {})
     try:
         Options().replace(**extra)
@@ -25,8 +21,7 @@ def backend(gm, example_inputs, options=None, mode=None, **unused):
 
 
 class Bound:
-    """kiln's backend with options bound (what ``kiln.compile`` hands torch.compile), named ``kiln`` in
-    Dynamo's messages ("backend='kiln' raised: ...")."""
+    """kiln's backend with options bound (``kiln.compile``), named ``kiln`` in Dynamo's messages."""
 
     def __init__(self, options: dict):
         self.options, self.__name__ = dict(options), "kiln"
@@ -39,8 +34,7 @@ class Bound:
 
 
 def register() -> None:
-    """Register "kiln" with Dynamo. Where kiln's entry point is installed and Dynamo is not imported yet,
-    Dynamo finds kiln there at its first lookup, so ``import kiln`` need not import Dynamo (a second)."""
+    """Register "kiln" with Dynamo, unless its entry point will (``import kiln`` need not import Dynamo)."""
     import sys
     from importlib.metadata import entry_points
     if "torch._dynamo" not in sys.modules and entry_points(group="torch_dynamo_backends", name="kiln"):

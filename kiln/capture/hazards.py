@@ -1,13 +1,12 @@
 """Dynamo graphs that torch's own capture gets wrong: kiln runs them as eager does.
 
-AOTAutograd functionalizes a write through a view by writing the mutated view back into its base with the
-view's inverse. For ``unfold`` that inverse is ``unfold_backward``, a gradient formula: it zeroes the
-elements no window covers (step > size) instead of keeping them, so ``x.unfold(0, 1, 2).diagonal().mul_(3)``
-zeroes every other row of ``x`` (torch 2.11 and 2.13, ``backend="aot_eager"`` alike; fuzz seed 10 #4399).
-
-Writes into a graph input that shares its memory with another input take AOTAutograd's "synthetic base"
-path, which returned outputs of the wrong shape (``a0.sub_(a1)`` returned beside ``a0[::2]``: a flat
-``int64[100]`` for ``[2, 5, 5, 2]``, fuzz seed 13 #3204) and read a stale overlapping input (seed 13 #603).
+AOTAutograd functionalizes a write through a view by writing the view back into its base with the view's
+inverse; for ``unfold`` that is ``unfold_backward``, a gradient formula that zeroes the elements no window
+covers (step > size), so ``x.unfold(0, 1, 2).diagonal().mul_(3)`` zeroes every other row of ``x`` (torch 2.11
+and 2.13, ``backend="aot_eager"`` alike; fuzz seed 10 #4399). Writes into an input that shares memory with
+another take AOTAutograd's "synthetic base" path, which returned outputs of the wrong shape (``a0.sub_(a1)``
+beside ``a0[::2]``: a flat ``int64[100]`` for ``[2, 5, 5, 2]``, seed 13 #3204) and read a stale
+overlapping input (seed 13 #603).
 """
 from __future__ import annotations
 
@@ -28,21 +27,14 @@ _INPLACE_OPS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, 
 
 
 def _name(n: fx.Node) -> str:
-    if n.op == "call_method":
-        return n.target
-    if n.op == "call_function":
-        return getattr(n.target, "__name__", "")
-    return ""
+    return n.target if n.op == "call_method" else getattr(n.target, "__name__", "") if n.op == "call_function" else ""
 
 
 def _writes(n: fx.Node) -> bool:
     """Whether ``n`` writes into its first argument."""
-    if n.op == "call_function" and n.target in _INPLACE_OPS:
-        return True
     name = _name(n)
-    if name.endswith("_") and not name.endswith("__") and name != "requires_grad_":
-        return True
-    return n.kwargs.get("inplace") is True or "out" in n.kwargs
+    return (n.op == "call_function" and n.target in _INPLACE_OPS or n.kwargs.get("inplace") is True
+            or "out" in n.kwargs or name.endswith("_") and not name.endswith("__") and name != "requires_grad_")
 
 
 def upstream_hazard(gm: fx.GraphModule, example_inputs=()) -> str:

@@ -1,32 +1,38 @@
 """``activation_memory_budget``: trade recomputation for saved bytes (PyTorch's semantics).
 
-- 1: the runtime-optimal cut (``mincut.RUNTIME_OPTIMAL``, or the plain partition when that saves fewer
-  bytes); its activation bytes are ``max``.
+- 1: the runtime-optimal cut (or the plain partition when that saves fewer bytes); its activation bytes
+  (saved tensors that are not graph inputs) are ``max``.
 - 0: save only inputs (and what can never be recomputed: random and mutating ops).
-- b in between: accept the first of the "more aggressive" and "aggressive" cuts whose activation bytes
-  are at most ``b * max`` (activation bytes = saved tensors that are not graph inputs, so ``min`` = 0).
-  Otherwise solve a 0/1 knapsack over the compute-heavy ops the aggressive cut saves: keep the set with
-  the largest estimated runtime whose bytes fit in ``b * max``, let the others be recomputed, and cut
-  again. The knapsack is solved exactly (a dynamic program up to ``opts.tuning.knapsack_dp_cells``,
-  else scipy.optimize.milp / HiGHS on integer weights, checked).
+- b in between: the first of the "more aggressive" and "aggressive" cuts whose activation bytes are at
+  most ``b * max``; otherwise a 0/1 knapsack over the compute-heavy ops the aggressive cut saves keeps the
+  set of largest estimated runtime that fits, and the cut is made again with the others recomputable.
+  The knapsack is exact: a dynamic program up to ``tuning.knapsack_dp_cells``, else HiGHS, checked.
 
-hold.py adds the backward's hold set to these saved sets; limit.py searches budgets for
-``activation_memory_limit``.
+Monotone: the knapsack is exact, ties to more bytes, so kept bytes never fall as the budget rises
+(tests/partition/test_budget_property.py). The modelled peak cannot be monotone while the budget fixes which
+matmuls are saved: on seed 001's uneven chain the only plan saving 8 of 50 units models a higher forward
+peak than the best plan saving 19 (``test_seed_budgets_rule_out_a_monotone_peak``).
 
-What is monotone in the budget. The knapsack is exact and its ties go to more bytes, so the set kept
-at a larger capacity is worth at least as much, and when it is worth more it weighs more (a lighter
-one would have fitted the smaller capacity too): kept bytes never fall as the budget rises, and the
-saved bytes follow them when recomputing a matmul needs no value the backward does not read anyway
-(seed 001's chains; a linear layer's input). A backward hold (hold.py) adds to the saved set, never
-replaces it. tests/partition/test_budget_property.py checks this on random chains in random node
-orders. The modelled activation peak is not monotone, and cannot be while the budget fixes which
-matmuls are saved: on seed 001's own uneven chain the only plan saving 8 of 50 units models a higher
-forward peak than the best plan saving 19 (``test_seed_budgets_rule_out_a_monotone_peak``). Forcing
-it (a budget whose plan models more than the next larger budget's takes a plan of a lower budget)
-would save less than the knapsack's optimum, which the seed's exact sums forbid.
+The hold set (``plan_for_budget``) keeps the activation peak from rising as the budget falls (issue #5). Below
+budget 1 the backward recomputes each value just before its first use (``extract.lazy_order``). In a
+layered model without the residual stream saved, the loss needs every layer recomputed first: the whole
+forward reruns at the start of the backward and its values stay alive until their backward use, about
+what the plain partition saves. On the built-in GPT ('cpu' size, ATen, ``kiln_bench.livemem``) the peak
+went 11.27 MiB at budget 1.0 -> 9.25 at 0.1 -> 12.30 at 0.0, as ``peak.model_peak`` predicted.
+
+The fix: the forward still saves exactly the budget's set ``S_b``, but the backward may first rerun the
+forward from ``S_b`` to rebuild a hold set ``H`` (phase 1, whose other values die with it), then run as the
+backward of a partition that saved ``H`` and ``S_b`` (phase 2, ``extract.hold_steps``). Candidates for ``H``
+are the saved sets of the higher budgets 0.1, ..., 1.0; the plan keeps the one (or none) of lowest modelled
+peak, ties to fewer recompute FLOPs. Phase 2 reads ``S_b`` too: ``extract`` saves only what the backward
+reads, and with ``H`` alone a hold from a budget whose knapsack kept other matmuls made the forward drop
+saved values (seed 001's uneven chain saved 3 units at budget 19/50 and 8 at 8/50). The search runs only
+when the plain plan's modelled peak is not below budget 1's (whose saved bytes bound it from below, so
+the check usually costs no peak model); tests/partition/test_monotone.py measures the curve.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from functools import reduce
 from typing import Dict, List, Sequence
@@ -37,24 +43,23 @@ import torch.fx as fx
 from kiln.debug import counters, log, wanted
 from kiln.options import current, UserError
 from kiln.partition import ops
-from kiln.partition.decisions import log_decisions
-from kiln.partition.default import default_saved
 from kiln.partition.estimate import runtime_estimator
-from kiln.partition.joint_info import JointInfo
-from kiln.partition.mincut import AGGRESSIVE, MORE_AGGRESSIVE, RECOMPUTE_ALL, RUNTIME_OPTIMAL, activation_bytes, min_cut
+from kiln.partition.extract import Saved, normalize_saved
+from kiln.partition.joint_info import JointInfo, default_saved
+from kiln.partition.mincut import (AGGRESSIVE, MORE_AGGRESSIVE, RECOMPUTE_ALL, RUNTIME_OPTIMAL, activation_bytes,
+                                   log_decisions, min_cut)
+from kiln.partition.peak import model_peak, saved_bytes
 
 _TOL = 1e-9
 
 
 class BudgetError(ValueError, UserError):
-    """The knapsack solver failed (scipy missing or HiGHS reported an error); install scipy>=1.9 or use
-    activation_memory_budget=1.0."""
+    """The knapsack solver failed (scipy missing, HiGHS failed): install scipy>=1.9 or use a budget of 1.0."""
 
 
-def saved_for_budget(info: JointInfo, budget: float, opts, optimal=None) -> List[fx.Node]:
-    """The saved values of the first cut whose activation bytes fit ``budget`` (see the module docstring);
-    ``optimal``: budget 1's cut when the caller has it (default: ``runtime_optimal_saved``)."""
-    optimal = optimal if optimal is not None else runtime_optimal_saved(info)
+def saved_for_budget(info: JointInfo, budget: float, opts) -> List[fx.Node]:
+    """The saved values of the first cut whose activation bytes fit ``budget`` (see the module docstring)."""
+    optimal = runtime_optimal_saved(info)
     max_b = activation_bytes(info, optimal)
     if budget >= 1.0 or max_b == 0:
         log_decisions(info, optimal, RUNTIME_OPTIMAL, "budget=1")
@@ -76,22 +81,20 @@ def saved_for_budget(info: JointInfo, budget: float, opts, optimal=None) -> List
     fixed = activation_bytes(info, cut) - sum(b for _, b in groups.values())
     estimate = runtime_estimator(opts.activation_memory_budget_runtime_estimator)
     owners = list(groups)
-    sizes = [groups[o][1] for o in owners]
-    values = [estimate(o) for o in owners]
+    sizes, values = [groups[o][1] for o in owners], [estimate(o) for o in owners]
     keep = knapsack(sizes, values, max(0.0, cap - fixed), opts)
     dont_ban = frozenset(o for i, o in enumerate(owners) if i not in keep)
     for i, o in enumerate(owners if wanted(3, "kiln_remat") else ()):
         log(3, f"remat: knapsack {'keeps' if i in keep else 'recomputes'} {o.name} "
                f"({sizes[i]} B, runtime {values[i]:.3g})", artifact="kiln_remat")
-    policy = AGGRESSIVE.replace(dont_ban=dont_ban)
+    policy = dataclasses.replace(AGGRESSIVE, dont_ban=dont_ban)
     saved = min_cut(info, policy)
     log_decisions(info, saved, policy, f"budget={budget}")
     return saved
 
 
 def runtime_optimal_saved(info: JointInfo) -> List[fx.Node]:
-    """Budget 1's cut (``RUNTIME_OPTIMAL``), or the plain (eager-like) partition when the cut would save
-    more activation bytes than it."""
+    """Budget 1's cut (``RUNTIME_OPTIMAL``), or the plain partition when that saves fewer activation bytes."""
     saved = min_cut(info, RUNTIME_OPTIMAL)
     plain = default_saved(info.gm, info.num_fwd_outputs, gi=info)
     if activation_bytes(info, saved) > activation_bytes(info, plain):
@@ -199,3 +202,50 @@ def _dp(w, v, limit) -> set:
             keep.add(i)
             c -= w[i]
     return keep
+
+
+# -- the backward's hold set -----------------------------------------------------------------------------
+LADDER = tuple(round(i / 10, 1) for i in range(10, 0, -1))  # 1.0, 0.9, ..., 0.1
+
+
+def plan_for_budget(info, budget: float, opts) -> List[fx.Node]:
+    """``budget.saved_for_budget``, plus the backward hold set that keeps the peak down (a ``Saved``)."""
+    saved = ladder_saved(info, budget, opts)
+    if budget >= 1.0:
+        return saved
+    return plan_with_hold(info, saved, budget, opts)
+
+
+def ladder_saved(info, budget: float, opts) -> list:
+    """``budget.saved_for_budget`` cached on ``info`` (the hold candidates are shared by budgets)."""
+    cache = info.__dict__.setdefault("_ladder_saved", {})
+    if budget not in cache:
+        cache[budget] = list(saved_for_budget(info, budget, opts))
+    return cache[budget]
+
+
+def plan_with_hold(info, saved: List[fx.Node], budget: float, opts) -> Saved:
+    """``saved`` with the hold set (or none) of lowest modelled peak."""
+    n = info.num_fwd_outputs
+    plain = Saved.of(saved)
+    p = model_peak(info.gm, plain, n, info)
+    best, best_key = plain, (p.peak, p.recompute_flops)
+    top = ladder_saved(info, LADDER[0], opts)   # budget 1's cut (cached)
+    # below budget 1's peak: no search. Budget 1's saved bytes bound its peak from below (all of them
+    # are alive when the forward ends), so the peak model of budget 1 is needed only above that bound.
+    if p.peak < saved_bytes(normalize_saved(top)) or p.peak < model_peak(info.gm, Saved.of(top), n, info).peak:
+        return plain
+    for b in LADDER:
+        if b <= budget:
+            break
+        hold = [h for h in normalize_saved(ladder_saved(info, b, opts)) if h.op != "placeholder"]
+        cand = Saved.of(saved, hold=hold)
+        q = model_peak(info.gm, cand, n, info)
+        log(3, f"remat: budget {budget}: hold the budget-{b} set -> modelled peak {q.peak} B "
+               f"(no hold {p.peak} B)", artifact="kiln_remat")
+        if (q.peak, q.recompute_flops) < best_key:
+            best, best_key = cand, (q.peak, q.recompute_flops)
+    if best.hold is not None:
+        log(3, f"remat: budget {budget}: the backward rebuilds {len(best.hold)} values first "
+               f"(modelled peak {p.peak} -> {best_key[0]} B)", artifact="kiln_remat")
+    return best

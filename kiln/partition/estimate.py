@@ -1,21 +1,17 @@
-"""Sizes and runtime estimates of joint-graph nodes.
-
-``size_bytes(node)`` is the bytes of a node's tensor value (symbolic sizes use their hints). The runtime
-estimators follow ``activation_memory_budget_runtime_estimator``:
-
-- ``'flops'``: the FLOP formula of the op (``torch.utils.flop_counter.flop_registry``, the same formulas
-  FlopCounterMode uses) evaluated on the nodes' fake values; ops without a formula cost 0;
-- ``'profile'``: run the op on the real device with random tensors of the node's shapes and time it;
-- a ``callable(node) -> float``.
+"""Sizes (``size_bytes``: symbolic sizes by their hints) and runtime estimates of joint-graph nodes, after
+``activation_memory_budget_runtime_estimator``: 'flops' (torch's FLOP formulas, ``flop_registry``, on the
+fake values; ops without one cost 0), 'profile' (the op timed on its device with random inputs), or a
+``callable(node) -> float``.
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import Callable
 
 import torch
 import torch.fx as fx
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from kiln import compat
 from kiln.options import UserError
@@ -24,8 +20,7 @@ UNBACKED_HINT = 4096  # hint for sizes with no hint (unbacked SymInts)
 
 
 class EstimatorError(ValueError, UserError):
-    """``activation_memory_budget_runtime_estimator`` is not 'flops', 'profile' or a callable(node) ->
-    float, or the callable returned something that is not a non-negative number."""
+    """``activation_memory_budget_runtime_estimator`` is not 'flops', 'profile' or a callable returning a float >= 0."""
 
 
 def hint(x) -> int:
@@ -42,11 +37,7 @@ def tensor_bytes(val) -> int:
     """Bytes of a (fake) tensor's elements; tuples and lists are summed; non-tensors weigh 0."""
     if isinstance(val, torch.Tensor):
         n = val.numel()
-        if not isinstance(n, int):
-            n = 1
-            for s in val.shape:
-                n *= hint(s)
-        return n * val.element_size()
+        return (n if isinstance(n, int) else math.prod(hint(s) for s in val.shape)) * val.element_size()
     if isinstance(val, (tuple, list)):
         return sum(tensor_bytes(v) for v in val)
     return 0
@@ -58,24 +49,12 @@ def size_bytes(node: fx.Node) -> int:
 
 
 # ----------------------------------------------------------------------------- runtime estimators
-def _vals(x):
-    return torch.fx.node.map_arg(x, lambda n: n.meta.get("val"))
-
-
-def _cpu_sdpa_flops(q, k, v, *args, out_shape=None, **kwargs):
-    from torch.utils.flop_counter import sdpa_flop_count
-    return sdpa_flop_count(q, k, v)
-
-
-def _cpu_sdpa_backward_flops(grad_out, q, k, v, *args, out_shape=None, **kwargs):
-    from torch.utils.flop_counter import sdpa_backward_flop_count
-    return sdpa_backward_flop_count(grad_out, q, k, v)
-
-
 # FLOP formulas (taking shapes) for ops PyTorch's registry lacks; pass as FlopCounterMode(custom_mapping=...).
 EXTRA_FLOPS = {
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flops,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_sdpa_backward_flops,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
+        lambda q, k, v, *args, out_shape=None, **kwargs: sdpa_flop_count(q, k, v),
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
+        lambda grad_out, q, k, v, *args, out_shape=None, **kwargs: sdpa_backward_flop_count(grad_out, q, k, v),
 }
 
 
@@ -97,7 +76,8 @@ def node_flops(node: fx.Node) -> float:
     hit = _FLOPS_MEMO.get(key) if key is not None else None
     if hit is not None:
         return hit
-    args, kwargs, val = _vals(node.args), _vals(node.kwargs), node.meta.get("val")
+    val = node.meta.get("val")
+    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
     if key is None:
         key = (node.target, str(torch.utils._pytree.tree_map(_hinted, (args, kwargs, val))))
     hit = _FLOPS_MEMO.get(key)
@@ -119,10 +99,7 @@ def _flops_key(node: fx.Node):
             if not isinstance(v, torch.Tensor):
                 return None
             shape = tuple(v.shape)
-            if all(type(d) is int for d in shape):
-                parts.append((shape, v.dtype))
-            else:
-                parts.append(_hinted(v))
+            parts.append((shape, v.dtype) if all(type(d) is int for d in shape) else _hinted(v))
         elif isinstance(a, (int, float, bool, str)) or a is None:
             parts.append(a)
         else:
@@ -137,22 +114,17 @@ def _hinted(v):
 
 
 def _flops(packet, args, kwargs, val) -> float:
-    try:
-        if packet in flop_registry:
-            out = flop_registry[packet](*args, out_val=val, **kwargs)
-        elif packet in EXTRA_FLOPS:
-            out = EXTRA_FLOPS[packet](*_shapes(args), out_shape=_shapes(val), **_shapes(kwargs))
-        else:
-            return 0.0
+    try:   # (node_flops calls this for the ops of either table only)
+        out = flop_registry[packet](*args, out_val=val, **kwargs) if packet in flop_registry else \
+            EXTRA_FLOPS[packet](*_shapes(args), out_shape=_shapes(val), **_shapes(kwargs))
     except Exception:
         return 0.0
     return float(hint(out))
 
 
-def _real(val, device=None):
+def _real(val):
     if isinstance(val, torch.Tensor):
-        shape = [hint(s) for s in val.shape]
-        dev = device or val.device
+        shape, dev = [hint(s) for s in val.shape], val.device
         if val.dtype.is_floating_point or val.dtype.is_complex:
             return torch.randn(shape, dtype=val.dtype, device=dev)
         if val.dtype == torch.bool:
@@ -161,7 +133,7 @@ def _real(val, device=None):
     if isinstance(val, (torch.SymInt, torch.SymFloat)):
         return hint(val)
     if isinstance(val, (tuple, list)):
-        return type(val)(_real(v, device) for v in val)
+        return type(val)(_real(v) for v in val)
     return val
 
 
@@ -171,19 +143,17 @@ def node_profile(node: fx.Node, reps: int = 3) -> float:
         return 0.0
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     with unset_fake_temporarily():
-        args = torch.fx.node.map_arg(node.args, lambda n: _real(n.meta.get("val")))
-        kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: _real(n.meta.get("val")))
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: _real(n.meta.get("val")))
         cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in torch.utils._pytree.tree_leaves(args))
+        sync = torch.cuda.synchronize if cuda else (lambda: None)
         best = float("inf")
         try:
             with torch.no_grad():
                 for _ in range(reps + 1):
-                    if cuda:
-                        torch.cuda.synchronize()
+                    sync()
                     t0 = time.perf_counter()
                     node.target(*args, **kwargs)
-                    if cuda:
-                        torch.cuda.synchronize()
+                    sync()
                     best = min(best, time.perf_counter() - t0)
         except Exception:
             return 0.0
@@ -192,10 +162,8 @@ def node_profile(node: fx.Node, reps: int = 3) -> float:
 
 def runtime_estimator(spec) -> Callable[[fx.Node], float]:
     """The estimator named by ``activation_memory_budget_runtime_estimator``."""
-    if spec == "flops":
-        return node_flops
-    if spec == "profile":
-        return node_profile
+    if spec in ("flops", "profile"):
+        return node_flops if spec == "flops" else node_profile
     if callable(spec):
         def checked(node):
             v = spec(node)

@@ -1,17 +1,11 @@
 """Cut a joint graph into forward and backward GraphModules, given the values to save.
 
-The joint graph (from AOTAutograd) has placeholders ``primals_*`` (plus ``fwd_seed``/``fwd_base_offset``)
-then ``tangents_*`` (plus ``bwd_seed``/``bwd_base_offset``), and returns one flat list: the
-``num_fwd_outputs`` forward values, then one gradient (or None) per primal.
-
-The result follows AOTAutograd's partition_fn contract:
-- forward: placeholders = the forward inputs in order; outputs = forward outputs, saved tensors, then
-  saved SymInts last (AOT counts the trailing symbolic outputs through ``meta['val']``);
-- backward: placeholders = saved SymInts, saved tensors, tangents (then backward seeds), each with
-  ``meta['val']``; outputs = the gradients. Every free symbol in the shapes of the backward inputs is
-  bound by a SymInt placeholder.
-
-Everything the backward needs that is not saved is recomputed in the backward from the saved values.
+AOTAutograd's joint graph takes ``primals_*`` (and forward seeds) then ``tangents_*`` (and backward seeds)
+and returns the ``num_fwd_outputs`` forward values, then one gradient (or None) per primal. The result
+follows the partition_fn contract: the forward returns its outputs, the saved tensors, then the saved
+SymInts (AOT counts them through ``meta['val']``); the backward takes the saved SymInts, the saved
+tensors and the tangents, each with ``meta['val']``, every free symbol of their shapes bound by a SymInt
+input, and returns the gradients. What the backward needs and is not saved it recomputes.
 """
 from __future__ import annotations
 
@@ -22,7 +16,6 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import free_symbols
 
-FWD_EXTRA = ("fwd_seed", "fwd_base_offset")
 BWD_EXTRA = ("bwd_seed", "bwd_base_offset")
 
 
@@ -35,12 +28,9 @@ class PartitionError(RuntimeError):
 # ----------------------------------------------------------------------------- joint graph layout
 def is_tangent(node: fx.Node) -> bool:
     """A backward-only input: ``tangents_*`` or a backward RNG seed/offset."""
-    if node.op != "placeholder":
-        return False
     desc = node.meta.get("desc")
-    if desc is not None and "Tangent" in type(desc).__name__:
-        return True
-    return node.name.startswith("tangents") or node.name in BWD_EXTRA
+    return node.op == "placeholder" and ("Tangent" in type(desc).__name__ if desc is not None else False
+                                         or node.name.startswith("tangents") or node.name in BWD_EXTRA)
 
 
 def split_inputs(graph: fx.Graph) -> Tuple[List[fx.Node], List[fx.Node]]:
@@ -74,9 +64,7 @@ def tangent_closure(graph: fx.Graph) -> set:
     """Every node that depends (transitively) on a tangent: these can only run in the backward."""
     out = set()
     for n in graph.nodes:
-        if n.op == "output":
-            continue
-        if is_tangent(n) or any(a in out for a in _inputs(n)):
+        if n.op != "output" and (is_tangent(n) or any(a in out for a in _inputs(n))):
             out.add(n)
     return out
 
@@ -131,10 +119,9 @@ def _inputs(n: fx.Node):
 
 
 def lazy_order(nodes: Sequence[fx.Node], need: set, anchors: set, available: set) -> List[fx.Node]:
-    """``need`` in the order the backward should run it: the ``anchors`` (tangent-dependent nodes) in
-    graph order, each preceded by the recomputation it needs that has not run yet (depth-first), so a
-    recomputed value is made just before its first use rather than all at the start (as the autograd
-    engine would). Nodes left over (not feeding any anchor) follow in graph order."""
+    """``need`` in the order the backward should run it: the ``anchors`` (tangent-dependent nodes) in graph
+    order, each preceded by the recomputation it needs that has not run yet (depth-first), so a recomputed
+    value is made just before its first use, as the autograd engine would. Leftovers follow in graph order."""
     done, out = set(available), []
 
     def emit(root):
@@ -160,10 +147,7 @@ def lazy_order(nodes: Sequence[fx.Node], need: set, anchors: set, available: set
 
 
 class Saved(list):
-    """The values to save (a plain list) and, optionally, ``hold``: forward values the backward rebuilds
-    from the saved ones at its start and keeps beside them, recomputing everything else it needs from
-    both (``hold_steps``). A hold never replaces a saved value: the forward saves the same list with or
-    without one. Built by ``kiln.partition.hold``; ``extract`` and ``peak.model_peak`` read it."""
+    """The values to save and, optionally, ``hold``: values the backward rebuilds first (``hold_steps``)."""
     hold: Optional[List[fx.Node]] = None
 
     @staticmethod
@@ -175,18 +159,11 @@ class Saved(list):
 
 def hold_steps(nodes: Sequence[fx.Node], saved: Sequence[fx.Node], hold: Sequence[fx.Node],
                roots: Sequence[fx.Node], anchors: set) -> list:
-    """The backward's steps when it rebuilds ``hold``: ``[(key, node, {input node: input key})]``.
-
-    Phase 1 runs, in graph order, the forward nodes that compute ``hold`` from ``saved`` and the
-    placeholders (keys ``(n, 1)``); phase 2 runs what ``roots`` need in ``lazy_order`` around
-    ``anchors`` from ``hold``, ``saved`` and the placeholders (keys ``(n, 2)``), so a forward value used
-    by both phases is computed twice and phase 1's copy dies with the phase. Values available at the
-    start have keys ``(n, 0)``.
-
-    Phase 2 reads the saved values too: were it to recompute one instead, ``extract`` would stop saving
-    it (it saves what the backward reads), and the forward would save less than the partitioner chose
-    (seed 001's uneven chain saved 3 of 19 units at budget 19/50 when the hold of a higher budget
-    left out two of its three matmuls)."""
+    """The backward's steps when it rebuilds ``hold``: ``[(key, node, {input node: input key})]``. Phase 1
+    runs, in graph order, the forward nodes that compute ``hold`` from ``saved`` and the placeholders (keys
+    ``(n, 1)``); phase 2 what ``roots`` need, in ``lazy_order`` around ``anchors``, from ``hold``, ``saved``
+    and the placeholders (keys ``(n, 2)``): a value both phases use runs twice, phase 1's copy dying with
+    it. Values available at the start: keys ``(n, 0)``. Phase 2 reads the saved values too (budget.py says why)."""
     ph = {n for n in nodes if n.op == "placeholder"}
     avail1 = set(saved) | ph
     hold = normalize_saved(hold) if hold else []
@@ -212,46 +189,30 @@ def phase_key(steps) -> dict:
 
 
 def _subgraph(joint: fx.Graph, inputs: Sequence[fx.Node], outputs: Sequence, keep, what: str,
-              anchors: Optional[set] = None) -> fx.Graph:
+              anchors: Optional[set] = None, hold=None) -> fx.Graph:
     """Copy of the part of ``joint`` that computes ``outputs`` (and the impure nodes ``keep`` accepts)
-    from ``inputs``: in graph order, or in ``lazy_order`` around ``anchors`` when given."""
+    from ``inputs``: in graph order, in ``lazy_order`` around ``anchors`` when given, as ``hold_steps``
+    with a ``hold``."""
     g = fx.Graph()
     env = {}
     for n in inputs:  # create_node: Graph.placeholder() searches for the last placeholder each time
         p = g.create_node("placeholder", n.name, name=n.name, type_expr=n.type)
         p.meta = dict(n.meta)
-        env[n] = p
-    nodes = [n for n in joint.nodes if n.op != "output"]
-    roots = [o for o in outputs if isinstance(o, fx.Node)]
-    roots += [n for n in nodes if n.op != "placeholder" and n not in env and is_impure(n) and keep(n)]
-    need = _ancestors(roots, set(inputs))
-    missing = [n.name for n in nodes if n.op == "placeholder" and n in need and n not in env]
-    if missing:
-        raise PartitionError(f"partition: the {what} graph needs inputs {missing}, which it does not get")
-    order = lazy_order(nodes, need, anchors, set(env)) if anchors is not None else \
-        [n for n in nodes if n in need and n not in env]
-    for n in order:
-        env[n] = g.node_copy(n, env.__getitem__)
-    g.output(tuple(env[o] if isinstance(o, fx.Node) else o for o in outputs))
-    dce(g)
-    g.lint()
-    return g
-
-
-def _hold_subgraph(joint: fx.Graph, inputs: Sequence[fx.Node], outputs: Sequence, roots, hold, tang) -> fx.Graph:
-    """The backward graph of ``hold_steps``: phase-1 copies, then phase-2 copies of forward nodes."""
-    g = fx.Graph()
-    env = {}
-    for n in inputs:
-        p = g.create_node("placeholder", n.name, name=n.name, type_expr=n.type)
-        p.meta = dict(n.meta)
         env[(n, 0)] = p
     nodes = [n for n in joint.nodes if n.op != "output"]
-    steps = hold_steps(nodes, [n for n in inputs if n not in tang], hold, roots, tang)
+    roots = [o for o in outputs if isinstance(o, fx.Node)]
+    roots += [n for n in nodes if n.op != "placeholder" and (n, 0) not in env and is_impure(n) and keep(n)]
+    if hold is not None:
+        steps = hold_steps(nodes, [n for n in inputs if n not in anchors], hold, roots, anchors)
+    else:
+        need = _ancestors(roots, set(inputs))
+        order = lazy_order(nodes, need, anchors, set(inputs)) if anchors is not None else \
+            [n for n in nodes if n in need and n not in inputs]
+        steps = [((n, 0), n, {a: (a, 0) for a in _inputs(n)}) for n in order]
     for key, n, ins in steps:
-        missing = [a.name for a in ins if ins[a] not in env]
+        missing = [a.name for a in ins if ins[a] not in env] + ([n.name] if n.op == "placeholder" else [])
         if missing:
-            raise PartitionError(f"partition: the backward graph needs inputs {missing}, which it does not get")
+            raise PartitionError(f"partition: the {what} graph needs inputs {missing}, which it does not get")
         env[key] = g.node_copy(n, lambda a, ins=ins: env[ins[a]])
     last = phase_key(steps)
     g.output(tuple(env[last.get(o, (o, 0))] if isinstance(o, fx.Node) else o for o in outputs))
@@ -263,12 +224,8 @@ def _hold_subgraph(joint: fx.Graph, inputs: Sequence[fx.Node], outputs: Sequence
 # ----------------------------------------------------------------------------- saved values
 def normalize_saved(saved: Iterable[fx.Node]) -> List[fx.Node]:
     """Saved values in graph order, tuple-valued nodes replaced by their getitem users."""
-    out = []
-    for n in saved:
-        if isinstance(n.meta.get("val"), (tuple, list)):
-            out.extend(u for u in n.users if u.target is operator.getitem)
-        else:
-            out.append(n)
+    out = [m for n in saved for m in ([u for u in n.users if u.target is operator.getitem]
+                                      if isinstance(n.meta.get("val"), (tuple, list)) else [n])]
     order = {n: i for i, n in enumerate(next(iter(out)).graph.nodes)} if out else {}
     return sorted(set(out), key=order.__getitem__)
 
@@ -279,13 +236,8 @@ def _sym_expr(node: fx.Node):
 
 
 def _bind_symbols(joint: fx.Graph, bw_inputs: Sequence[fx.Node], syms: List[fx.Node], fwd_inputs) -> List[fx.Node]:
-    """SymInt nodes (existing or new ``sym_size`` nodes on a forward input) that bind every free symbol
-    of the backward inputs' shapes; returns the extra sym nodes to save."""
-    bound = {_sym_expr(s) for s in syms}
-    wanted = set()
-    for n in bw_inputs:
-        wanted |= free_symbols(n.meta.get("val"))
-    wanted = {s for s in wanted if s not in bound}
+    """The extra SymInt nodes to save (or new ``sym_size`` nodes) that bind the backward inputs' free symbols."""
+    wanted = set().union(*(free_symbols(n.meta.get("val")) for n in bw_inputs)) - {_sym_expr(s) for s in syms}
     if not wanted:
         return []
     tang = tangent_closure(joint)
@@ -314,9 +266,7 @@ def _bind_symbols(joint: fx.Graph, bw_inputs: Sequence[fx.Node], syms: List[fx.N
 
 def read_saved(joint_gm: fx.GraphModule, saved, num_fwd_outputs: int, tang: Optional[set] = None
                ) -> List[fx.Node]:
-    """The values of ``saved`` (a list or a ``Saved``) that the backward reads, in graph order: what
-    ``extract`` saves, before the SymInts that bind shapes (with a hold: what ``hold_steps`` reads at
-    its start). ``tang``: the joint graph's ``tangent_closure`` when the caller has it."""
+    """The values of ``saved`` (a list or ``Saved``) the backward reads, in graph order: what ``extract`` saves."""
     joint = joint_gm.graph
     tang = tang if tang is not None else tangent_closure(joint)
     _, bwd_in = split_inputs(joint)
@@ -354,16 +304,12 @@ def extract(joint_gm: fx.GraphModule, saved: Iterable[fx.Node], *, num_fwd_outpu
     def order(sv):
         return [n for n in sv if not is_sym(n)] + [n for n in sv if is_sym(n)]
 
-    roots = [o for o in bwd_out if isinstance(o, fx.Node)] + [n for n in tang if is_impure(n)]
     saved = order(read_saved(joint_gm, Saved.of(saved, hold), num_fwd_outputs, tang))
     syms = [n for n in saved if is_sym(n)]
     saved = order(saved + _bind_symbols(joint, saved + bwd_in, syms, fwd_in))
     tensors, syms = [n for n in saved if not is_sym(n)], [n for n in saved if is_sym(n)]
 
-    if hold is not None:
-        bw = _hold_subgraph(joint, syms + tensors + bwd_in, bwd_out, roots, hold, tang)
-    else:
-        bw = _subgraph(joint, syms + tensors + bwd_in, bwd_out, in_bw, "backward", anchors=tang)
+    bw = _subgraph(joint, syms + tensors + bwd_in, bwd_out, in_bw, "backward", anchors=tang, hold=hold)
     fw = _subgraph(joint, fwd_in, list(fwd_out) + tensors + syms, in_fw, "forward")
     for p in bw.nodes:
         if p.op == "placeholder" and "val" not in p.meta:
@@ -376,4 +322,3 @@ def saved_values(fw_gm: fx.GraphModule, num_fwd_outputs: int) -> List[fx.Node]:
     """The forward graph's saved outputs (tensors then SymInts), for reports and tests."""
     outs = fw_gm.graph.output_node().args[0]
     return [o for o in outs[num_fwd_outputs:] if isinstance(o, fx.Node)]
-

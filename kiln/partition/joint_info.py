@@ -1,9 +1,6 @@
-"""Facts about a joint graph that the min-cut needs, computed once per partition as flat arrays.
-
-Nodes are numbered in graph order (the output node excluded). ``fw`` lists the nodes that do not depend
-on a tangent (the forward could compute them); the flow network has one in/out vertex pair per ``fw``
-node. Per-node facts (op class, size, distance from the backward, the cost of saving) live in numpy
-arrays indexed by node number, so a budget search can cut the same graph many times cheaply.
+"""Facts about a joint graph the min-cut needs, computed once per partition as flat arrays indexed by node
+number (graph order, output excluded), so that a budget search can cut the same graph many times cheaply.
+``fw``: the nodes that do not depend on a tangent (one in/out vertex pair each in the flow network).
 """
 from __future__ import annotations
 
@@ -15,7 +12,7 @@ import torch.fx as fx
 
 from kiln.partition import ops
 from kiln.partition.estimate import size_bytes
-from kiln.partition.extract import is_impure, is_sym, is_symint, is_tangent, split_outputs
+from kiln.partition.extract import _inputs, is_impure, is_sym, is_symint, is_tangent, split_outputs
 
 MAX_DIST = 100
 
@@ -41,11 +38,6 @@ def mutated_primals(graph: fx.Graph, primals) -> Optional[set]:
         d = n.meta.get("desc")
         by_index[getattr(d, "idx", None) if d is not None else len(by_index)] = n
     return in_graph | {by_index[i] for i in idx if i in by_index}
-
-
-def _inputs(n: fx.Node):
-    d = getattr(n, "_input_nodes", None)  # all_input_nodes copies this dict's keys, slowly
-    return d.keys() if isinstance(d, dict) else n.all_input_nodes
 
 
 class GraphIndex:
@@ -77,14 +69,39 @@ class GraphIndex:
         return seen
 
 
+# -- the plain partition: run the forward as eager would, save the forward values the backward uses -----
+def forward_ids(gi) -> list:
+    """Per node of ``gi``: True when the plain partition runs it in the forward: every node that does not
+    depend on a tangent, up to the last node the forward outputs need (or AOTAutograd tagged ``is_forward``,
+    or that mutates), and SymInt arithmetic on forward values (a backward that needs only a size saves the
+    size). Later tangent-free nodes (``t(w)``) are recomputed in the backward."""
+    nodes, tang, idx = gi.nodes, gi.tang_l, gi.index
+    roots = [idx[o] for o in gi.fwd_out if isinstance(o, fx.Node)]
+    roots += [i for i, n in enumerate(nodes) if not tang[i] and n.op != "placeholder"
+              and (n.meta.get("partitioner_tag") == "is_forward" or is_impure(n))]
+    need = gi.ancestors_l(roots)
+    last = max((i for i, x in enumerate(need) if x), default=-1)
+    fwd = [not tang[i] and (i <= last or n.op == "placeholder") for i, n in enumerate(nodes)]
+    for i, n in enumerate(nodes):  # cheap size arithmetic on forward values stays in the forward
+        if not fwd[i] and not tang[i] and n.op == "call_function" and is_symint(n) \
+                and all(fwd[a] for a in gi.inputs_of[i]):
+            fwd[i] = True
+    return fwd
+
+
+def default_saved(joint_gm: fx.GraphModule, num_fwd_outputs: int, gi=None) -> List[fx.Node]:
+    """Forward nodes used by a backward node or returned as a gradient, in graph order."""
+    gi = gi or GraphIndex(joint_gm, num_fwd_outputs)
+    fwd = forward_ids(gi)
+    return [n for i, n in enumerate(gi.nodes) if fwd[i]
+            and (n in gi.grads or any(not fwd[u] for u in gi.users_of[i]))]
+
+
 class JointInfo(GraphIndex):
     """Arrays over the joint graph's nodes; see the module docstring."""
 
-    def __init__(self, joint_gm: fx.GraphModule, num_fwd_outputs: int, index: Optional[GraphIndex] = None):
-        if index is not None:
-            self.__dict__.update(index.__dict__)
-        else:
-            GraphIndex.__init__(self, joint_gm, num_fwd_outputs)
+    def __init__(self, joint_gm: fx.GraphModule, num_fwd_outputs: int):
+        super().__init__(joint_gm, num_fwd_outputs)
         N, idx, tang, fwd_out = len(self.nodes), self.index, self.tang_l, self.fwd_out
         self.is_tang = np.array(tang, dtype=bool)
         self.is_call = np.array([n.op == "call_function" for n in self.nodes], dtype=bool)
@@ -92,7 +109,7 @@ class JointInfo(GraphIndex):
         self.fw: List[fx.Node] = [self.nodes[i] for i in fw_ids]
         self.fw_ids = np.array(fw_ids, dtype=np.int64)
         self.primals = [n for n in self.fw if n.op == "placeholder"]
-        self.fwd_required = self._ancestors([idx[o] for o in fwd_out if isinstance(o, fx.Node)])
+        self.fwd_required = np.array(self.ancestors_l([idx[o] for o in fwd_out if isinstance(o, fx.Node)]), dtype=bool)
         self.size = {n: size_bytes(n) for n in self.fw}
         used = [False] * N
         for i in fw_ids:
@@ -114,9 +131,6 @@ class JointInfo(GraphIndex):
             key = np.unique(src * max(n, 1) + dst)
             self._edges = (key // max(n, 1), key % max(n, 1))
         return self._edges
-
-    def _ancestors(self, roots) -> np.ndarray:
-        return np.array(self.ancestors_l(roots), dtype=bool)
 
     def _dist_from_bw(self, fw_ids, used, tang) -> np.ndarray:
         dist = [MAX_DIST] * len(self.nodes)
@@ -156,9 +170,7 @@ class JointInfo(GraphIndex):
                 continue
             if n.op != "call_function" or self._view_l[i]:
                 continue
-            rec = n.meta.get("recompute")
-            if rec is not None:
-                must_rec[i] = "MUST_RECOMPUTE" in str(rec)
+            must_rec[i] = "MUST_RECOMPUTE" in str(n.meta.get("recompute"))
             if red_l[i]:
                 big_red[i] = ops.is_big_reduction(n, lambda x: self.size.get(x) or size_bytes(x))
             # a number (size arithmetic) is never a buffer: a SymFloat that cannot be saved is recomputed
@@ -170,22 +182,12 @@ class JointInfo(GraphIndex):
 
     @staticmethod
     def _static_reason(n: fx.Node, random_: bool, view: bool) -> Optional[str]:
-        if n.op == "placeholder":
-            return "input"
-        if n.op == "get_attr":
-            return None
-        if n.op != "call_function":
-            return "not an op"
-        if is_impure(n):
-            return "mutates"
-        if random_:
-            return "random"
-        if view:
-            return None
-        rec = n.meta.get("recompute")
-        if rec is not None and "MUST_SAVE" in str(rec):
-            return "tagged MUST_SAVE"
-        return None
+        if n.op in ("placeholder", "get_attr"):
+            return "input" if n.op == "placeholder" else None
+        why = "not an op" if n.op != "call_function" else "mutates" if is_impure(n) else "random" if random_ else None
+        if why or view:
+            return why
+        return "tagged MUST_SAVE" if "MUST_SAVE" in str(n.meta.get("recompute")) else None
 
     def fusible(self, i: int, j: int) -> bool:
         return self._cat[j] or (self._fus[i] and self._fus[j])
@@ -236,6 +238,4 @@ class JointInfo(GraphIndex):
             mutated = np.array([n in self.mutated for n in self.fw], dtype=bool)
             rest = float(w[np.isfinite(w) & (kind != 1)].sum())  # a cut that avoids them always costs less
             inputs = np.where(mutated, np.maximum(size * 1000.0, rest + 1.0), 0.0)
-        w = np.where(kind == 1, inputs, w)
-        w = np.where(kind == 2, 1.0, w)
-        return np.where(kind == 3, np.inf, w)
+        return np.select([kind == 1, kind == 2, kind == 3], [inputs, 1.0, np.inf], w)

@@ -1,7 +1,6 @@
-"""``activation_memory_limit``: the largest budget whose modelled activation peak fits a byte limit.
-
-The peak is modelled (peak.py) for the saved set that ``hold.plan_for_budget`` picks at each budget
-tried; the search starts at ``activation_memory_budget`` and only lowers it.
+"""The saved set for the options (``choose_saved``), and ``activation_memory_limit``: the largest budget whose
+modelled activation peak (peak.py, of the set ``budget.plan_for_budget`` picks) fits a byte limit, searched
+from ``activation_memory_budget`` down.
 """
 from __future__ import annotations
 
@@ -11,8 +10,10 @@ import torch.fx as fx
 
 from kiln.debug import log
 from kiln.options import parse_bytes, UserError
-from kiln.partition.hold import plan_for_budget
+from kiln.partition.budget import plan_for_budget
+from kiln.partition.joint_info import JointInfo, default_saved
 from kiln.partition.peak import model_peak
+from kiln.passes.cse import gc_paused
 
 
 class MemoryLimitError(RuntimeError, UserError):
@@ -35,9 +36,8 @@ def limit_saved(info, budget: float, opts) -> List[fx.Node]:
         return saved
     # The peak is not monotone in the budget (recomputing a whole chain at once can cost more than
     # saving part of it), so scan a grid downwards, then bisect above the best grid point.
-    grid = [budget * (1 - i / 20) for i in range(1, 21)]
     best_b, best, lowest = None, None, peak
-    for b in grid:
+    for b in (budget * (1 - i / 20) for i in range(1, 21)):
         s_b, p_b = peak_at(b)
         lowest = min(lowest, p_b)
         if p_b <= limit:
@@ -56,3 +56,19 @@ def limit_saved(info, budget: float, opts) -> List[fx.Node]:
         else:
             hi = mid
     return best
+
+
+@gc_paused()
+def choose_saved(joint_gm: fx.GraphModule, *, num_fwd_outputs: int, opts) -> list:
+    """``partitioner='default'``: every forward value the backward uses; ``'mincut'``: the cut under
+    ``activation_memory_budget`` (budget.py: the cut plus the backward's hold set), or with
+    ``activation_memory_limit`` the largest budget whose modelled peak fits (above). A float
+    ``meta['memory_budget']`` on a node overrides the budget (the first one)."""
+    if opts.partitioner == "default":
+        return default_saved(joint_gm, num_fwd_outputs)
+    info = JointInfo(joint_gm, num_fwd_outputs)
+    budget = next((b for n in info.nodes if isinstance(b := n.meta.get("memory_budget"), float)),
+                  float(opts.activation_memory_budget))
+    if opts.activation_memory_limit is not None:
+        return limit_saved(info, budget, opts)
+    return plan_for_budget(info, budget, opts)

@@ -1,24 +1,23 @@
 """Min-cut rematerialization: choose the forward values to save so the backward can recompute the rest.
 
-Flow network (one pair of vertices per node that does not depend on a tangent):
-- ``in_n -> out_n`` with capacity = the cost of saving ``n`` (bytes, x1.1 per step away from the
-  backward, x2 when every user fuses with ``n``: saving then forces an extra write); primals cost 0
-  (they are alive anyway), views and tuple values are never saved (infinite);
-- ``out_n -> in_u`` (infinite) for every user ``u``;
-- ``out_n -> sink`` (infinite) when a backward node (one that depends on a tangent) uses ``n``;
-- ``source -> in_n`` (infinite) when ``n`` is banned from recomputation (``Policy``).
-The minimum cut's ``in->out`` edges are the saved values; nodes past the cut are recomputed in the
-backward. The max flow runs on integer capacities with scipy's Dinic (``scipy.sparse.csgraph``).
+Flow network, one vertex pair per node that does not depend on a tangent: ``in_n -> out_n`` costs saving
+``n`` (``JointInfo.weight``: bytes, more the farther from the backward, x2 when every user fuses with it;
+primals 0, views and tuples never); ``out_n -> in_u`` (infinite) per user ``u``; ``out_n -> sink`` when a
+backward node uses ``n``; ``source -> in_n`` when ``Policy`` bans ``n`` from recomputation. The minimum
+cut's ``in -> out`` edges are the saved values (scipy's Dinic on integer capacities). ``log_decisions``
+writes a cut in words (KILN_DEBUG=3, the ``kiln_remat`` artifact): what it saves (bytes, ``ban_reason``)
+and recomputes, with the user's source lines.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import FrozenSet, List, Optional
 
 import numpy as np
 import torch.fx as fx
 
+from kiln import logs
+from kiln.debug import log, wanted
 from kiln.partition import ops
 from kiln.partition.extract import PartitionError
 from kiln.partition.joint_info import JointInfo
@@ -35,9 +34,6 @@ class Policy:
     ban_materialized: bool = True    # ban nodes the forward returns or whose backward user (through views) does not fuse
     ban_reductions: bool = True      # ban reductions that shrink their input more than 4x
     dont_ban: FrozenSet[fx.Node] = field(default_factory=frozenset)  # lift the optional bans for these
-
-    def replace(self, **kw) -> "Policy":
-        return dataclasses.replace(self, **kw)
 
 
 RUNTIME_OPTIMAL = Policy()
@@ -89,8 +85,7 @@ def ban_reason(info: JointInfo, n: fx.Node, policy: Policy) -> Optional[str]:
 
 
 def min_cut(info: JointInfo, policy: Policy) -> List[fx.Node]:
-    """The saved values of the minimum cut under ``policy``, in graph order (cached on ``info``: the
-    budget search and the hold search of hold.py ask for the same cuts)."""
+    """The saved values of the minimum cut under ``policy``, in graph order (cached: searches repeat cuts)."""
     cache = info.__dict__.setdefault("_cuts", {})
     if policy not in cache:
         cache[policy] = _min_cut(info, policy)
@@ -150,3 +145,56 @@ def _min_cut(info: JointInfo, policy: Policy) -> List[fx.Node]:
 def activation_bytes(info: JointInfo, saved) -> int:
     """Bytes of the saved tensors that are not graph inputs."""
     return sum(info.size.get(n, 0) for n in saved if n.op != "placeholder")
+
+
+# -- the decisions in words -------------------------------------------------------------------------
+REMAT = "kiln_remat"   # the artifact (torch's logging) of remat decisions
+
+
+def source_line(n: fx.Node) -> str:
+    """The user's source line that produced ``n`` (from meta['stack_trace'])."""
+    st = n.meta.get("stack_trace")
+    if not st:
+        return ""
+    lines = [s.strip() for s in st.strip().splitlines()]
+    lines = [s for s in lines if s and set(s) - set("^~ ")]  # drop caret/tilde marker lines
+    files = [i for i, s in enumerate(lines) if s.startswith("File ")]
+    if not files:
+        return lines[-1] if lines else ""
+    i = files[-1]
+    where = lines[i].split(", in ")[0].replace("File ", "").strip('"')
+    code = lines[i + 1] if i + 1 < len(lines) else ""
+    return f"{where}: {code}"
+
+
+def log_decisions(info: JointInfo, saved, policy: Policy, tag: str) -> None:
+    """KILN_DEBUG=3, the ``kiln_remat`` artifact and trace entry: what is saved (bytes, why) and recomputed."""
+    if not wanted(3, REMAT) and not logs.tracing():
+        return
+    saved_set = set(saved)
+    lines = [f"remat[{tag}]: save {n.name} ({info.size.get(n, 0)} B, "
+             f"{ban_reason(info, n, policy) or 'cheapest cut'}){_at(n)}" for n in saved]
+    lines += [f"remat[{tag}]: recompute {n.name} ({info.size.get(n, 0)} B){_at(n)}" for n in info.fw
+              if n not in saved_set and n.op == "call_function" and _recomputed(info, n, saved_set)]
+    for line in lines:
+        log(3, line, artifact=REMAT)
+    logs.trace(f"kiln_remat_{tag}", lambda: "\n".join(lines))
+
+
+def _recomputed(info: JointInfo, n: fx.Node, saved_set: set) -> bool:
+    """Some backward node or gradient needs ``n`` through values that are not saved."""
+    stack, seen = [n], set()
+    while stack:
+        cur = stack.pop()
+        for u in cur.users:
+            if u in info.tang or u in info.grads:
+                return True
+            if u not in seen and u not in saved_set and u in info.size:
+                seen.add(u)
+                stack.append(u)
+    return False
+
+
+def _at(n: fx.Node) -> str:
+    line = source_line(n)
+    return f" at {line}" if line else ""

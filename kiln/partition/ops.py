@@ -1,11 +1,7 @@
-"""Op classes the min-cut partitioner needs: what is cheap to recompute, what fuses, what never recomputes.
-
-- ``HEAVY``: compute-intensive library calls (matmul, convolution, attention): never recomputed by
-  default; the budget's knapsack decides which of them may be.
-- random ops (``Tag.nondeterministic_seeded``): never recomputed (the backward would see other numbers).
-- recomputable: pointwise-tagged ops, cheap reductions, casts, constructors, indexing, views, size math.
-- fusible: what a fusing backend merges into one kernel with its producer (pointwise, views, cheap
-  reductions, casts, cat); saving a value whose users all fuse costs an extra write.
+"""Op classes the min-cut partitioner needs. ``HEAVY`` (matmul, convolution, attention): not recomputed unless
+the budget's knapsack lets them; random ops never; recomputable: pointwise ops, cheap reductions, casts,
+constructors, indexing, views, size math; fusible: recomputable and no library call (saving a value whose
+users all fuse costs an extra write).
 """
 from __future__ import annotations
 
@@ -48,10 +44,6 @@ SYM_OPS = {operator.add, operator.sub, operator.mul, operator.floordiv, operator
 SYM_OPS |= {getattr(torch.ops.aten.sym_size, "int", None), getattr(torch.ops.aten.sym_stride, "int", None),
             getattr(torch.ops.aten.sym_numel, "default", None), getattr(torch.ops.aten.sym_storage_offset,
                                                                         "default", None)}
-
-
-def packet(node: fx.Node):
-    return getattr(node.target, "overloadpacket", None)
 
 
 class OpClass:
@@ -113,31 +105,6 @@ def is_getitem(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is operator.getitem
 
 
-def is_recomputable(node: fx.Node) -> bool:
-    """On the default allowlist of ops that are cheap to run again in the backward."""
-    if node.op != "call_function" or is_random(node):
-        return False
-    if node.target is operator.getitem:
-        return is_recomputable(node.args[0])
-    return op_class(node).cheap
-
-
-def is_fusible_op(node: fx.Node) -> bool:
-    """A fusing backend can merge the op with its neighbours (no library call)."""
-    if node.op != "call_function":
-        return False
-    if node.target is operator.getitem:
-        return is_fusible_op(node.args[0])
-    return not op_class(node).heavy and is_recomputable(node)
-
-
-def is_fusible(producer: fx.Node, consumer: fx.Node) -> bool:
-    """``consumer`` can read ``producer`` inside one fused kernel (``cat`` always can)."""
-    if consumer.op == "call_function" and op_class(consumer).cat:
-        return True
-    return is_fusible_op(producer) and is_fusible_op(consumer)
-
-
 def is_big_reduction(node: fx.Node, size_of) -> bool:
     """A reduction whose output is more than 4x smaller than its input: cheap to save, costly to redo."""
     if node.op != "call_function" or not op_class(node).reduction:
@@ -148,7 +115,8 @@ def is_big_reduction(node: fx.Node, size_of) -> bool:
 
 def node_facts(node: fx.Node, parent_facts=None) -> tuple:
     """(view, random, heavy, recomputable, fusible_op, cat, reduction) for ``node`` with one class lookup;
-    a getitem takes ``parent_facts`` (its producer's) for everything but view/cat/reduction."""
+    a getitem takes ``parent_facts`` (its producer's) for everything but view/cat/reduction. Recomputable:
+    cheap to run again in the backward (and not random); fusible: recomputable and no library call."""
     if node.op != "call_function":
         return (False, False, False, False, False, False, False)
     if node.target is operator.getitem:

@@ -1,24 +1,21 @@
-"""A peak-memory model of forward + backward for a saved set (limit.py and hold.py search with it).
+"""A peak-memory model of forward + backward for a saved set (limit.py and budget.py search with it).
 
-The model replays the joint graph without running it:
-- forward: the non-tangent nodes the forward outputs and the saved values need, in graph order;
-- backward: the nodes the gradients need from the saved values and tangents, in the order extract()
-  lays them out (``lazy_order``: each recomputation just before its first use).
-Each tensor is alive from the node that makes it to its last use in that phase; saved values stay alive
-from the forward until their last backward use, forward outputs and gradients until the phase ends.
-Views share their base's storage; graph inputs (parameters, user inputs) are not counted. The result is
-the largest sum of live bytes at any node: the activation peak, not the whole process's memory.
+It replays the joint graph without running it: the forward (the non-tangent nodes the forward outputs and
+the saved values need, in graph order), then the backward as extract() lays it out (``lazy_order``). A
+tensor is alive from the node that makes it to its last use in the phase; saved values from the forward to
+their last backward use, forward outputs and gradients to the end of their phase. Views share their base's
+storage; graph inputs are not counted. The peak: the largest sum of live bytes at any node.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Sequence
+from typing import Dict, Sequence
 
 import torch.fx as fx
 
 from kiln.partition import ops
 from kiln.partition.estimate import node_flops, size_bytes
-from kiln.partition.extract import (_inputs, hold_steps, is_impure, lazy_order, normalize_saved, phase_key,
+from kiln.partition.extract import (_ancestors, _inputs, hold_steps, is_impure, lazy_order, normalize_saved, phase_key,
                                     split_outputs, tangent_closure)
 
 
@@ -54,35 +51,11 @@ def saved_bytes(saved: Sequence[fx.Node]) -> int:
     return sum(size_bytes(r) for r in {_root(s) for s in saved if s.op != "placeholder"})
 
 
-def _replay(order: Sequence[fx.Node], alive_at_start: Dict[fx.Node, int], keep: set) -> int:
-    """Peak live bytes running ``order``; ``keep`` roots never die within the phase."""
-    pos = {n: i for i, n in enumerate(order)}
-    last: Dict[fx.Node, int] = {}
-    for i, n in enumerate(order):
-        for a in _inputs(n):
-            last[_root(a)] = i   # positions increase: the latest use wins
-    live = dict(alive_at_start)
-    cur = peak = sum(live.values())
-    dying: Dict[int, List[fx.Node]] = {}
-    for r, i in last.items():
-        if r not in keep and (r in live or r in pos):
-            dying.setdefault(i, []).append(r)
-    for i, n in enumerate(order):
-        if n.op != "placeholder" and _root(n) is n and n not in live:
-            b = size_bytes(n) if not isinstance(n.meta.get("val"), (tuple, list)) else 0
-            live[n] = b
-            cur += b
-            peak = max(peak, cur)
-            if n not in last and n not in keep:  # never used: freed at once
-                cur -= live.pop(n)
-        for r in dying.get(i, ()):
-            cur -= live.pop(r, 0)
-    return peak
-
-
-def _replay_steps(steps, alive_at_start: Dict[tuple, int], keep: set) -> int:
-    """``_replay`` over ``extract.hold_steps`` keys (a node may run twice, as two keys)."""
-    root: Dict[tuple, tuple] = {}
+def _replay(steps, alive_at_start: dict, keep: set) -> int:
+    """Peak live bytes running ``steps``, ``[(key, node, {input node: input key})]`` as ``extract.hold_steps``
+    gives them (a node may run twice, as two keys); a view shares its base's storage; ``keep`` keys never
+    die within the phase."""
+    root: dict = {}
 
     def rt(k):
         return root.get(k, k)
@@ -91,10 +64,10 @@ def _replay_steps(steps, alive_at_start: Dict[tuple, int], keep: set) -> int:
         a0 = n.args[0] if n.args else None
         if ops.is_view(n) and isinstance(a0, fx.Node) and a0 in ins:
             root[key] = rt(ins[a0])
-    last: Dict[tuple, int] = {}
+    last: dict = {}
     for i, (_, _, ins) in enumerate(steps):
         for k in ins.values():
-            last[rt(k)] = i
+            last[rt(k)] = i   # positions increase: the latest use wins
     live = dict(alive_at_start)
     cur = peak = sum(live.values())
     dying: Dict[int, list] = {}
@@ -102,16 +75,21 @@ def _replay_steps(steps, alive_at_start: Dict[tuple, int], keep: set) -> int:
         if r not in keep:
             dying.setdefault(i, []).append(r)
     for i, (key, n, _) in enumerate(steps):
-        if rt(key) == key and key not in live:
+        if n.op != "placeholder" and rt(key) == key and key not in live:
             b = size_bytes(n) if not isinstance(n.meta.get("val"), (tuple, list)) else 0
             live[key] = b
             cur += b
             peak = max(peak, cur)
-            if key not in last and key not in keep:
+            if key not in last and key not in keep:  # never used: freed at once
                 cur -= live.pop(key)
         for r in dying.get(i, ()):
             cur -= live.pop(r, 0)
     return peak
+
+
+def _in_order(order: Sequence[fx.Node]) -> list:
+    """``order`` as ``_replay``'s steps, each node its own key."""
+    return [(n, n, {a: a for a in _inputs(n)}) for n in order]
 
 
 def _model_hold(graph, saved, hold, fwd_out, grads, tang, fwd: int) -> Peak:
@@ -119,22 +97,18 @@ def _model_hold(graph, saved, hold, fwd_out, grads, tang, fwd: int) -> Peak:
     nodes = [n for n in graph.nodes if n.op != "output"]
     roots = [g for g in grads if isinstance(g, fx.Node)] + [n for n in nodes if n in tang and is_impure(n)]
     steps = hold_steps(nodes, saved, hold, roots, tang)
-    start = {}
-    for _, _, ins in steps:
-        for a, k in ins.items():
-            if k[1] == 0 and a.op != "placeholder" and _root(a) is a:
-                start[k] = size_bytes(a)
+    start = {k: size_bytes(a) for _, _, ins in steps for a, k in ins.items()
+             if k[1] == 0 and a.op != "placeholder" and _root(a) is a}
     start.update({(t, 0): size_bytes(t) for t in nodes if t.op == "placeholder" and t in tang})
     last = phase_key(steps)
     keep = {last.get(_root(g), (_root(g), 0)) for g in grads if isinstance(g, fx.Node)}
-    bwd = _replay_steps(steps, start, keep)
+    bwd = _replay(steps, start, keep)
     flops = sum(node_flops(n) for _, n, _ in steps if n not in tang)
     return Peak(fwd, bwd, saved_bytes(saved), flops)
 
 
 def model_peak(joint_gm: fx.GraphModule, saved: Sequence[fx.Node], num_fwd_outputs: int, info=None) -> Peak:
-    """Modelled activation peak of forward + backward when ``saved`` is saved (and, when ``saved`` is an
-    ``extract.Saved`` with ``hold``, the backward rebuilds ``hold`` first)."""
+    """Modelled activation peak of forward + backward when ``saved`` (a list or an ``extract.Saved``) is saved."""
     try:
         return _model_peak(joint_gm, saved, num_fwd_outputs, info)
     finally:
@@ -153,7 +127,7 @@ def _model_peak(joint_gm, saved, num_fwd_outputs, info) -> Peak:
         n for n in graph.nodes if n.op == "placeholder"})
     fw_order = [n for n in graph.nodes if n in fw_need and n not in tang and n.op != "output"]
     fw_keep = saved_roots | {_root(o) for o in fwd_out if isinstance(o, fx.Node)}
-    fwd = _replay(fw_order, {}, fw_keep)
+    fwd = _replay(_in_order(fw_order), {}, fw_keep)
     if hold is not None:
         return _model_hold(graph, saved, hold, fwd_out, grads, tang, fwd)
     bw_need = needed([g for g in grads if isinstance(g, fx.Node)], stop)
@@ -162,20 +136,11 @@ def _model_peak(joint_gm, saved, num_fwd_outputs, info) -> Peak:
     bw_order = lazy_order(nodes, bw_need, tang, available)
     start = {r: size_bytes(r) for r in saved_roots}
     start.update({t: size_bytes(t) for t in graph.nodes if t.op == "placeholder" and t in tang})
-    bwd = _replay(bw_order, start, {_root(g) for g in grads if isinstance(g, fx.Node)})
+    bwd = _replay(_in_order(bw_order), start, {_root(g) for g in grads if isinstance(g, fx.Node)})
     flops = sum(node_flops(n) for n in bw_order if n not in tang)
     return Peak(fwd, bwd, sum(size_bytes(r) for r in saved_roots), flops)
 
 
 def needed(roots, stop) -> set:
-    """The nodes ``roots`` need: their inputs, transitively, not walking past ``stop`` nodes (roots
-    themselves are walked through even when in ``stop``)."""
-    seen, stack, root_set = set(), list(roots), set(roots)
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n not in stop or n in root_set:
-            stack.extend(a for a in n.all_input_nodes if a not in seen)
-    return seen
+    """The nodes ``roots`` need, transitively, not walking past ``stop`` nodes (but through the roots)."""
+    return _ancestors(roots, set(stop) - set(roots))

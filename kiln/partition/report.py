@@ -1,9 +1,6 @@
-"""The report behind ``kiln.explain_memory`` (``kiln/memory.py``): what the partitioner saves and
-recomputes, and why.
-
-``report`` reads a joint graph and the saved set the pipeline's partition chose for it, under the options it
-is given: every saved value (bytes, reason, source line), every forward op the backward recomputes, the
-modelled peak (peak.py), and on request a sweep of budgets -> (peak bytes, recompute FLOPs), drawn as a PNG.
+"""The report behind ``kiln.explain_memory`` (``kiln/memory.py``): every saved value of the pipeline's cut
+(bytes, reason, source line), every forward op the backward recomputes, the modelled peak (peak.py), and on
+request a sweep of budgets -> (peak bytes, recompute FLOPs), drawn as a PNG.
 """
 from __future__ import annotations
 
@@ -13,10 +10,9 @@ from typing import List, Optional, Sequence, Tuple
 import torch.fx as fx
 
 from kiln.partition import ops
-from kiln.partition.choose import choose_saved
-from kiln.partition.decisions import source_line
+from kiln.partition.limit import choose_saved
 from kiln.partition.joint_info import JointInfo
-from kiln.partition.mincut import RUNTIME_OPTIMAL, Policy, ban_reason
+from kiln.partition.mincut import RUNTIME_OPTIMAL, Policy, ban_reason, source_line
 from kiln.partition.peak import model_peak, needed
 
 
@@ -53,11 +49,7 @@ class MemoryReport:
 
 def report(gm: fx.GraphModule, saved: Sequence[fx.Node], n: int, opts, budgets: Optional[Sequence[float]] = None,
            png: Optional[str] = None) -> MemoryReport:
-    """The report of the joint graph ``gm`` (``n`` forward outputs) cut at ``saved`` under ``opts``.
-
-    ``budgets``: also sweep these activation_memory_budget values (default 1.0..0.0 by 0.1 when ``png``
-    is given). ``png``: write the budget -> (peak bytes, recompute FLOPs) plot there (matplotlib, Agg).
-    """
+    """The report of joint graph ``gm`` (``n`` forward outputs) cut at ``saved`` (see ``explain_memory``)."""
     info = JointInfo(gm, n)
     peak = model_peak(gm, saved, n, info)
     policy = RUNTIME_OPTIMAL if opts.activation_memory_budget >= 1 else Policy(ban_materialized=False)

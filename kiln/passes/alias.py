@@ -1,21 +1,17 @@
-"""Which storages each FX node may live in, and which storages it writes.
+"""Which storages each FX node may live in, and which it writes: CSE and the pattern matcher use it so that
+mutations block only the rewrites they can affect. A storage is an opaque token (a ``StorageWeakRef`` or a
+fresh integer). Three kinds of graph:
 
-Shared by CSE (``cse.py``) and the pattern matcher (``match/entries.py``) so that mutations
-block only the rewrites they can affect. Works on three kinds of graph:
-
-* ATen graphs (``make_fx``, AOTAutograd): the op schema's alias annotations decide
-  (``view(Tensor(a) self) -> Tensor(a)`` aliases, ``add_(Tensor(a!) self)`` writes ``self``).
-  ``meta['val']`` is not trusted there: ``make_fx`` in real mode snapshots values and loses views.
-* Dynamo's torch-level graphs: the fake tensors in ``meta['example_value']`` share storages
-  exactly when the values alias; writes are read from names (``add_``, ``inplace=True``, ``out=``,
-  ``operator.setitem``, ``operator.iadd``).
-* ``symbolic_trace`` graphs (no meta): torch functions are resolved to the ATen op of the same
-  name; anything unknown is assumed to alias all of its tensor inputs (safe, never wrong).
-
-A storage is an opaque hashable token: a ``StorageWeakRef`` or a fresh integer.
+* ATen graphs: the schema's alias annotations decide (``view(Tensor(a) self) -> Tensor(a)`` aliases,
+  ``add_(Tensor(a!) self)`` writes ``self``); not ``meta['val']``: ``make_fx`` in real mode loses views.
+* Dynamo's graphs: fake tensors in ``meta['example_value']`` share storages exactly when values alias;
+  writes are read from names (``add_``, ``inplace=True``, ``out=``, ``operator.setitem``, ``operator.iadd``).
+* ``symbolic_trace`` graphs (no meta): torch functions resolve to the ATen op of the same name; anything
+  unknown may alias all of its tensor inputs (safe).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import operator
@@ -23,11 +19,7 @@ from typing import Dict, FrozenSet, List, Tuple
 
 import torch
 import torch.fx as fx
-
-try:
-    from torch.multiprocessing.reductions import StorageWeakRef
-except ImportError:  # pragma: no cover - very old torch
-    StorageWeakRef = None
+from torch.multiprocessing.reductions import StorageWeakRef
 
 aten = torch.ops.aten
 EMPTY: FrozenSet = frozenset()
@@ -77,15 +69,11 @@ def _overloads(node: fx.Node) -> List[torch._ops.OpOverload]:
     elif node.op == "call_method" or (node.op == "call_function" and _is_torch_callable(t)):
         pkt = _aten_packet(target_name(node))
     else:
-        pkt = None
-    if pkt is None:
         return []
     out = []
-    for name in pkt.overloads():
-        try:
+    for name in pkt.overloads() if pkt is not None else ():
+        with contextlib.suppress(AttributeError, RuntimeError):
             out.append(getattr(pkt, name))
-        except (AttributeError, RuntimeError):
-            pass
     return out
 
 
@@ -99,9 +87,7 @@ def _is_torch_callable(t) -> bool:
 
 
 def _arg_by_schema(node: fx.Node, index: int, name: str):
-    if index < len(node.args):
-        return node.args[index]
-    return node.kwargs.get(name)
+    return node.args[index] if index < len(node.args) else node.kwargs.get(name)
 
 
 def _nodes_in(value) -> List[fx.Node]:
@@ -125,8 +111,8 @@ def _nodes_in(value) -> List[fx.Node]:
 
 @functools.lru_cache(maxsize=None)
 def schema_aliasing(op: torch._ops.OpOverload) -> Tuple[tuple, tuple, bool]:
-    """``(written, aliased, returns_alias)`` for an ATen overload: ``(index, name)`` of the
-    arguments it writes, of the arguments with any alias annotation, and whether a return aliases."""
+    """``(written, aliased, returns_alias)``: the ``(index, name)`` of the arguments an ATen overload writes, of
+    those with any alias annotation, and whether a return aliases."""
     args = op._schema.arguments
     written = tuple((i, a.name) for i, a in enumerate(args) if a.alias_info is not None and a.alias_info.is_write)
     aliased = tuple((i, a.name) for i, a in enumerate(args) if a.alias_info is not None)
@@ -138,43 +124,32 @@ def written_args(node: fx.Node) -> List[fx.Node]:
     if node.op not in ("call_function", "call_method", "call_module"):
         return []
     t = node.target
-    if isinstance(t, torch._ops.OpOverload):
-        schema_ops = [t]
-    elif isinstance(t, torch._ops.OpOverloadPacket):
-        schema_ops = _overloads(node)
-    else:
-        schema_ops = []
+    schema_ops = _overloads(node) if isinstance(t, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) else []
     out: List[fx.Node] = []
     for op in schema_ops:
         for i, name in schema_aliasing(op)[0]:
             out += _nodes_in(_arg_by_schema(node, i, name))
     if schema_ops:
         return out
-    name = target_name(node)
-    first = node.args[0] if node.args else node.kwargs.get("input", node.kwargs.get("self"))
-    if (t in INPLACE_OPERATORS or (name.endswith("_") and not name.endswith("__"))
-            or node.kwargs.get("inplace") is True):
-        out += _nodes_in(first)
+    name, mod = target_name(node), None
     if node.op == "call_module" and node.graph.owning_module is not None:
-        try:
+        with contextlib.suppress(AttributeError):
             mod = node.graph.owning_module.get_submodule(t)
-        except AttributeError:
-            mod = None
-        if getattr(mod, "inplace", False):
-            out += _nodes_in(first)
+    if (t in INPLACE_OPERATORS or (name.endswith("_") and not name.endswith("__"))
+            or node.kwargs.get("inplace") is True or getattr(mod, "inplace", False)):
+        out += _nodes_in(node.args[0] if node.args else node.kwargs.get("input", node.kwargs.get("self")))
     if "out" in node.kwargs:
         out += _nodes_in(node.kwargs["out"])
     return out
 
 
 def _val(node: fx.Node):
-    m = node.meta
-    return m["val"] if "val" in m else m.get("example_value")
+    return node.meta["val"] if "val" in node.meta else node.meta.get("example_value")
 
 
 def _val_storages(val) -> FrozenSet:
     if isinstance(val, torch.Tensor):
-        if StorageWeakRef is None or val.is_sparse or getattr(val, "is_nested", False):
+        if val.is_sparse or getattr(val, "is_nested", False):
             return frozenset([("t", id(val))])
         try:
             return frozenset([StorageWeakRef(val.untyped_storage())])
@@ -186,11 +161,7 @@ def _val_storages(val) -> FrozenSet:
 
 
 class AliasAnalysis:
-    """Storages per node (``storages[n]``) and storages written per node (``writes[n]``).
-
-    Build it with ``AliasAnalysis(graph)``; ``mutated`` is the set of every storage written
-    somewhere in the graph. ``reads(n)`` is the union of the storages of ``n``'s inputs.
-    """
+    """Storages per node (``storages[n]``), written per node (``writes[n]``) and written anywhere (``mutated``)."""
 
     def __init__(self, graph: fx.Graph):
         self._fresh = itertools.count()
@@ -237,8 +208,8 @@ class AliasAnalysis:
             if isinstance(src.target, torch._ops.OpOverload) or _val(src) is None or _val(node) is None:
                 return self.of(src)
         val = _val(node)
-        if val is not None or (node.op in ("placeholder", "get_attr") and "tensor_meta" in node.meta):
-            return _val_storages(val) if val is not None else self._new()
+        if val is not None:
+            return _val_storages(val)
         if node.op in ("placeholder", "get_attr"):
             return self._new()
         written = written_args(node)
@@ -253,9 +224,8 @@ class AliasAnalysis:
     def _from_schema(self, node: fx.Node, op: torch._ops.OpOverload) -> FrozenSet:
         _, aliased, returns_alias = schema_aliasing(op)
         out = self._new()
-        if returns_alias:
-            for i, name in aliased:
-                out = out | self.of(_arg_by_schema(node, i, name))
+        for i, name in aliased if returns_alias else ():
+            out = out | self.of(_arg_by_schema(node, i, name))
         return out
 
 

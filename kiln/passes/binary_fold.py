@@ -1,17 +1,11 @@
 """Fold ``add``/``sub``/``mul``/``div`` by a constant into the convolution or linear before it.
 
-Algebra, with ``c`` constant per output channel (``conv``: dim 1; ``linear``: the last dim):
-    conv(x, W, b) + c  ->  conv(x, W, b + c)
-    conv(x, W, b) - c  ->  conv(x, W, b - c)
-    conv(x, W, b) * c  ->  conv(x, W * c[:, None, ...], b * c)
-    conv(x, W, b) / c  ->  conv(x, W / c[:, None, ...], b / c)
-and the same for ``addmm(b, x, Wt)`` / ``mm(x, Wt)`` (``Wt`` scaled along its columns), also when a
-``view`` that keeps the last dim sits between the matmul and the binary op (3-D linear inputs).
-
-A fold needs: a constant weight (and bias), the producer's only user being the binary op, ``c`` a
-Python number or a constant tensor that varies along the channel dim only (so the result keeps the
-producer's shape), and no type promotion: the binary op's result dtype must equal the producer's, or
-the fold would change the dtype eager returns (a bf16 conv times a float32 tensor is float32).
+With ``c`` constant per output channel (conv: dim 1; linear: the last dim): ``conv(x, W, b) + c -> conv(x, W,
+b + c)``, ``conv(x, W, b) * c -> conv(x, W * c[:, None, ...], b * c)``, likewise ``-`` and ``/``, and for
+``addmm(b, x, Wt)`` / ``mm(x, Wt)`` (``Wt`` scaled along its columns), also through a ``view`` that keeps
+the last dim (3-D linear inputs). A fold needs constant weights, the producer's only user being the binary
+op, ``c`` a number or a constant varying along the channel dim only, and no type promotion (a bf16 conv
+times a float32 tensor is float32 in eager).
 """
 from __future__ import annotations
 
@@ -20,6 +14,7 @@ import torch.fx as fx
 
 from kiln.debug import log
 from kiln.passes.constant_fold import add_constant, compute_dtype, constant_value, fake_mode_of, like
+from kiln.passes.constant_fold import val as _val
 
 aten = torch.ops.aten
 
@@ -33,10 +28,6 @@ BINARY = {
 VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 
 
-def _val(n):
-    return n.meta.get("val") if isinstance(n, fx.Node) else None
-
-
 def _channel_vector(gm, c, out_shape, dim: int, channels: int, dtype):
     """``c`` as a vector of ``channels`` values when it varies along ``dim`` of ``out_shape`` only."""
     if isinstance(c, (int, float)) and not isinstance(c, bool):
@@ -44,8 +35,7 @@ def _channel_vector(gm, c, out_shape, dim: int, channels: int, dtype):
     t = constant_value(gm, c)
     if t is None or t.dim() > len(out_shape) or not (t.is_floating_point() or t.dtype in (torch.int64, torch.int32)):
         return None
-    shape = [1] * (len(out_shape) - t.dim()) + list(t.shape)
-    dim = dim % len(out_shape)
+    shape, dim = [1] * (len(out_shape) - t.dim()) + list(t.shape), dim % len(out_shape)
     if any(s != 1 for i, s in enumerate(shape) if i != dim) or shape[dim] not in (1, channels):
         return None
     return t.reshape(-1).to(dtype).expand(channels).clone()
@@ -53,9 +43,7 @@ def _channel_vector(gm, c, out_shape, dim: int, channels: int, dtype):
 
 def _producer(n: fx.Node):
     """(matmul-or-conv node, view between or None, channel dim of the binary op's operand) or None."""
-    kind, commutative = BINARY[n.target]
-    cands = [(0, 1)] + ([(1, 0)] if commutative else [])
-    for pi, ci in cands:
+    for pi, ci in [(0, 1)] + ([(1, 0)] if BINARY[n.target][1] else []):
         p = n.args[pi] if pi < len(n.args) else None
         if not isinstance(p, fx.Node) or len(p.users) != 1:
             continue
@@ -75,10 +63,8 @@ def _producer(n: fx.Node):
 def _weights(gm, p):
     """(weight, bias-or-None, weight arg index, bias arg index or None) of a conv/addmm/mm node."""
     if p.target is aten.convolution.default:
-        w, bi = constant_value(gm, p.args[1]), 2
-        b = constant_value(gm, p.args[2]) if p.args[2] is not None else None
-        ok = w is not None and (p.args[2] is None or b is not None)
-        return (w, b, 1, bi) if ok else None
+        w, b = constant_value(gm, p.args[1]), constant_value(gm, p.args[2])
+        return (w, b, 1, 2) if w is not None and (p.args[2] is None or b is not None) else None
     if p.target is aten.addmm.default:
         w, b = constant_value(gm, p.args[2]), constant_value(gm, p.args[0])
         return (w, b, 2, 0) if w is not None and b is not None else None
@@ -145,10 +131,8 @@ def _fold_one(gm, n: fx.Node, fake_mode) -> bool:
 def fold_binary(gm: fx.GraphModule, fake_mode=None) -> int:
     """Fold binary ops by constants into the conv/linear before them; edits ``gm``, returns the count."""
     fake_mode = fake_mode or fake_mode_of(gm)
-    folded = 0
-    for n in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in BINARY]:
-        if _fold_one(gm, n, fake_mode):
-            folded += 1
+    todo = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in BINARY]
+    folded = sum(_fold_one(gm, n, fake_mode) for n in todo)
     if folded:
         gm.graph.eliminate_dead_code()
         gm.recompile()

@@ -1,33 +1,18 @@
-"""Channels-last for convolution nets on the GPU: ``to_channels_last(gm, opts)``.
+"""Channels-last for convolution nets (option ``layout_devices``: 'cuda', or 'any' to test it on the CPU), and
+the layouts of freezing (at the end).
 
-cuDNN's fp16/bf16 convolutions run in NHWC; given NCHW tensors they transpose on the way in and
-out. This pass makes every 4-D convolution read a channels-last input (``aten.clone(x,
-memory_format=channels_last)`` where the value is not channels-last already) and re-derives every
-value's fake tensor in graph order, so the pointwise work between convolutions (batch norm, ReLU,
-residual adds) is planned, fused and stored in NHWC by the code generator: one conversion at the
-network's entry instead of two per convolution.
+cuDNN's fp16/bf16 convolutions run in NHWC and transpose NCHW tensors on the way in and out. This pass
+makes every 4-D convolution read a channels-last input (an ``aten.clone(x, memory_format=channels_last)``)
+and re-derives the fake values after it, so the pointwise work between convolutions is fused and stored
+in NHWC: one conversion at the network's entry instead of two per convolution. On AOTAutograd's joint
+graph ``convolution_backward`` reads its ``grad_output`` and ``input`` channels-last too, so forward, saved
+activations and backward agree on one layout. A KxK weight goes channels-last once in the graph: given an
+NCHW weight cuDNN copies it in every call (about 20 us of host time and a kernel, forward and backward).
 
-It runs on inference graphs and on AOTAutograd's joint training graph before partitioning. In a joint
-graph ``aten.convolution_backward`` reads its ``grad_output`` and its ``input`` channels-last too (the
-input reuses the forward's copy), so the forward, the saved activations and the backward agree on one
-layout and the partitioner cuts a graph whose fake strides are consistent across the fw/bw boundary.
-
-What a user sees does not change: each graph output whose strides moved gets a copy back to the
-eager strides (user outputs, updated inputs, and in a joint graph the gradients: a weight's gradient
-comes back with the weight's strides; AOTAutograd's tangents keep eager strides since the outputs do),
-or an ``as_strided`` view where only size-1 dimensions' strides moved (a 1x1 weight's gradient). A
-view that a channels-last input would break reads a contiguous copy, and ``as_strided`` reads a copy
-with the eager strides. Graphs with symbolic shapes are left alone (as inductor does). Fake values
-are re-derived only where an input's value changed.
-
-Which devices: option ``layout_devices``, 'cuda' (where channels-last pays) or 'any' (CPU graphs too,
-e.g. to test the pass); ``devices(opts)`` reads it.
-
-A KxK weight goes channels-last in the graph too, once, shared by the convolution and its backward.
-Given an NCHW weight, cuDNN copies it to NHWC inside every call (an ATen ``contiguous``: about 20 us
-of host time and a kernel, in the forward and again in the backward). Under autocast the weight's
-cast to bf16 then writes NHWC itself (the clone fuses into it); a weight that is a graph input gets
-one kiln copy kernel. Frozen weights (``get_attr``) are left to freezing, which stores them NHWC.
+What a user sees does not change: each graph output whose strides moved (gradients included) gets a copy
+back to eager strides, or an ``as_strided`` view where only size-1 dims' strides moved (a 1x1 weight's
+gradient); a view a channels-last input would break reads a contiguous copy, ``as_strided`` a copy with
+the eager strides. Graphs with symbolic shapes are left alone, as under inductor.
 """
 from __future__ import annotations
 
@@ -37,7 +22,8 @@ import torch
 import torch.fx as fx
 
 from kiln.options import active
-from kiln.passes.constant_fold import fake_mode_of, infer_val
+from kiln.passes.constant_fold import call, fake_mode_of, infer_val
+from kiln.passes.constant_fold import val as _val
 
 aten = torch.ops.aten
 CL = torch.channels_last
@@ -50,29 +36,13 @@ CONVS = {aten.convolution.default: (0, (0, 1)),
 WEIGHT = {aten.convolution.default: 1, aten.convolution_backward.default: 2}   # which of those is the weight
 
 
-def _val(n):
-    return n.meta.get("val") if isinstance(n, fx.Node) else None
-
-
 def _is_cl(v) -> bool:
     return isinstance(v, torch.Tensor) and v.dim() == 4 and v.is_contiguous(memory_format=CL) \
         and not v.is_contiguous()
 
 
-def _weight_to_convert(w) -> bool:
-    """A computed or input 4-D weight that is not NHWC already (a 1x1 weight is both layouts at once)."""
-    v = _val(w)
-    return isinstance(w, fx.Node) and w.op != "get_attr" and isinstance(v, torch.Tensor) and v.dim() == 4 \
-        and not v.is_contiguous(memory_format=CL)
-
-
-def _symbolic(v) -> bool:
-    return any(isinstance(s, torch.SymInt) for s in (*v.shape, *v.stride()))
-
-
 def devices(opts=None):
-    """Device types where the layout passes act (None: any), from option ``layout_devices``; without
-    ``opts``, the options of the compile in progress (``kiln.options.active()``)."""
+    """Device types where the layout passes act (None: any); ``opts`` default: ``kiln.options.active()``."""
     return LAYOUT_DEVICES[(opts if opts is not None else active()).layout_devices]
 
 
@@ -90,13 +60,10 @@ def _convs(gm, on) -> dict:
 
 def copy_before(gm, before, x, fmt, fake):
     """A new ``aten.clone(x, memory_format=fmt)`` node right before ``before``, with its fake value."""
-    with gm.graph.inserting_before(before):
-        c = gm.graph.call_function(aten.clone.default, (x,), {"memory_format": fmt})
-    infer_val(c, fake)
-    return c
+    return call(gm.graph, fake, aten.clone.default, x, memory_format=fmt, before=before)
 
 
-def _view_breaks(node, val) -> bool:
+def view_breaks(node, val) -> bool:
     shape = [_val(a) if isinstance(a, fx.Node) else a for a in node.args[1]]
     try:
         torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta").view(shape)
@@ -120,16 +87,13 @@ def _same_but_size_one(old, new) -> bool:
 
 
 def restore_before(gm, before, x, old, fake):
-    """Give ``before`` the value ``x`` with the strides ``old`` had (eager's): an ``as_strided`` view where
-    only size-1 dimensions differ (a 1x1 weight's gradient), else a copy; returns the new node or None."""
+    """Give ``before`` ``x`` with the eager strides ``old`` had: a view where only size-1 dims differ, else a copy."""
     new = _val(x)
     if not (isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor)):
         return None
     if _same_but_size_one(old, new):
-        with gm.graph.inserting_before(before):
-            c = gm.graph.call_function(aten.as_strided.default,
-                                       (x, list(old.shape), list(old.stride()), new.storage_offset()))
-        infer_val(c, fake)
+        c = call(gm.graph, fake, aten.as_strided.default, x, list(old.shape), list(old.stride()),
+                 new.storage_offset(), before=before)
     else:
         fmt = _eager_format(old, new)
         c = copy_before(gm, before, x, fmt, fake) if fmt is not None else None
@@ -148,12 +112,10 @@ def _same_layout(a, b) -> bool:
 
 
 def to_channels_last(gm: fx.GraphModule, opts=None) -> int:
-    """Rewrite ``gm`` in place as described above; returns how many convolution inputs changed.
-
-    ``opts`` (an ``Options``; default: those of the compile in progress, else of the current scope)
-    decides the devices through ``layout_devices``."""
+    """Rewrite ``gm`` in place as described above; returns how many convolution inputs changed."""
     convs = _convs(gm, devices(opts))
-    if not convs or any(_symbolic(_val(n.args[CONVS[n.target][0]])) for n in convs):
+    if not convs or any(isinstance(s, torch.SymInt) for n in convs  # symbolic shapes: left alone
+                        for v in [_val(n.args[CONVS[n.target][0]])] for s in (*v.shape, *v.stride())):
         return 0
     fake = fake_mode_of(gm)
     eager = {n: _val(n) for n in gm.graph.nodes}
@@ -163,15 +125,18 @@ def to_channels_last(gm: fx.GraphModule, opts=None) -> int:
         if n.op != "call_function":
             continue
         for i in convs.get(n, ()):
-            a = n.args[i]
-            convert = _weight_to_convert(a) if i == WEIGHT[n.target] else \
-                isinstance(a, fx.Node) and not _is_cl(_val(a))
+            a, v = n.args[i], _val(n.args[i])
+            if i == WEIGHT[n.target]:   # a computed or input 4-D weight not NHWC already (a 1x1 one is both)
+                convert = isinstance(a, fx.Node) and a.op != "get_attr" and isinstance(v, torch.Tensor) \
+                    and v.dim() == 4 and not v.is_contiguous(memory_format=CL)
+            else:
+                convert = isinstance(a, fx.Node) and not _is_cl(v)
             if convert:
                 if a not in nhwc:
                     nhwc[a] = copy_before(gm, n, a, CL, fake)
                 n.update_arg(i, nhwc[a])
                 changed += 1
-        if n.target in VIEWS and _is_cl(_val(n.args[0])) and _view_breaks(n, _val(n.args[0])):
+        if n.target in VIEWS and _is_cl(_val(n.args[0])) and view_breaks(n, _val(n.args[0])):
             n.replace_input_with(n.args[0], copy_before(gm, n, n.args[0], torch.contiguous_format, fake))
         if n.target in STRIDED and isinstance(n.args[0], fx.Node):
             a = n.args[0]
@@ -179,9 +144,9 @@ def to_channels_last(gm: fx.GraphModule, opts=None) -> int:
             if fmt is not None and not _same_but_size_one(eager[a], _val(a)):
                 n.replace_input_with(a, copy_before(gm, n, a, fmt, fake))
         if (n.target is operator.getitem or isinstance(n.target, torch._ops.OpOverload)) \
-                and any(_val(a) is not eager.get(a) for a in n.all_input_nodes):
-            if _same_layout(infer_val(n, fake), eager[n]):
-                n.meta["val"] = eager[n]   # unchanged: later nodes need no new fake value either
+                and any(_val(a) is not eager.get(a) for a in n.all_input_nodes) \
+                and _same_layout(infer_val(n, fake), eager[n]):
+            n.meta["val"] = eager[n]   # unchanged: later nodes need no new fake value either
     if not changed:
         return 0
     nhwc_reductions(gm, fake)
@@ -211,13 +176,10 @@ def _dims_keepdim(n):
 
 
 def nhwc_reductions(gm: fx.GraphModule, fake) -> int:
-    """Reduce channels-last tensors through their NHWC view; returns the count of rewritten reductions.
-
-    Logically ``sum(x, [0, 2, 3])`` reduces rows that end in the innermost dim W, so the code generator
-    plans one row per channel; in channels-last memory those rows are strided by C and every load is
-    uncoalesced (ResNet-50's batch-norm statistics ran 3x slower than NCHW). Through
-    ``permute(x, [0, 2, 3, 1])``, a dense view, the same reduction keeps the innermost dim C and is a
-    column reduction, which the code generator splits over many programs and loads contiguously."""
+    """Reduce channels-last tensors through their NHWC view (``permute(x, [0, 2, 3, 1])``); returns how many.
+    ``sum(x, [0, 2, 3])`` planned as one row per channel loads rows strided by C in channels-last memory
+    (ResNet-50's batch-norm statistics ran 3x slower than NCHW); through the view it is a column reduction,
+    which the code generator splits over many programs and loads contiguously."""
     done = 0
     for n in list(gm.graph.nodes):
         if n.op != "call_function" or n.target not in REDUCTIONS or not _is_cl(_val(n.args[0])):
@@ -232,31 +194,23 @@ def nhwc_reductions(gm: fx.GraphModule, fake) -> int:
         new_dims = sorted(NHWC_POS[d] for d in dims)
         g = gm.graph
         with g.inserting_before(n):
-            view = g.call_function(aten.permute.default, (n.args[0], TO_NHWC))
-            infer_val(view, fake)
+            view = call(g, fake, aten.permute.default, n.args[0], TO_NHWC)
             args, kwargs = list(n.args), dict(n.kwargs)
             args[0] = view
             if len(args) > 1:
                 args[1] = new_dims
             else:
                 kwargs["dims" if "dims" in kwargs else "dim"] = new_dims
-            red = g.call_function(n.target, tuple(args), kwargs)
-            infer_val(red, fake)
+            red = call(g, fake, n.target, *args, **kwargs)
 
             def back(v):
-                if not keep:
-                    return v
-                b = g.call_function(aten.permute.default, (v, TO_NCHW))
-                infer_val(b, fake)
-                return b
+                return call(g, fake, aten.permute.default, v, TO_NCHW) if keep else v
             if isinstance(_val(n), (tuple, list)):
                 for u in list(n.users):
                     if u.target is not operator.getitem:
                         break
                     with g.inserting_before(u):
-                        item = g.call_function(operator.getitem, (red, u.args[1]))
-                        infer_val(item, fake)
-                        u.replace_all_uses_with(back(item))
+                        u.replace_all_uses_with(back(call(g, fake, operator.getitem, red, u.args[1])))
                     g.erase_node(u)
                 if n.users:   # a user other than getitem: leave it (both forms compute the same)
                     continue
@@ -265,3 +219,73 @@ def nhwc_reductions(gm: fx.GraphModule, fake) -> int:
         g.erase_node(n)
         done += 1
     return done
+
+
+# -- layouts under freezing (freeze.py) ----------------------------------------------------------------
+def convert_conv_weights(gm: fx.GraphModule, opts) -> int:
+    """Make 4-D constant conv weights channels-last (folding stores them so) where the activations are too."""
+    if not opts.layout_optimization:
+        return 0
+    fake, changed, on = fake_mode_of(gm), 0, devices(opts)
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function" or n.target is not aten.convolution.default:
+            continue
+        w = n.args[1]
+        val = _val(w)
+        if w.op != "get_attr" or val is None or val.dim() != 4 or (on is not None and val.device.type not in on):
+            continue
+        n.replace_input_with(w, copy_before(gm, n, w, CL, fake))
+        changed += 1
+    if changed:
+        gm.recompile()
+    return changed
+
+
+# Producers whose runtime output layout is the library's choice, not the eager strides in meta['val']
+# (oneDNN picks channels-last for some convolutions even on contiguous inputs); ops whose output layout
+# does not follow their inputs'; ops that read storage through explicit strides.
+FREE_LAYOUT = {"mkldnn._convolution_pointwise.default"}
+RESETS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.convolution.default, aten.clone.default,
+          aten.contiguous.default}
+ALL_STRIDED = {aten.as_strided.default, aten.as_strided_.default, aten.as_strided_scatter.default}
+
+
+def _memory_format(val):
+    if not isinstance(val, torch.Tensor):
+        return None
+    if val.is_contiguous():
+        return torch.contiguous_format
+    return CL if val.dim() == 4 and val.is_contiguous(memory_format=CL) else None
+
+
+def pin_eager_strides(gm: fx.GraphModule, fake_mode=None) -> int:
+    """Restore eager strides where a stride-sensitive consumer reads a free-layout result, in place: a value
+    whose layout may differ from its ``meta['val']`` (downstream of a FREE_LAYOUT producer through ops that
+    keep their input's layout) gets ``aten.contiguous(x, memory_format=<eager>)`` (a no-op when the layout
+    matches) before each ``as_strided``, each view the other layout would break, and the output; returns
+    how many."""
+    fake_mode = fake_mode or fake_mode_of(gm)
+    free: set = set()
+    for n in gm.graph.nodes:
+        name = f"{getattr(n.target, 'namespace', '')}.{getattr(n.target, '_opname', '')}." \
+               f"{getattr(n.target, '_overloadname', '')}"
+        if n.op == "call_function" and (name in FREE_LAYOUT or (n.target not in RESETS and
+                                                                any(a in free for a in n.all_input_nodes))):
+            free.add(n)
+    pinned = 0
+    for n in list(gm.graph.nodes) if free else ():
+        is_call = n.op == "call_function"
+        for a in [a for a in n.all_input_nodes if a in free]:
+            val = a.meta.get("val")
+            sensitive = n.op == "output" or is_call and n.target in ALL_STRIDED or (
+                is_call and n.target in VIEWS and n.args[0] is a and val is not None and val.dim() == 4
+                and view_breaks(n, torch.empty(list(val.shape), dtype=val.dtype, device="meta").to(memory_format=CL)))
+            fmt = _memory_format(val)
+            if not sensitive or fmt is None:
+                continue
+            n.replace_input_with(a, call(gm.graph, fake_mode, aten.contiguous.default, a, memory_format=fmt,
+                                         before=n))
+            pinned += 1
+    if pinned:
+        gm.recompile()
+    return pinned

@@ -3,11 +3,10 @@
     addmm(b1, x, W1t), addmm(b2, x, W2t), mm(x, W3t)
         ->  y = addmm(cat[b1, b2, 0], x, cat[W1t, W2t, W3t] along columns);  y[:, :N1], y[:, N1:N1+N2], ...
 
-One bigger GEMM replaces several small ones (better for small N, and the input is read once). A linear
-joins a group when its weight is a constant 2-D matrix with the group's K, dtype and device, and its
-bias is a constant that broadcasts as one row (shape [N] or [1, N]); a bias shaped [M, N] keeps its
-linear out. Each result is a column slice of the big output; a slice that a view cannot reinterpret,
-or that is returned to the user, is copied to a contiguous tensor so strides match eager.
+One bigger GEMM replaces several small ones (better for small N; the input is read once). A linear joins a
+group when its weight is a constant 2-D matrix with the group's K, dtype and device, and its bias a constant
+that broadcasts as one row. Each result is a column slice of the big output; a slice that a view cannot
+reinterpret, or that the graph returns, is copied to a contiguous tensor so strides match eager.
 """
 from __future__ import annotations
 
@@ -15,7 +14,8 @@ import torch
 import torch.fx as fx
 
 from kiln.debug import log
-from kiln.passes.constant_fold import add_constant, constant_value, fake_mode_of, infer_val
+from kiln.passes.channels_last import view_breaks
+from kiln.passes.constant_fold import add_constant, call, constant_value, fake_mode_of, infer_val
 
 aten = torch.ops.aten
 VIEWS = (aten.view.default, aten._unsafe_view.default)
@@ -24,19 +24,11 @@ MIN_GROUP = 2
 
 def _linear(gm, n: fx.Node):
     """(x, Wt, bias-or-None) when ``n`` is a linear with constant weights, else None."""
-    if n.op != "call_function" or n.kwargs:
+    if n.op != "call_function" or n.kwargs or n.target not in (aten.addmm.default, aten.mm.default):
         return None
-    if n.target is aten.addmm.default:
-        b, x, w = n.args
-        bt = constant_value(gm, b)
-        if bt is None:
-            return None
-    elif n.target is aten.mm.default:
-        (x, w), bt = n.args, None
-    else:
-        return None
-    wt = constant_value(gm, w)
-    if wt is None or wt.dim() != 2 or not wt.is_floating_point():
+    b, x, w = n.args if n.target is aten.addmm.default else (None, *n.args)
+    bt, wt = constant_value(gm, b), constant_value(gm, w)
+    if (b is not None and bt is None) or wt is None or wt.dim() != 2 or not wt.is_floating_point():
         return None
     if bt is not None and (bt.dtype != wt.dtype or bt.dim() > 2 or bt.numel() != wt.shape[1]):
         return None
@@ -54,25 +46,15 @@ def _input_key(x):
 def _groups(gm) -> list:
     groups: dict = {}
     for n in gm.graph.nodes:
-        lin = _linear(gm, n)
-        if lin is None:
-            continue
-        x, wt, _ = lin
-        groups.setdefault((_input_key(x), wt.shape[0], wt.dtype, wt.device), []).append((n, lin))
+        if (lin := _linear(gm, n)) is not None:
+            x, wt, _ = lin
+            groups.setdefault((_input_key(x), wt.shape[0], wt.dtype, wt.device), []).append((n, lin))
     return [g for g in groups.values() if len(g) >= MIN_GROUP]
 
 
 def _needs_copy(user: fx.Node, sliced_val) -> bool:
     """True when ``user`` cannot take a column slice in place of a contiguous matrix."""
-    if user.op == "output":
-        return True
-    if user.target in VIEWS:
-        shape = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in user.args[1]]
-        try:
-            sliced_val.view(shape)
-        except Exception:
-            return True
-    return False
+    return user.op == "output" or user.target in VIEWS and view_breaks(user, sliced_val)
 
 
 def _concat(gm, group, fake_mode) -> None:
@@ -92,23 +74,16 @@ def _concat(gm, group, fake_mode) -> None:
                            for _, lin in group])
     first = next(n for n in g.nodes if n in set(nodes))
     w_node, b_node = add_constant(gm, w_cat, fake_mode), add_constant(gm, b_cat, fake_mode)
-    with g.inserting_before(first):
-        big = g.call_function(aten.addmm.default, (b_node, x, w_node))
-    infer_val(big, fake_mode)
+    big = call(g, fake_mode, aten.addmm.default, b_node, x, w_node, before=first)
     slices, start = [], 0
     for width in widths:
-        with g.inserting_before(first):
-            s = g.call_function(aten.slice.Tensor, (big, 1, start, start + width))
+        slices.append(call(g, fake_mode, aten.slice.Tensor, big, 1, start, start + width, before=first))
         start += width
-        infer_val(s, fake_mode)
-        slices.append(s)
     for n, s in zip(nodes, slices):
         for user in list(n.users):
             src = s
             if _needs_copy(user, s.meta.get("val")):
-                with g.inserting_before(user):
-                    src = g.call_function(aten.clone.default, (s,), {"memory_format": torch.contiguous_format})
-                infer_val(src, fake_mode)
+                src = call(g, fake_mode, aten.clone.default, s, memory_format=torch.contiguous_format, before=user)
             user.replace_input_with(n, src)
             if src is s:   # the user now reads a strided slice: its value (and its views') change layout
                 _refresh(user, fake_mode)

@@ -1,19 +1,17 @@
-"""Take a convolution's bias out of the library call: ``split_conv_bias(gm)`` (Triton target only:
-oneDNN adds a CPU convolution's bias inside the convolution itself).
+"""Take a convolution's bias out of the library call: ``split_conv_bias(gm)`` (Triton target only: oneDNN
+adds a CPU convolution's bias inside the convolution itself).
 
-cuDNN's convolutions add a bias in a kernel of their own (ATen runs ``output.add_(bias)`` after the
-convolution), one more read and write of the whole output. ``conv(x, w, b)`` becomes
-``conv(x, w, None) + b.view(1, C, 1, ...)``, and the add fuses into the pointwise kernel after the
-convolution (a folded BatchNorm's bias lands in the ReLU's kernel). The rounding is ATen's: the
-convolution's output is rounded to its dtype before the bias is added in both. The backward graph
-is not touched: its ``convolution_backward`` still computes the bias gradient.
+cuDNN adds a bias in a kernel of its own (ATen's ``output.add_(bias)``), one more read and write of the
+output. ``conv(x, w, b)`` becomes ``conv(x, w, None) + b.view(1, C, 1, ...)``, and the add fuses into the
+pointwise kernel after the convolution. The rounding is ATen's (the convolution's output is rounded to
+its dtype before the add); the backward's ``convolution_backward`` still computes the bias gradient.
 """
 from __future__ import annotations
 
 import torch
 import torch.fx as fx
 
-from kiln.passes.constant_fold import fake_mode_of, infer_val
+from kiln.passes.constant_fold import call, fake_mode_of
 
 aten = torch.ops.aten
 
@@ -31,14 +29,11 @@ def split_conv_bias(gm: fx.GraphModule) -> int:
         if not (isinstance(val, torch.Tensor) and isinstance(bval, torch.Tensor)) or val.dim() < 3 \
                 or bval.dim() != 1 or bval.dtype != val.dtype or bval.shape[0] != val.shape[1]:
             continue
-        with g.inserting_after(n):
+        with g.inserting_before(n):
             conv = g.call_function(aten.convolution.default, (n.args[0], n.args[1], None, *n.args[3:]))
-        with g.inserting_after(conv):
-            view = g.call_function(aten.view.default, (bias, [1, -1] + [1] * (val.dim() - 2)))
-        with g.inserting_after(view):
+            view = call(g, mode, aten.view.default, bias, [1, -1] + [1] * (val.dim() - 2))
             add = g.call_function(aten.add.Tensor, (conv, view))
         conv.meta = {**n.meta, "val": val}   # the layout of a convolution does not depend on its bias
-        infer_val(view, mode)   # sets view.meta["val"]
         add.meta = {**n.meta, "val": val}
         n.replace_all_uses_with(add)
         g.erase_node(n)

@@ -1,18 +1,11 @@
 """Fold eval BatchNorm into the convolution before it.
 
-In eval mode BatchNorm is an affine map per channel: ``y = x * s + t`` with ``s = gamma / sqrt(var + eps)``
-and ``t = beta - mean * s``. After ``conv(x, W, b)`` it folds into the convolution:
-``W' = W * s[:, None, ...]`` and ``b' = b * s + t``. Module ``nn.BatchNorm`` and functional
-``F.batch_norm(training=False)`` both reach the ATen graph as ``_native_batch_norm_legit_no_training``.
-
-A fold needs: constant weight, bias and statistics; a non-transposed convolution whose only user is the
-BatchNorm (a convolution feeding two different BatchNorms, or feeding other ops too, stays as it is:
-folding would mean running the convolution twice); the same dtype in and out. The folded weights are
-new constants, so a weight shared with another convolution is never changed. Math runs in float32 for
-float16/bfloat16 weights and is cast back once.
-
-``bn_to_affine`` rewrites the BatchNorms that did not fold into ``x * s + t`` with constant ``s`` and
-``t`` (for fusing targets, which want pointwise ops rather than a library call).
+In eval mode BatchNorm is ``y = x * s + t`` per channel, ``s = gamma / sqrt(var + eps)``, ``t = beta - mean *
+s``; after ``conv(x, W, b)`` it folds into ``W' = W * s[:, None, ...]``, ``b' = b * s + t``. A fold needs
+constant weights and statistics, a non-transposed convolution whose only user is the BatchNorm (else the
+convolution would run twice), and one dtype; the folded weights are new constants (a shared weight is never
+changed), computed in float32 for low-precision weights. ``bn_to_affine`` rewrites the BatchNorms left as
+``x * s + t`` (fusing targets want pointwise ops rather than a library call).
 """
 from __future__ import annotations
 
@@ -22,7 +15,7 @@ import torch
 import torch.fx as fx
 
 from kiln.debug import log
-from kiln.passes.constant_fold import add_constant, compute_dtype, constant_value, fake_mode_of, infer_val, like
+from kiln.passes.constant_fold import add_constant, call, compute_dtype, constant_value, fake_mode_of, like
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -40,30 +33,18 @@ def _bn_parts(gm: fx.GraphModule, bn: fx.Node):
     args = list(bn.args)
     if len(args) <= eps_at or bn.kwargs or not is_eval(args):
         return None
-    x, gamma, beta, mean, var = args[:5]
-    vals = []
-    for a in (gamma, beta, mean, var):
-        v = constant_value(gm, a)
-        if a is not None and v is None:
-            return None
-        vals.append(v)
-    if vals[2] is None or vals[3] is None:
+    vals = [constant_value(gm, a) for a in args[1:5]]
+    if any(a is not None and v is None for a, v in zip(args[1:5], vals)) or vals[2] is None or vals[3] is None:
         return None
-    return (x, *vals, float(args[eps_at]))
+    return (args[0], *vals, float(args[eps_at]))
 
 
 def _only_output_zero(bn: fx.Node) -> "list | None":
     """The getitem(bn, 0) users, or None when some other output of the BatchNorm is used."""
-    outs = []
-    for u in bn.users:
-        if u.op != "call_function" or u.target is not operator.getitem:
-            return None
-        if u.args[1] != 0:
-            if u.users:
-                return None
-            continue
-        outs.append(u)
-    return outs
+    if any(u.op != "call_function" or u.target is not operator.getitem or u.args[1] != 0 and u.users
+           for u in bn.users):
+        return None
+    return [u for u in bn.users if u.args[1] == 0]
 
 
 def scale_shift(gamma, beta, mean, var, eps: float, dtype: torch.dtype):
@@ -82,8 +63,7 @@ def _foldable_conv(gm: fx.GraphModule, conv, bn: fx.Node):
         return None
     if len(conv.users) != 1 or conv.args[6]:  # shared output or transposed
         return None
-    w = constant_value(gm, conv.args[1])
-    b = constant_value(gm, conv.args[2]) if conv.args[2] is not None else None
+    w, b = constant_value(gm, conv.args[1]), constant_value(gm, conv.args[2])
     if w is None or (conv.args[2] is not None and b is None):
         return None
     cv, bv = conv.meta.get("val"), bn.meta.get("val")
@@ -94,8 +74,7 @@ def _foldable_conv(gm: fx.GraphModule, conv, bn: fx.Node):
 
 
 def _constant_bns(gm: fx.GraphModule):
-    """Yield ``(bn, parts, outs)`` for each eval BatchNorm with constant statistics whose only used
-    output is the normalised tensor (the ones both rewrites below can replace)."""
+    """``(bn, parts, outs)`` of each eval BatchNorm with constant statistics and only its output 0 used."""
     for bn in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in BATCH_NORMS]:
         parts = _bn_parts(gm, bn)
         outs = _only_output_zero(bn)
@@ -110,8 +89,7 @@ def fold_conv_bn(gm: fx.GraphModule, fake_mode=None) -> int:
     folded = 0
     for bn, parts, outs in _constant_bns(gm):
         conv, gamma, beta, mean, var, eps = parts
-        wb = _foldable_conv(gm, conv, bn)
-        if wb is None:
+        if (wb := _foldable_conv(gm, conv, bn)) is None:
             continue
         w, b = wb
         with unset_fake_temporarily(), torch.no_grad():
@@ -119,18 +97,15 @@ def fold_conv_bn(gm: fx.GraphModule, fake_mode=None) -> int:
             s, t = scale_shift(gamma, beta, mean, var, eps, dt)
             new_w = like(w.to(dt) * s.reshape([-1] + [1] * (w.dim() - 1)), w)
             new_b = (b.to(dt) * s + t if b is not None else t).to(w.dtype)
-        w_node = add_constant(gm, new_w, fake_mode)
-        b_node = add_constant(gm, new_b, fake_mode)
+        w_node, b_node = add_constant(gm, new_w, fake_mode), add_constant(gm, new_b, fake_mode)
         with gm.graph.inserting_before(conv):
             new = gm.graph.call_function(aten.convolution.default,
                                          (conv.args[0], w_node, b_node, *conv.args[3:]), dict(conv.kwargs))
         new.meta.update(conv.meta)
         for o in outs:
             o.replace_all_uses_with(new)
-        for o in list(bn.users):
+        for o in [*bn.users, bn, conv]:
             gm.graph.erase_node(o)
-        gm.graph.erase_node(bn)
-        gm.graph.erase_node(conv)
         folded += 1
         log(5, f"conv_bn: folded {bn.name} into {new.name}")
     if folded:
@@ -155,19 +130,13 @@ def bn_to_affine(gm: fx.GraphModule, fake_mode=None) -> int:
             shape = [-1] + [1] * (xv.dim() - 2)
             s, t = s.reshape(shape).contiguous(), t.reshape(shape).contiguous()
         s_node, t_node = add_constant(gm, s, fake_mode), add_constant(gm, t, fake_mode)
-        g = gm.graph
+        g, y = gm.graph, x
         with g.inserting_before(bn):
-            y = x
             if dt != xv.dtype:
-                y = g.call_function(prims.convert_element_type.default, (x, dt))
-                infer_val(y, fake_mode)
-            y = g.call_function(aten.mul.Tensor, (y, s_node))
-            infer_val(y, fake_mode)
-            y = g.call_function(aten.add.Tensor, (y, t_node))
-            infer_val(y, fake_mode)
+                y = call(g, fake_mode, prims.convert_element_type.default, x, dt)
+            y = call(g, fake_mode, aten.add.Tensor, call(g, fake_mode, aten.mul.Tensor, y, s_node), t_node)
             if dt != xv.dtype:
-                y = g.call_function(prims.convert_element_type.default, (y, xv.dtype))
-                infer_val(y, fake_mode)
+                y = call(g, fake_mode, prims.convert_element_type.default, y, xv.dtype)
         for o in outs:
             o.replace_all_uses_with(y)
         changed += 1

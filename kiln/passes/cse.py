@@ -1,21 +1,12 @@
 """Common-subexpression elimination on FX graphs.
 
-Two nodes merge when they call the same target with structurally equal arguments: nested
-lists/tuples are compared element by element, numbers together with their type (``x + 1``
-and ``x + 1.0`` stay apart), SymInt/SymFloat/SymBool by their symbolic node, FX nodes after
-earlier merges.
-
-Never merged:
-
-* placeholders, get_attr, output;
-* random ops (``RANDOM_OPS`` or tagged ``nondeterministic_seeded``), ``empty*`` (``UNINITIALIZED``),
-  higher-order ops and other impure nodes;
-* a node that writes a storage, a node whose storage is written anywhere in the graph, and a node
-  whose storage is returned by the graph (equal outputs stay distinct tensors).
-
-Mutations are alias-precise: each read of an input is stamped with the number of writes its
-storage has seen so far, so ``x.cos(); y.add_(1); x.cos()`` still merges while
-``x.cos(); x.add_(1); x.cos()`` does not (see ``alias.py``).
+Two nodes merge when they call the same target with structurally equal arguments (numbers with their
+type: ``x + 1`` and ``x + 1.0`` stay apart; SymInts by their symbolic node; FX nodes after earlier merges).
+Never merged: placeholders, get_attr, output; random ops, ``empty*``, higher-order ops and other impure
+nodes; a node that writes a storage, whose storage is written anywhere in the graph, or whose storage the
+graph returns (equal outputs stay distinct tensors). Mutations are alias-precise (``alias.py``): each read
+is stamped with the number of writes its storage has seen, so ``x.cos(); y.add_(1); x.cos()`` still merges
+while ``x.cos(); x.add_(1); x.cos()`` does not.
 """
 from __future__ import annotations
 
@@ -62,19 +53,16 @@ def _unmergeable(node: fx.Node) -> bool:
     if node.op in NEVER:
         return True
     t = node.target
-    if node.op == "call_function" and isinstance(t, torch._ops.OpOverload):
-        hit = _IMPURE_CACHE.get(t)  # depends on the target only
-        if hit is None:
-            hit = _IMPURE_CACHE[t] = _unmergeable_uncached(node)
-        return hit
+    if node.op == "call_function" and isinstance(t, torch._ops.OpOverload):   # depends on the target only
+        if t not in _IMPURE_CACHE:
+            _IMPURE_CACHE[t] = _unmergeable_uncached(node)
+        return _IMPURE_CACHE[t]
     return _unmergeable_uncached(node)
 
 
 def _unmergeable_uncached(node: fx.Node) -> bool:
     t = node.target
-    if isinstance(t, torch._ops.HigherOrderOperator):
-        return True
-    if is_random(node) or target_name(node) in UNINITIALIZED:
+    if isinstance(t, torch._ops.HigherOrderOperator) or is_random(node) or target_name(node) in UNINITIALIZED:
         return True
     if node.op == "call_module":
         mod = node.graph.owning_module.get_submodule(t) if node.graph.owning_module is not None else None
@@ -109,14 +97,12 @@ def _key(value, rep: Dict[fx.Node, fx.Node]):
         hash(value)
     except TypeError:
         return ("id", id(value))
-    if isinstance(value, torch.Tensor):
-        return ("id", id(value))
-    return (tp, value)
+    return ("id", id(value)) if isinstance(value, torch.Tensor) else (tp, value)
 
 
 @contextlib.contextmanager
-def _no_gc():
-    """Pause the cyclic GC: a pass allocates many small objects and frees none of them."""
+def gc_paused():
+    """Pause the cyclic GC: its passes over a big FX graph dominate per-node loops that free nothing."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -126,13 +112,9 @@ def _no_gc():
             gc.enable()
 
 
+@gc_paused()
 def find_duplicates(graph: fx.Graph) -> Dict[fx.Node, fx.Node]:
     """Map every node that repeats an earlier computation to that earlier node (its representative)."""
-    with _no_gc():
-        return _find_duplicates(graph)
-
-
-def _find_duplicates(graph: fx.Graph) -> Dict[fx.Node, fx.Node]:
     alias = AliasAnalysis(graph)
     returned = storages_of_outputs(graph, alias)
     mutated = alias.mutated
@@ -157,9 +139,8 @@ def _find_duplicates(graph: fx.Graph) -> Dict[fx.Node, fx.Node]:
                 rep[node] = first
             elif key is not None:
                 seen[key] = node
-        if writes:
-            for s in writes:
-                version[s] = version.get(s, 0) + 1
+        for s in writes or ():
+            version[s] = version.get(s, 0) + 1
     return rep
 
 
@@ -169,7 +150,7 @@ def fx_graph_cse(graph: fx.Graph) -> fx.Graph:
     new_graph = fx.Graph()
     new_graph._codegen = graph._codegen
     env: Dict[fx.Node, fx.Node] = {}
-    with _no_gc():
+    with gc_paused():
         for node in graph.nodes:
             if node in rep:
                 env[node] = env[rep[node]]

@@ -1,15 +1,11 @@
-"""Drop attention masks that mask nothing, on Dynamo's torch-level graph (before AOTAutograd).
+"""Drop attention masks that mask nothing, on Dynamo's torch-level graph (option ``drop_empty_masks``).
 
-A Hugging Face encoder called without ``attention_mask`` builds one from ``torch.ones``: eager looks at its
-values, sees that nothing is masked and calls ``scaled_dot_product_attention`` without a mask, which runs the
-flash kernel. Under ``torch.compile`` the check cannot run (it would be data-dependent), so the graph builds
-a [B, 1, S, S] additive mask of zeros and hands it to every attention call; with a mask SDPA cannot use the
-flash kernel (BERT-base inference at bs 16 x 512 on an H200, 2026-11-26: 3.8 ms compiled against 2.1 eager).
-
-Here a mask computed from constants alone (no graph input reaches it, nothing random, no write from outside
-into its tensors) is evaluated once at compile time; when it masks nothing (a float mask of zeros, a boolean
-mask of True) the call loses its mask and its values are exactly the unmasked call's. Option
-``drop_empty_masks``; ``tuning.empty_mask_max_bytes`` bounds the evaluation's memory.
+A Hugging Face encoder called without ``attention_mask`` builds one from ``torch.ones``: eager sees that it
+masks nothing and calls SDPA without a mask, which runs the flash kernel. Compiled, the check cannot run
+(data-dependent), so every attention call gets a [B, 1, S, S] mask of zeros and SDPA cannot use flash
+(BERT-base inference, bs 16 x 512, H200, 2026-11-26: 3.8 ms compiled against 2.1 eager). Here a mask computed
+from constants alone (no input, nothing random, no write into its tensors from outside) is evaluated once at
+compile time (up to ``tuning.empty_mask_max_bytes``); one that masks nothing is dropped from the call.
 """
 from __future__ import annotations
 
@@ -25,7 +21,7 @@ _RANDOM = ("rand", "bernoulli", "normal", "dropout", "multinomial", "uniform", "
 
 
 def _mask_of(node: fx.Node):
-    """(where the mask is, the mask node) of an SDPA call: ``('kw', node)`` or ``(3, node)``."""
+    """(where the mask is, the mask node) of an SDPA call: ``('attn_mask', node)`` or ``(3, node)``."""
     m = node.kwargs.get("attn_mask")
     if isinstance(m, fx.Node):
         return "attn_mask", m
@@ -82,15 +78,8 @@ def _evaluate(nodes, mask: fx.Node) -> torch.Tensor:
         return fx.GraphModule(torch.nn.Module(), g)()
 
 
-def _empty(value) -> bool:
-    if not isinstance(value, torch.Tensor) or not (value.dtype == torch.bool or value.is_floating_point()):
-        return False
-    return bool(value.all() if value.dtype == torch.bool else (value == 0).all())
-
-
 def drop_empty_masks(gm: fx.GraphModule, max_bytes: int) -> int:
-    """Remove the ``attn_mask`` of every SDPA call whose mask is a constant that masks nothing; returns how
-    many calls lost their mask. A mask over ``max_bytes`` is not evaluated."""
+    """Drop the ``attn_mask`` of every SDPA call whose mask is a constant masking nothing; returns how many."""
     verdicts: dict = {}
     dropped = 0
     for node in list(gm.graph.nodes):
@@ -104,10 +93,7 @@ def drop_empty_masks(gm: fx.GraphModule, max_bytes: int) -> int:
         if verdicts[mask] is not True:
             log(2, f"empty_mask: {node.name} keeps its mask {mask.name} ({verdicts[mask]})")
             continue
-        if where == "attn_mask":
-            node.update_kwarg("attn_mask", None)
-        else:
-            node.update_arg(3, None)
+        node.update_kwarg("attn_mask", None) if where == "attn_mask" else node.update_arg(3, None)
         dropped += 1
     if dropped:
         gm.graph.eliminate_dead_code()
@@ -129,4 +115,6 @@ def _verdict(mask: fx.Node, max_bytes: int):
         value = _evaluate(nodes, mask)
     except Exception as e:   # a node that cannot run outside the graph: keep the mask
         return f"evaluating it raised {type(e).__name__}: {e}"
-    return True if _empty(value) else "it masks something"
+    empty = isinstance(value, torch.Tensor) and (value.dtype == torch.bool and bool(value.all()) or
+                                                 value.is_floating_point() and bool((value == 0).all()))
+    return True if empty else "it masks something"

@@ -1,22 +1,10 @@
-"""Inference freezing: module state becomes constants of the compiled graph, then folds.
-
-The pipeline's inference path for ``freezing=True`` under ``torch.no_grad()`` (kiln/pipeline.py):
-
-1. ``module_state``: which of Dynamo's placeholders are parameters, buffers or tensor attributes of a
-   module (an ``nn.Parameter`` example, a ``_parameters``/``_buffers`` source, or Dynamo's static mark).
-   With ``inline_inbuilt_nn_modules=False`` AOTAutograd also lifts the graph module's own parameters and
-   buffers as leading inputs; those are module state too.
-2. AOTAutograd traces the inference graph with kiln's decompositions (eval BatchNorm kept whole). In the
-   inference compiler, ``freeze_placeholders`` turns every module-state placeholder that the graph
-   neither mutates nor returns a view of into a ``get_attr`` constant ``_frozen_paramN`` (the real data).
-3. kiln's joint passes (CSE, patterns, user hooks), then ``freezing_passes``: the layout hook, rounds of
-   constant folding, conv-BN folding and binary folding, linear concatenation and the mkldnn rewrite.
-4. the pipeline lowers it as usual; the compiled callable drops the frozen positions from its arguments.
-5. With ``freezing_discard_parameters=True``, ``discard_parameters`` swaps the frozen tensors in every
-   module holding them for an ``ErasedTensor``: the originals can be freed and eager calls fail loudly.
-
-Frozen values are snapshots: later in-place updates are not seen, as under Inductor; another instance or
-a replaced parameter recompiles (``guard_identity``). Inference only (``applies`` warns on training graphs).
+"""Inference freezing (``freezing=True`` under ``torch.no_grad()``): module state becomes constants of the
+compiled graph, then folds. The pipeline calls ``module_region`` (which inputs are parameters, buffers or
+module tensor attributes), ``freeze_graph`` in the inference compiler (the module-state inputs the graph
+neither mutates nor returns a view of become ``get_attr`` constants; then the joint and folding passes),
+``drop_frozen`` and ``finish`` (with ``freezing_discard_parameters`` the originals become ``ErasedTensor``s
+in their modules: they can be freed, and eager calls fail loudly). Frozen values are snapshots: later
+in-place updates are not seen, as under Inductor; another instance or a replaced parameter recompiles.
 """
 from __future__ import annotations
 
@@ -29,10 +17,9 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from kiln.debug import counters, log
-from kiln.passes import binary_fold, concat_linear, conv_bn, joint, layout
-from kiln.passes.channels_last import to_channels_last
-from kiln.passes.patterns.mkldnn import pack_conv_weights
+from kiln.passes import binary_fold, channels_last, concat_linear, conv_bn, joint
 from kiln.passes.constant_fold import add_constant, drop_unused_constants, fold_constants, protect_outputs
+from kiln.passes.patterns.mkldnn import pack_conv_weights
 
 aten = torch.ops.aten
 MAX_FOLD_ROUNDS = 4
@@ -40,7 +27,7 @@ MAX_FOLD_ROUNDS = 4
 
 @dataclass
 class FrozenRegion:
-    """One compiled region's freezing state, shared by the pipeline's steps (``module_region`` ... ``finish``)."""
+    """One compiled region's freezing state, from ``module_region`` to ``finish``."""
     real: list                                 # the real value of each AOT flat input
     state: set                                 # positions holding module state (freeze candidates)
     frozen: list = field(default_factory=list)  # positions turned into constants
@@ -58,31 +45,17 @@ def _source(n: fx.Node):
 
 def _source_text(source) -> str:
     """A Dynamo source's name, like ``L['self']._modules['conv']._parameters['weight']``."""
-    if source is None:
-        return ""
-    name = source.name
+    name = getattr(source, "name", "")
     return name() if callable(name) else str(name)
 
 
 def module_state(gm: fx.GraphModule, example_inputs) -> set:
     """Positions of Dynamo's placeholders that are parameters, buffers or module tensor attributes."""
-    out = set()
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for i, (n, ex) in enumerate(zip(placeholders, example_inputs)):
-        if not isinstance(ex, torch.Tensor):
-            continue
-        name = _source_text(_source(n))
-        static = n.meta.get("tensor_dict", {}).get("_dynamo_static_input_type") is not None
-        if isinstance(ex, torch.nn.Parameter) or "._parameters[" in name or "._buffers[" in name or static:
-            out.add(i)
-    return out
-
-
-def _lifted_state(gm: fx.GraphModule) -> list:
-    """The graph module's own parameters and buffers, in the order AOTAutograd lifts them."""
-    params = {**dict(gm.named_parameters(remove_duplicate=False)),
-              **dict(gm.named_buffers(remove_duplicate=False))}
-    return list(params.values())
+    return {i for i, (n, ex) in enumerate(zip(placeholders, example_inputs)) if isinstance(ex, torch.Tensor) and (
+        isinstance(ex, torch.nn.Parameter) or "._parameters[" in _source_text(_source(n))
+        or "._buffers[" in _source_text(_source(n))
+        or n.meta.get("tensor_dict", {}).get("_dynamo_static_input_type") is not None)}
 
 
 # -- placeholders -> constants ------------------------------------------------------------------------
@@ -92,30 +65,20 @@ def _kept_by_aot_metadata() -> "set | None":
     meta = getattr(ctx, "fw_metadata", None) if ctx is not None else None
     if meta is None:
         return None
-    keep = set()
-    for i, info in enumerate(meta.input_info):
-        if info.mutates_data or info.mutates_metadata or getattr(info, "mutates_storage_metadata", False):
-            keep.add(i)
-    for o in meta.output_info:
-        if o.output_type.name in ("alias_of_input", "is_input") and o.base_idx is not None:
-            keep.add(o.base_idx)
-    return keep
+    keep = {i for i, info in enumerate(meta.input_info)
+            if info.mutates_data or info.mutates_metadata or getattr(info, "mutates_storage_metadata", False)}
+    return keep | {o.base_idx for o in meta.output_info
+                   if o.output_type.name in ("alias_of_input", "is_input") and o.base_idx is not None}
 
 
 def _freezable(t, val) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-    if not isinstance(t, torch.Tensor) or isinstance(t, (FakeTensor, ErasedTensor)):
-        return False
-    if isinstance(val, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in val.shape):
-        return False
-    return type(t) in (torch.Tensor, torch.nn.Parameter)
+    """A plain tensor (not fake, not erased) of static shape."""
+    symbolic = isinstance(val, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in val.shape)
+    return type(t) in (torch.Tensor, torch.nn.Parameter) and not symbolic
 
 
 def freeze_placeholders(gm: fx.GraphModule, region: FrozenRegion, fake_mode=None) -> int:
-    """Replace each freezable module-state placeholder of the ATen graph ``gm`` with a constant.
-
-    Edits ``gm`` in place, records the positions in ``region.frozen`` and returns how many froze.
-    """
+    """Replace each freezable module-state placeholder of ``gm`` with a constant (``region.frozen``)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     keep = _kept_by_aot_metadata()
     if keep is None or len(placeholders) != len(region.real):
@@ -127,10 +90,9 @@ def freeze_placeholders(gm: fx.GraphModule, region: FrozenRegion, fake_mode=None
         t, ph = region.real[i], placeholders[i]
         if not _freezable(t, ph.meta.get("val")):
             continue
-        const = by_id.get(id(t))
-        if const is None:
-            const = by_id[id(t)] = add_constant(gm, t, fake_mode)
-        ph.replace_all_uses_with(const)
+        if id(t) not in by_id:
+            by_id[id(t)] = add_constant(gm, t, fake_mode)
+        ph.replace_all_uses_with(by_id[id(t)])
         gm.graph.erase_node(ph)
         region.frozen.append(i)
     gm.recompile()
@@ -140,31 +102,27 @@ def freeze_placeholders(gm: fx.GraphModule, region: FrozenRegion, fake_mode=None
 
 # -- the freezing passes ------------------------------------------------------------------------------
 def _mkldnn_rewrite(gm: fx.GraphModule, target, inputs, opts=None) -> int:
-    """Seed 002's CPU inference pattern: convolutions become prepacked mkldnn calls. Prepacking only:
-    the relu fusion stays a post-grad pattern, so user post-grad passes still see
-    ``_convolution_pointwise(..., "none")`` followed by relu, as in seed 002. The CPU targets
-    (``target.mkldnn``: aten, cpp) only: the C++ emitter leaves convolutions to ATen/oneDNN as the ATen
-    wrapper does.
+    """Seed 002's CPU inference pattern (targets with ``target.mkldnn``: aten, cpp): convolutions become
+    prepacked mkldnn calls, ``_convolution_pointwise(..., "none")``; a following relu is left to user post-grad
+    passes, as in seed 002.
 
-    With ``layout_optimization`` the graph goes channels-last first (``to_channels_last``, for CPU
-    convolutions here): a prepacked convolution writes channels-last whatever its input, and converts a
-    contiguous input itself, so a contiguous graph paid two copies per convolution (its input's layout,
-    and its result's back to the meta's contiguous strides before the next kernel read it): 14.1 against
-    8.1 ms unfrozen on the CPU CNN (2026-11-26)."""
+    With ``layout_optimization`` the graph goes channels-last first: a prepacked convolution writes
+    channels-last whatever its input, so a contiguous graph paid two copies per convolution (its input's,
+    and its result's back to contiguous): 14.1 against 8.1 ms unfrozen on the CPU CNN (2026-11-26)."""
     on_cpu = all(not isinstance(t, torch.Tensor) or t.device.type == "cpu" for t in inputs)
     if not target.mkldnn or not on_cpu or not torch.backends.mkldnn.is_available():
         return 0
     if opts is not None and opts.layout_optimization:
-        to_channels_last(gm, opts.replace(layout_devices="any"))
-    n = pack_conv_weights(gm) or 0
+        channels_last.to_channels_last(gm, opts.replace(layout_devices="any"))
+    n = pack_conv_weights(gm)
     gm.recompile()
-    return int(n)
+    return n
 
 
 def freezing_passes(gm: fx.GraphModule, opts, target, trace, fake_mode=None, inputs=()) -> dict:
-    """Fold the constants of ``gm`` in place; returns the statistics (also in counters['kiln']).
-    ``target``: the graph's ``codegen.target.Target`` (what it fuses, whether it prepacks convolutions)."""
-    stats = {"layout": trace.stage("freeze_layout", layout.convert_conv_weights, gm, opts)}
+    """Fold the constants of ``gm`` in place; returns the statistics (also in counters['kiln']). ``target``:
+    the graph's ``codegen.target.Target``."""
+    stats = {"layout": trace.stage("freeze_layout", channels_last.convert_conv_weights, gm, opts)}
     stats.update(constant_folded=0, conv_bn_folded=0, binary_folded=0)
     for _ in range(MAX_FOLD_ROUNDS):
         stats["constant_folded"] += trace.stage("constant_fold", fold_constants, gm, fake_mode)
@@ -180,7 +138,7 @@ def freezing_passes(gm: fx.GraphModule, opts, target, trace, fake_mode=None, inp
     stats["constant_folded"] += fold_constants(gm, fake_mode)
     stats["mkldnn"] = trace.stage("mkldnn", _mkldnn_rewrite, gm, target, inputs, opts)
     if stats["mkldnn"]:
-        trace.stage("pin_strides", layout.pin_eager_strides, gm, fake_mode)
+        trace.stage("pin_strides", channels_last.pin_eager_strides, gm, fake_mode)
     drop_unused_constants(gm)
     protect_outputs(gm)
     stats["constants"] = sum(1 for n in gm.graph.nodes if n.op == "get_attr")
@@ -192,8 +150,7 @@ def freezing_passes(gm: fx.GraphModule, opts, target, trace, fake_mode=None, inp
 
 # -- the compiled region (kiln/pipeline.py calls these in order) -----------------------------------
 def applies(opts) -> bool:
-    """Whether this graph freezes: ``freezing=True`` with grad disabled (AOTAutograd's inference path); a
-    training graph that asks for it freezes nothing and warns (Python shows the warning once)."""
+    """Whether this graph freezes (``freezing=True``, grad disabled); a training graph warns."""
     if opts.freezing and torch.is_grad_enabled():
         counters["kiln"]["freezing_skipped_training"] += 1
         warnings.warn("kiln: freezing=True froze nothing in a graph traced with grad enabled (a training graph): "
@@ -203,9 +160,9 @@ def applies(opts) -> bool:
 
 
 def module_region(gm: fx.GraphModule, example_inputs: list) -> "FrozenRegion | None":
-    """The freezing state of Dynamo's graph ``gm``: which AOT inputs are module state (None: none are);
-    only those ``guard_identity`` can guard (lifted ones belong to modules Dynamo guards by identity)."""
-    lifted = _lifted_state(gm)
+    """Which AOT inputs of Dynamo's graph ``gm`` are module state that can be guarded (None: none are)."""
+    lifted = list({**dict(gm.named_parameters(remove_duplicate=False)),   # in the order AOTAutograd lifts them
+                   **dict(gm.named_buffers(remove_duplicate=False))}.values())
     sources = [None] * len(lifted) + [_source(n) for n in gm.graph.nodes if n.op == "placeholder"]
     state = {len(lifted) + i for i in module_state(gm, example_inputs)}
     unguarded = {i for i in state if sources[i] is None} if _dynamo_guards() is not None else state
@@ -225,9 +182,7 @@ def keep_whole(decompositions: dict) -> None:
 
 def freeze_graph(gm: fx.GraphModule, inputs: list, region: FrozenRegion, opts, target, trace,
                  registered=None) -> list:
-    """The inference graph's stages under freezing: module state becomes constants, then the joint
-    passes and the folding passes run on real tensors. Edits ``gm`` in place and returns the positions
-    of the inputs the compiled graph still takes."""
+    """Freeze ``gm`` in place (constants, joint and folding passes); returns the positions of the inputs left."""
     from torch._guards import detect_fake_mode
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     fake_mode = detect_fake_mode(inputs)
@@ -254,8 +209,7 @@ def drop_frozen(compiled, keep: list):
 
 
 def finish(region: FrozenRegion, opts) -> None:
-    """After AOTAutograd compiled the region: release the originals (``freezing_discard_parameters``)
-    and the region's references to the real inputs."""
+    """After AOTAutograd compiled the region: guard the frozen inputs, release the originals and the real inputs."""
     if opts.freezing_discard_parameters and region.frozen:
         _release(region)
     guard_identity(region)
@@ -272,11 +226,9 @@ def guard_identity(region: FrozenRegion) -> int:
     """Guard the identity (Dynamo's ID_MATCH) of each frozen Dynamo input, by its source; returns how many.
 
     Dynamo guards a parameter input by shape, dtype and strides only, so all instances of a module class
-    shared one compiled frame and the second ran with the first one's frozen weights. Now another tensor
-    (another instance's, a replaced parameter) recompiles, as under Inductor's freezing. Dynamo builds the
-    guards after this compile (a discarded parameter is guarded as its ``ErasedTensor``) and drops the frame
-    when a guarded object is freed. The local module a parameter is read from (``self``) is guarded too:
-    Dynamo counts recompile_limit per module (its accumulated_recompile_limit still caps all instances)."""
+    shared one compiled frame and the second ran with the first one's frozen weights; now another tensor
+    recompiles, as under Inductor's freezing. The local module a parameter is read from (``self``) is
+    guarded too: Dynamo counts recompile_limit per module."""
     from torch._dynamo.guards import GuardBuilder
     from torch._dynamo.source import LocalSource
     todo = [region.sources[i] for i in region.frozen if i >= region.lifted]   # module_region: all guardable
@@ -295,11 +247,8 @@ ERASED_MESSAGE = ("Trying to run Pytorch Eager Module after Dynamo Freezing. The
 
 
 def _unguard(source) -> bool:
-    """Drop the guards Dynamo is about to install on ``source`` (a frozen input); False if impossible.
-
-    The compiled region never reads a frozen input again, so its guards would only cause a recompile
-    (and a failure) once the original is erased. Other compiled regions keep their own guards on it.
-    """
+    """Drop the guards Dynamo is about to install on ``source`` (a frozen input); False if impossible. The
+    region never reads it again: its guards would only recompile (and fail) once the original is erased."""
     guards = _dynamo_guards()
     if source is None or guards is None or not hasattr(guards, "inner"):
         return False
@@ -342,11 +291,7 @@ def _release(region: FrozenRegion) -> None:
 
 
 class ErasedTensor(torch.Tensor):
-    """A parameter or buffer dropped by ``freezing_discard_parameters=True``.
-
-    Freezing copied its value into the compiled graph and released the original to save memory. It keeps
-    shape and dtype (on the meta device) so the module still prints, and every op on it raises.
-    """
+    """A parameter dropped by ``freezing_discard_parameters``: meta device (the module still prints); ops raise."""
 
     @staticmethod
     def __new__(cls, elem: torch.Tensor, name: str, owner):
@@ -369,11 +314,7 @@ class ErasedTensor(torch.Tensor):
 
 
 def discard_parameters(tensors) -> int:
-    """Swap each of ``tensors`` for an ErasedTensor in every nn.Module holding it; returns the swap count.
-
-    The originals are then referenced by neither kiln nor the modules and are freed; running a module
-    that held one raises ``RuntimeError("Trying to run Pytorch Eager Module after Dynamo Freezing ...")``.
-    """
+    """Swap each of ``tensors`` for an ErasedTensor in every nn.Module holding it; returns the swap count."""
     ids = {id(t) for t in tensors}
     count = 0
     for obj in gc.get_objects():

@@ -1,30 +1,26 @@
 """Pad matmul dimensions that break tensor-core alignment.
 
-cuBLAS runs its fast kernels only when K and every leading dimension are multiples of 16 bytes (8
-fp16/bf16 elements, 4 fp32). GPT-2's vocabulary (50257) misses that: its lm_head matmuls run 4-7x
-slower (H200, 2026-11-26: 3.1 ms against 0.52 padded, fp16 4096x768x50257). This pass rewrites
-``mm(a, b)`` as ``mm(pad(a), pad(b))[:M, :N]`` with zeros (the same for ``addmm``, its bias padded
-along, and ``bmm`` over its last two dims): the values are exactly the original's. K and N are
-padded when misaligned; M only when ``a`` is column-major (a transposed view), the one layout where M
-is a leading dimension. A transposed operand is padded in its storage order, so one padded tensor
-serves every matmul reading it (GPT-2's backward pads the logits' gradient once for both matmuls).
+cuBLAS runs its fast kernels only when K and every leading dimension are multiples of 16 bytes (8 fp16/bf16
+elements, 4 fp32). GPT-2's vocabulary (50257) misses that: its lm_head matmuls run 4-7x slower (H200,
+2026-11-26: 3.1 ms against 0.52 padded, fp16 4096x768x50257). ``mm(a, b)`` becomes ``mm(pad(a),
+pad(b))[:M, :N]`` with zeros (``addmm`` with its bias padded along, ``bmm`` over its last two dims): the
+values are exactly the original's. K and N are padded when misaligned, M only when ``a`` is column-major
+(the one layout where M is a leading dimension). A transposed operand is padded in its storage order, so one
+padded tensor serves every matmul reading it (GPT-2's backward pads the logits' gradient once for both).
 
-An output sliced along N (a bmm output along M) is copied back to the contiguous layout its meta
-records (``clone``); on the Triton target the copy fuses into the consumers. A 2-D product the graph
-returns (GPT-2's logits) would be materialized twice, padded and copied: ``mm_rows`` computes it in
-``tuning.pad_mm_out_blocks`` blocks instead, so one block is alive, not a second result; when only N is
-misaligned, ``mm_cols`` goes by blocks of columns, with no padded copy of the weight. In inference graphs
-(``tuning.pad_mm_in_place``) each block is computed in the storage of result rows not yet written, so nothing
-is allocated beside the result (GPT-2 inference's peak is eager's); training graphs keep one allocated block,
-which costs half the launches and GPU time (H200: 1.05 against 1.67 ms before the in-place form's last block
-was widened) and did not move GPT-2 training's peak, set in the backward.
+An output sliced along N (a bmm output along M) is copied back to its meta's contiguous layout (the copy
+fuses into the consumers on the Triton target). A 2-D product the graph returns (GPT-2's logits) would be
+materialized twice: ``mm_rows`` computes it in ``tuning.pad_mm_out_blocks`` blocks instead, one block
+alive; when only N is misaligned ``mm_cols`` goes by blocks of columns, with no padded weight. In inference
+graphs (``tuning.pad_mm_in_place``) each block is computed in the storage of result rows not yet written,
+nothing allocated beside the result (GPT-2 inference's peak is eager's); training graphs keep one allocated
+block: half the launches and GPU time (H200: 1.05 against 1.67 ms), and GPT-2 training's peak is elsewhere.
 
-When it pays (options ``tuning.pad_mm_min_flops``, ``tuning.pad_mm_min_flops_per_byte``): at least
-1e9 FLOPs (a misaligned 1e9-FLOP matmul takes ~8 us on an H100; padding saves about a launch), and 80
-FLOPs per byte the padding copies (operands read and written, and the output copy when N is padded):
-aligned bf16 cuBLAS runs ~300 TFLOP/s, misaligned ~2.5x slower, so padding saves 1.5 / 300e12 s per
-FLOP and costs 1 / 2.5e12 s per byte of HBM traffic, which pays above 80 FLOPs per byte. This rejects
-memory-bound shapes (decode-time logits, M = 8); GPT-2's lm_head matmuls have 350-380.
+It pays (``tuning.pad_mm_min_flops``, ``tuning.pad_mm_min_flops_per_byte``) from 1e9 FLOPs (a misaligned
+1e9-FLOP matmul takes ~8 us on an H100; padding saves about a launch) and 80 FLOPs per byte the padding
+copies: aligned bf16 cuBLAS runs ~300 TFLOP/s, misaligned ~2.5x slower, so padding saves 1.5 / 300e12 s per
+FLOP and costs 1 / 2.5e12 s per byte of HBM traffic. This rejects memory-bound shapes (decode-time logits,
+M = 8); GPT-2's lm_head matmuls have 350-380.
 """
 from __future__ import annotations
 
@@ -34,7 +30,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from kiln.debug import log
 from kiln.options import Tuning
-from kiln.passes.constant_fold import fake_mode_of, infer_val
+from kiln.passes.constant_fold import fake_mode_of, infer_val, val
 
 aten = torch.ops.aten
 
@@ -47,40 +43,25 @@ def _round_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
-def _static(v) -> bool:
-    return all(isinstance(s, int) for s in (*v.shape, *v.stride()))
-
-
-def _column_major(v) -> bool:
-    """The last two dims are stored transposed: stride 1 on dim -2 (and not on dim -1)."""
-    return v.shape[-2] > 1 and v.stride(-2) == 1 and v.stride(-1) != 1
-
-
 def _operands(node):
     """(a, b, bias-or-None) of a matmul node."""
-    if node.target is aten.addmm.default:
-        return node.args[1], node.args[2], node.args[0]
-    return node.args[0], node.args[1], None
-
-
-def _vals(*nodes):
-    return [n.meta.get("val") if isinstance(n, fx.Node) else None for n in nodes]
+    a = node.args
+    return (a[1], a[2], a[0]) if node.target is aten.addmm.default else (a[0], a[1], None)
 
 
 def plan(node: fx.Node, devices=("cuda",), min_flops: float = Tuning.pad_mm_min_flops,
          min_flops_per_byte: float = Tuning.pad_mm_min_flops_per_byte):
-    """(pad_m, pad_k, pad_n) for a matmul worth padding, else None (``devices=None``: any device;
-    the thresholds default to those of the options, see the module docstring)."""
+    """(pad_m, pad_k, pad_n) for a matmul worth padding, else None (``devices=None``: any device)."""
     if node.op != "call_function" or node.target not in MATMULS:
         return None
     a, b, bias = _operands(node)
-    av, bv, biasv = _vals(a, b, bias)
-    out = node.meta.get("val")
+    av, bv, biasv, out = map(val, (a, b, bias, node))
     tensors = [v for v in (av, bv, out) if isinstance(v, torch.Tensor)]
     if len(tensors) != 3 or (bias is not None and not isinstance(biasv, torch.Tensor)):
         return None
     every = tensors + ([biasv] if bias is not None else [])
-    if any(not isinstance(v, FakeTensor) or not _static(v) for v in every):   # real constants: skip
+    if any(not isinstance(v, FakeTensor) or not all(isinstance(s, int) for s in (*v.shape, *v.stride()))
+           for v in every):   # real constants, symbolic shapes: skip
         return None
     align = ALIGN.get(av.dtype)
     if align is None or bv.dtype != av.dtype or out.dtype != av.dtype:
@@ -90,7 +71,8 @@ def plan(node: fx.Node, devices=("cuda",), min_flops: float = Tuning.pad_mm_min_
     batch = av.shape[0] if av.dim() == 3 else 1
     m, k = av.shape[-2:]
     n = bv.shape[-1]
-    pad_m = _round_up(m, align) - m if _column_major(av) else 0
+    column_major = av.shape[-2] > 1 and av.stride(-2) == 1 and av.stride(-1) != 1
+    pad_m = _round_up(m, align) - m if column_major else 0
     pad_k = _round_up(k, align) - k
     pad_n = _round_up(n, align) - n
     if not (pad_m or pad_k or pad_n):
@@ -140,9 +122,7 @@ class _Builder:
         key = (src, tuple(phys), tuple(src_pads[d] for d in phys))
         if key not in self.memo:
             y = src if phys == sorted(phys) else self.call(aten.permute.default, (src, phys), like=x)
-            flat = []
-            for d in reversed(range(len(phys))):
-                flat += [0, src_pads[phys[d]]]
+            flat = [x for d in reversed(range(len(phys))) for x in (0, src_pads[phys[d]])]
             while flat and flat[-1] == 0:
                 flat = flat[:-2]
             self.memo[key] = self.call(aten.constant_pad_nd.default, (y, flat, 0.0), like=x)
@@ -175,11 +155,7 @@ def _strip_permutes(x: fx.Node):
 
 def _bias_pads(biasv, out_shape, pad_m, pad_n):
     """Pads for an addmm bias broadcast to ``out_shape`` [M, N]: only dims that are not 1."""
-    pads = [0] * biasv.dim()
-    for i in range(1, biasv.dim() + 1):
-        if biasv.shape[-i] != 1:
-            pads[-i] = pad_n if i == 1 else pad_m
-    return pads
+    return [0 if biasv.shape[-i] == 1 else pad_n if i == 1 else pad_m for i in range(biasv.dim(), 0, -1)]
 
 
 def _per_row(bias, m: int) -> bool:
@@ -236,8 +212,7 @@ def _cols_into(out, a, b, bias, align, cols, beta, alpha, levels):
 
 
 def _col_blocks(out, a, b, bias, align, cols, beta, alpha, r, scratch_of):
-    """Rows [0, r) of ``out`` by blocks of columns, each product computed into ``scratch_of(width)`` ([r,
-    width], width aligned) and copied into place."""
+    """Rows [0, r) of ``out`` by blocks of columns, each computed into ``scratch_of(width)``, then copied."""
     n, per_row = out.shape[1], _per_row(bias, out.shape[0])
     for j in range(0, n, cols):
         w = min(cols, n - j)
@@ -306,10 +281,9 @@ def _rewrite(b: _Builder, node: fx.Node, pads, out_blocks: int = Tuning.pad_mm_o
 def pad_matmuls(gm: fx.GraphModule, devices=("cuda",), *, min_flops: float = Tuning.pad_mm_min_flops,
                 min_flops_per_byte: float = Tuning.pad_mm_min_flops_per_byte,
                 out_blocks: int = Tuning.pad_mm_out_blocks, in_place: bool = True) -> int:
-    """Pad misaligned mm / addmm / bmm nodes of ``gm`` in place (operands on ``devices``, or any
-    device when None) where they pay (``min_flops``, ``min_flops_per_byte``: the options
-    ``tuning.pad_mm_min_flops*``; ``out_blocks``: ``tuning.pad_mm_out_blocks``; ``in_place``: ``mm_cols``'s,
-    see the module docstring); returns how many matmuls were rewritten. Needs fake values in meta['val']."""
+    """Pad misaligned mm / addmm / bmm nodes of ``gm`` in place (operands on ``devices``, any when None)
+    where they pay (the keywords: the ``tuning.pad_mm_*`` options); returns how many matmuls were rewritten.
+    Needs fake values in meta['val']."""
     fake_mode = fake_mode_of(gm)
     if fake_mode is None:
         return 0

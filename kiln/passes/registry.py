@@ -4,13 +4,11 @@
     with kiln.passes.register("post_grad_pre", other):      # until the block ends
         torch.compile(fn, backend="kiln")(x)
 
-A pass is ``fn(graph: torch.fx.Graph)`` editing the graph in place (the PyTorch hook contract).
-Stages, in pipeline order: ``pre_grad`` (Dynamo's torch-level graph), ``joint_pre`` and
-``joint_post`` (the joint forward+backward graph, before partitioning), ``post_grad_pre`` and
-``post_grad_post`` (forward and backward graphs separately). Several passes per stage run in
-registration order. Registrations live in a context variable: they do not leak into other threads
-or ``contextvars`` contexts. ``cache_key()`` changes whenever the registered passes change (a pass
-is identified by its ``uuid()`` when it has one, else by its source).
+A pass is ``fn(graph: torch.fx.Graph)`` editing the graph in place (the PyTorch hook contract). Stages, in
+pipeline order: ``pre_grad`` (Dynamo's graph), ``joint_pre``, ``joint_post`` (the joint graph, before
+partitioning), ``post_grad_pre``, ``post_grad_post`` (forward and backward graphs). Passes of a stage run
+in registration order. Registrations live in a context variable: they do not leak into other threads or
+contexts. ``cache_key()`` changes with the registered passes (by ``uuid()`` when they have one, else source).
 """
 from __future__ import annotations
 
@@ -40,10 +38,6 @@ class PassHandle:
 
     def remove(self) -> None:
         _PASSES.set(tuple(h for h in _PASSES.get() if h is not self))
-
-    @property
-    def active(self) -> bool:
-        return any(h is self for h in _PASSES.get())
 
     def __enter__(self) -> "PassHandle":
         return self
@@ -80,8 +74,7 @@ def snapshot() -> Tuple[PassHandle, ...]:
 
 
 def passes_for(stage: str, registered=None) -> List[Tuple[str, Callable]]:
-    """``[(name, fn), ...]`` registered for ``stage`` (in ``registered``, a ``snapshot``; None: the
-    registrations in force here), in registration order."""
+    """``[(name, fn), ...]`` registered for ``stage`` (in ``registered``, a ``snapshot``; None: here), in order."""
     _check_stage(stage)
     return [(h.name, h.fn) for h in (_PASSES.get() if registered is None else registered) if h.stage == stage]
 
@@ -108,19 +101,15 @@ def cache_key(registered=None) -> str:
 
 def run_stage(stage: str, graph_module: fx.GraphModule, hook_from_options: Optional[Callable] = None,
               registered=None) -> None:
-    """Run the passes of ``stage`` on ``graph_module`` (each as ``fn(gm.graph)``), then recompile.
-
-    The options hook (e.g. ``Options.joint_custom_pre_pass``) runs before the registered passes
-    for ``pre_grad`` and the ``*_pre`` stages, after them for the ``*_post`` stages. At
-    KILN_DEBUG >= 2 each pass prints its name, node-count change and time.
-    """
+    """Run the passes of ``stage`` on ``graph_module`` (each as ``fn(gm.graph)``), then recompile. The options
+    hook (``Options.joint_custom_pre_pass`` ...) runs before the registered passes, after them in the
+    ``*_post`` stages. At KILN_DEBUG >= 2 each pass logs its name, node-count change and time."""
     passes = passes_for(stage, registered)
     if hook_from_options is not None:
-        hook_name = f"options.{_option_name(stage)}"
-        if stage.endswith("_post"):
-            passes = passes + [(hook_name, hook_from_options)]
-        else:
-            passes = [(hook_name, hook_from_options)] + passes
+        head, _, tail = stage.rpartition("_")   # joint_pre -> options.joint_custom_pre_pass
+        hook = [(f"options.{head}_custom_{tail}_pass" if tail in ("pre", "post") else
+                 f"options.{stage}_custom_pass", hook_from_options)]
+        passes = passes + hook if tail == "post" else hook + passes
     if not passes:
         return
     graph = graph_module.graph
@@ -132,9 +121,3 @@ def run_stage(stage: str, graph_module: fx.GraphModule, hook_from_options: Optio
         log(2, f"{stage}: pass {name}: {before} -> {len(graph.nodes)} nodes "
                f"({len(graph.nodes) - before:+d}) in {elapsed * 1000:.1f} ms")
     graph_module.recompile()
-
-
-def _option_name(stage: str) -> str:
-    return {"pre_grad": "pre_grad_custom_pass", "joint_pre": "joint_custom_pre_pass",
-            "joint_post": "joint_custom_post_pass", "post_grad_pre": "post_grad_custom_pre_pass",
-            "post_grad_post": "post_grad_custom_post_pass"}[stage]

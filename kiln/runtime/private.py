@@ -1,22 +1,17 @@
 """kiln's private directories and the files in them.
 
-Everything kiln writes lives in directories checked here (``directory``): by default the user's cache
-directory (``$XDG_CACHE_HOME/kiln`` or ``~/.cache/kiln``: ``kernels/`` with its ``cpp/`` and ``check/``
-folders, ``graphs/`` for the compile cache), or the one an option names (``KILN_KERNEL_DIR``,
-``cache_dir``/``KILN_CACHE_DIR``). A directory kiln makes gets mode 0700; one that exists must belong to
-this user, be writable by nobody else, lie in a parent others cannot rename it out of (one writable
-by all needs the sticky bit, as /tmp has) and take a new file; else ``DirRefused`` says why and how to
-fix it, and the caller uses nothing in it (``fallback``: a fresh ``mkdtemp`` directory for this process).
-
-Files are written under a fresh random name (``kiln_*.tmp``: created exclusively, so never through a
-link) and renamed into place (``write``); ``remove_stale`` deletes only such names. ``secret(root)`` is
-the directory's key (``kiln_secret.key``: 32 random bytes, mode 0600, made once, exclusively);
-``sign``/``verify`` are HMAC-SHA256 under it. A built library or a cache entry is loaded only when its
-MAC verifies, so a file that someone else wrote is never run.
+Everything kiln writes lives in directories ``directory`` checked: the user's cache directory
+(``~/.cache/kiln``: ``kernels/``, ``graphs/``) or one an option names. One kiln makes gets mode 0700; one
+that exists must be this user's, writable by nobody else, in a parent others cannot rename it out of (one
+writable by all needs the sticky bit, as /tmp has) and take a new file; else ``DirRefused`` says why and how
+to fix it. Files are written under a fresh random name (created exclusively, so never through a link) and
+renamed into place; a built library or a cache entry is loaded only when its HMAC under the directory's key
+(``secret``) verifies, so a file someone else wrote is never run.
 """
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import hmac
 import os
@@ -92,23 +87,17 @@ def _unsafe(path: str, st) -> str:
 
 
 def _fix(why: str, path: str, how: str) -> str:
-    if why.startswith("is writable by"):
-        return f"chmod 700 {path}, or set {how} to a directory of your own"
-    if why.startswith("takes no"):
-        return f"set {how} to a writable directory of your own"
-    return f"set {how} to a directory of your own"
+    own = f"set {how} to a {'writable ' if why.startswith('takes no') else ''}directory of your own"
+    return f"chmod 700 {path}, or {own}" if why.startswith("is writable by") else own
 
 
 def fallback(what: str, error: Exception, how: str) -> str:
-    """A directory of this process's own (``mkdtemp``: mode 0700, a random name; removed at exit) used
-    instead of a refused or unusable one (``how``: the option or variable choosing it); warns once per
-    ``what`` and reason."""
+    """A directory of this process's own (``mkdtemp``, removed at exit) in place of a refused or unusable one
+    (``how``: the option choosing it); warns once per ``what`` and reason."""
     fix = "" if isinstance(error, DirRefused) else f"; set {how} to a writable directory of your own"
     message = f"kiln: {what}: {error}{fix}"
+    warn_once(f"{message} (using a private temporary directory for this process)", stacklevel=4)
     with _LOCK:
-        if message not in _WARNED:
-            _WARNED.add(message)
-            warnings.warn(f"{message} (using a private temporary directory for this process)", stacklevel=3)
         if not _TEMP:
             _TEMP.append(tempfile.mkdtemp(prefix=PREFIX))
             atexit.register(shutil.rmtree, _TEMP[0], True)
@@ -116,12 +105,12 @@ def fallback(what: str, error: Exception, how: str) -> str:
         return _TEMP[0]
 
 
-def warn_once(message: str) -> None:
+def warn_once(message: str, stacklevel: int = 3) -> None:
     with _LOCK:
         if message in _WARNED:
             return
         _WARNED.add(message)
-    warnings.warn(message, stacklevel=3)
+    warnings.warn(message, stacklevel=stacklevel)
 
 
 # -- files ------------------------------------------------------------------------------------------------
@@ -155,25 +144,20 @@ def read(path: str) -> bytes:
 
 
 def remove(path: str) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.remove(path)
-    except FileNotFoundError:
-        pass
 
 
 def remove_stale(directory_: str, age_s: float = 3600.0) -> int:
-    """Delete the temporary files (``kiln_*.tmp``) older than ``age_s`` that a writer left (it died);
-    nothing else. Returns how many went."""
+    """Delete the temporary files (``kiln_*.tmp``) older than ``age_s`` (their writer died); returns how many."""
     now, n = time.time(), 0
     for name in os.listdir(directory_):
         if name.startswith(PREFIX) and name.endswith(".tmp"):
             p = os.path.join(directory_, name)
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 if now - os.lstat(p).st_mtime > age_s:
                     remove(p)
                     n += 1
-            except FileNotFoundError:
-                pass
     return n
 
 

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from kiln.options import current
 from kiln.partition.extract import read_saved
-from kiln.partition.hold import plan_for_budget
+from kiln.partition.budget import plan_for_budget
 from kiln.partition.joint_info import JointInfo
 from kiln.partition.mincut import activation_bytes
 from kiln.partition.peak import model_peak
@@ -86,7 +86,7 @@ def test_seed_budgets_rule_out_a_monotone_peak():
     {3, 5}, models 72 units in the forward alone (each branch's cos stays alive until the sums, and
     the last matmul is alive beside them unless it is saved); at 19, {5, 14} models 69 and {3, 5, 11}
     83 (forward again), while 30's only set, {5, 11, 14}, models 80. So the partitioner keeps the seed's
-    saved bytes and does not force the peak down (hold.py only lowers it where the model says it can)."""
+    saved bytes and does not force the peak down (the hold set only lowers it where the model says it can)."""
     U, shapes, wants = 8, [3, 5, 11, 17, 14], [3, 8, 19, 30, 42]
     gm, n = _joint(_seed_list_form, torch.randn(U, U, requires_grad=True),
                    *(torch.randn(U, d * U, requires_grad=True) for d in shapes))

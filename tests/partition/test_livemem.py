@@ -1,7 +1,7 @@
-"""kiln.partition.livemem: the measured peak of live storage bytes created during a call."""
+"""kiln_bench.livemem: the measured peak of live storage bytes created during a call."""
 import torch
 
-from kiln.partition.livemem import measure_peak
+from kiln_bench.livemem import measure_peak
 
 N = 256
 B = N * N * 4  # one fp32 (N x N) tensor

@@ -122,12 +122,14 @@ def test_op_classes():
     nodes = {name: g.call_function(t, (x,)) for name, t in [
         ("mm", aten.mm.default), ("cos", aten.cos.default), ("view", aten.t.default),
         ("drop", aten.native_dropout.default), ("sum", aten.sum.default), ("sort", aten.sort.default)]}
-    assert ops.is_heavy(nodes["mm"]) and not ops.is_recomputable(nodes["mm"])
-    assert ops.is_recomputable(nodes["cos"]) and ops.is_fusible(nodes["cos"], nodes["sum"])
-    assert ops.is_view(nodes["view"]) and ops.is_recomputable(nodes["view"])
-    assert ops.is_random(nodes["drop"]) and not ops.is_recomputable(nodes["drop"])
-    assert not ops.is_recomputable(nodes["sort"])
-    assert not ops.is_fusible(nodes["cos"], nodes["mm"])
+    names = ("view", "random", "heavy", "recomputable", "fusible", "cat", "reduction")
+    facts = {name: dict(zip(names, ops.node_facts(n))) for name, n in nodes.items()}
+    assert ops.is_heavy(nodes["mm"]) and not facts["mm"]["recomputable"]
+    assert facts["cos"]["recomputable"] and facts["cos"]["fusible"] and facts["sum"]["fusible"]
+    assert ops.is_view(nodes["view"]) and facts["view"]["view"] and facts["view"]["recomputable"]
+    assert ops.is_random(nodes["drop"]) and facts["drop"]["random"] and not facts["drop"]["recomputable"]
+    assert not facts["sort"]["recomputable"]
+    assert not facts["mm"]["fusible"]   # a library call: nothing fuses with it
 
 
 def _choose_time(layers, **opts):

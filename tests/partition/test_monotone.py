@@ -1,7 +1,7 @@
 """Issue #5: the built-in GPT's peak activation memory is non-increasing as the budget falls 1 -> 0.
 
 Both the measured peak (live storage bytes created by a kiln-compiled training step,
-``kiln.partition.livemem``) and the modelled peak (``peak.model_peak``) are checked over the ladder,
+``kiln_bench.livemem``) and the modelled peak (``peak.model_peak``) are checked over the ladder,
 together with the budget semantics of the saved bytes (PyTorch's: budget 0 saves no activations).
 """
 import pytest

@@ -41,7 +41,7 @@ def test_peak_model_tracks_budget():
     assert p1.peak > p5.peak
     assert p1.forward > p5.forward > p0.forward
     # budget 0 recomputes the whole chain at the first backward step; holding all of it (PyTorch
-    # #197838) would put the peak above budget 0.5's, so the backward rebuilds a smaller hold set (hold.py)
+    # #197838) would put the peak above budget 0.5's, so the backward rebuilds a smaller hold set (budget.py)
     assert p0.peak <= p5.peak <= p1.peak
     assert p0.backward < p5.backward
     assert p1.recompute_flops == 0 < p0.recompute_flops

@@ -72,7 +72,7 @@ class _Block(nn.Module):
 
 def test_inference_peak_falls_and_values_match():
     """Residual conv blocks in inference: each BN/ReLU kernel writes over the convolution's result."""
-    from kiln.partition.livemem import measure_peak
+    from kiln_bench.livemem import measure_peak
     net = nn.Sequential(*[_Block() for _ in range(3)]).eval()
     x = torch.randn(2, 8, 24, 24)
     with torch.no_grad():   # six convolutions: eager's and kiln's batch norms round differently in between

@@ -1,19 +1,11 @@
 """Pattern passes: ``PatternMatcherPass`` and its entries, one kind per way to register a rewrite
-(``register.py``):
+(``register.py``): the handler edits FX itself (graph patterns), returns a replacement built with the FX
+lowerings (lowering patterns), or a traced replacement graph replaces the match (``register_replacement``).
 
-* ``register_graph_pattern(pattern, extra_check, pass_dict)``: the handler edits FX itself;
-  it is called as ``handler(match, *match.args, **match.kwargs)``.
-* ``register_lowering_pattern(pattern, extra_check, pass_dict)``: the handler returns the
-  replacement built with the FX lowerings (``fx_lowerings.py``: ``L[aten.relu](x)``), which is
-  inserted at the match.
-* ``register_replacement(search_fn, replace_fn, example_inputs, trace_fn, pass_dicts, ...)``:
-  both functions are traced (once, cached) and the search graph is replaced by the other.
-
-``PatternMatcherPass.apply(graph)`` visits candidate roots last to first, tries every pattern
-registered for the root's (op, target), rejects a match when an in-place op between its nodes
-writes a storage the match reads (alias-precise: ``alias.py``), then runs ``extra_check`` and the
-rewrite. Each match adds 1 to ``counters["kiln"]["pattern_matcher_count"]`` and ``len(match.nodes)``
-to ``["pattern_matcher_nodes"]`` and is logged at KILN_DEBUG=5.
+``apply(graph)`` visits candidate roots last to first and tries every pattern registered for the root's
+(op, target); it rejects a match when an in-place op between its nodes writes a storage the match reads
+(alias-precise: ``alias.py``), then runs ``extra_check`` and the rewrite. Each match adds 1 to
+``counters["kiln"]["pattern_matcher_count"]`` and ``len(match.nodes)`` to ``["pattern_matcher_nodes"]``.
 """
 from __future__ import annotations
 
@@ -46,8 +38,7 @@ class PatternEntry:
     """A pattern, its extra check, and how to apply a match (subclasses)."""
 
     def __init__(self, pattern: PatternExpr, extra_check: Callable = _return_true):
-        self.pattern = pattern
-        self.extra_check = extra_check
+        self.pattern, self.extra_check = pattern, extra_check
 
     def apply(self, match: Match, graph: fx.Graph, node: fx.Node) -> bool:
         raise NotImplementedError
@@ -59,10 +50,7 @@ class PatternEntry:
             return
         if isinstance(pass_dicts, (dict, PatternMatcherPass)):
             entries = pass_dicts[(self.pattern.op, target)]
-            if prepend:
-                entries.insert(0, self)
-            else:
-                entries.append(self)
+            entries.insert(0 if prepend else len(entries), self)
             return
         for d in pass_dicts:
             self.register(d, target, prepend)
@@ -133,16 +121,11 @@ def _source_hash(fn) -> str:
 
 
 class PatternMatcherPass:
-    """A set of patterns keyed by the root's (op, target); ``apply(graph)`` returns the match count.
-
-    Usable wherever a pass is expected: ``pass(graph)`` applies it, ``uuid()`` hashes the registered
-    patterns and their handlers (for compile caches).
-    """
+    """Patterns keyed by the root's (op, target); ``apply(graph)``/``pass(graph)`` returns the match count."""
 
     def __init__(self, pass_name: Optional[str] = None, prevent_match_across_mutations: bool = True):
         self.patterns: Dict[Tuple[str, Any], List[PatternEntry]] = collections.defaultdict(list)
-        self.pass_name = pass_name
-        self.prevent_match_across_mutations = prevent_match_across_mutations
+        self.pass_name, self.prevent_match_across_mutations = pass_name, prevent_match_across_mutations
         self.seen_patterns: set = set()
 
     def __getitem__(self, item) -> List[PatternEntry]:
@@ -188,9 +171,7 @@ class PatternMatcherPass:
                     log(5, f"{self.name}: {node.name}: match rejected, an in-place op between its nodes "
                            f"writes a value it reads")
                     continue
-                if not entry.extra_check(m):
-                    continue
-                if entry.apply(m, graph, node) is False:
+                if not entry.extra_check(m) or entry.apply(m, graph, node) is False:
                     continue
                 count += 1
                 debug.counters["kiln"]["pattern_matcher_count"] += 1

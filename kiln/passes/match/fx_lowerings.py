@@ -1,20 +1,8 @@
-"""FX-level lowerings for lowering patterns: ``lowerings[op](*args)`` inserts FX nodes and returns the new node.
-
-Not the loop-IR lowerings of ``kiln/codegen`` (FX nodes -> loops): this table stays in FX. Inductor's
-lowerings build its loop IR; kiln's graph-level lowering patterns stay in FX, so a lowering here emits
-a call of ``op`` (or of whatever a registered lowering builds, e.g. a decomposition) at the current
-insertion point and returns the resulting ``fx.Node``::
-
-    from kiln.pattern_matcher import lowerings as L      # also kiln.lowerings.lowerings
-    L[aten.relu](x)                                        # -> relu node
-    L[torch.ops.mkldnn._convolution_pointwise.default](x, w, b, pad, stride, dil, 1, "relu", [], "")
-
-The insertion point is set by ``inserting(graph, before=node)`` (lowering patterns do this for
-their handler); without one, nodes go right after the latest FX node among the arguments. With no
-FX node among the arguments and no insertion point, the op simply runs eagerly.
-New nodes get ``meta['val']`` (or ``'example_value'`` in Dynamo graphs) by running the op on the
-arguments' fake values when those are known (``fake_values``, ``propagate_val``: also used by the
-rest of the pattern matcher). The bottom of ``kiln.passes.match``: it imports nothing from kiln.
+"""FX-level lowerings for lowering patterns: ``lowerings[op](*args)`` (``L[aten.relu](x)``) inserts a call of
+``op`` (or whatever a registered lowering builds) and returns its ``fx.Node``, unlike Inductor's lowerings
+(and kiln/codegen's). Nodes go before the node of ``inserting(graph, before=node)`` (lowering patterns set
+it), else right after the latest FX node among the arguments; with neither, the op runs eagerly. New nodes
+get ``meta['val']`` (``'example_value'`` in Dynamo graphs) from the arguments' fake values when known.
 """
 from __future__ import annotations
 
@@ -46,33 +34,26 @@ def inserting(graph: fx.Graph, before: fx.Node):
         _INSERT.reset(token)
 
 
-def _nodes_in(value) -> list:
+def nodes_in(value) -> list:
     out: list = []
     fx.map_arg(value, lambda n: out.append(n) or n)
     return out
 
 
-def _meta_key(graph: fx.Graph, nodes) -> str:
+def _meta_key(nodes) -> str:
     """'example_value' for Dynamo's torch-level graphs, 'val' otherwise."""
-    for n in nodes:
-        if "val" in n.meta:
-            return "val"
-        if "example_value" in n.meta:
-            return "example_value"
-    return "val"
+    return next(("val" if "val" in n.meta else "example_value" for n in nodes
+                 if "val" in n.meta or "example_value" in n.meta), "val")
 
 
 _FALLBACK_MODE = []
 
 
 def fake_values(values):
-    """``(mode, values)`` with every tensor of ``values`` a fake tensor of one ``FakeTensorMode``.
-
-    Values already in a single mode are returned as they are; otherwise (real tensors, or the
-    per-node modes ``make_fx`` leaves in real tracing mode) fresh fakes with the same size, stride,
-    dtype and device are made in a shared fallback mode. Raises ValueError for symbolic sizes
-    spread over several modes.
-    """
+    """``(mode, values)`` with every tensor of ``values`` a fake tensor of one ``FakeTensorMode``: as they are
+    when they share one, else (real tensors, the per-node modes ``make_fx`` leaves in real tracing mode) new
+    fakes of the same size, stride, dtype and device in a shared fallback mode. ValueError for symbolic
+    sizes from several modes."""
     from torch._guards import detect_fake_mode
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
     flat, spec = torch.utils._pytree.tree_flatten(values)
@@ -100,41 +81,29 @@ def fake_values(values):
 
 def propagate_val(node: fx.Node) -> None:
     """Set ``node``'s fake value by running its target on its inputs' fake values (best effort)."""
-    inputs = _nodes_in((node.args, node.kwargs))
-    key = _meta_key(node.graph, inputs)
+    inputs = nodes_in((node.args, node.kwargs))
+    key = _meta_key(inputs)
     if key in node.meta or node.op != "call_function":
         return
-    vals = {}
-    for n in inputs:
-        v = n.meta.get(key)
-        if v is None:
-            return
-        vals[n] = v
+    vals = {n: n.meta.get(key) for n in inputs}
+    if any(v is None for v in vals.values()):
+        return
     try:
         mode, fakes = fake_values(list(vals.values()))
     except ValueError:
         return
     fakes = dict(zip(vals, fakes))
     args, kwargs = fx.map_arg((node.args, node.kwargs), fakes.__getitem__)
-    try:
-        with mode:
-            node.meta[key] = node.target(*args, **kwargs)
-    except Exception:  # an op without a fake kernel: leave the value unknown
-        pass
-
-
-def _resolve(op):
-    """An OpOverloadPacket stands for its ``.default`` overload when it has one."""
-    if isinstance(op, torch._ops.OpOverloadPacket) and "default" in op.overloads():
-        return op.default
-    return op
+    with contextlib.suppress(Exception), mode:   # an op without a fake kernel: the value stays unknown
+        node.meta[key] = node.target(*args, **kwargs)
 
 
 def emit(op, *args, **kwargs):
     """Insert ``op(*args, **kwargs)`` as an FX node and return it (or run it eagerly, see module doc)."""
-    target = _resolve(op)
+    # an OpOverloadPacket stands for its ``.default`` overload when it has one
+    target = op.default if isinstance(op, torch._ops.OpOverloadPacket) and "default" in op.overloads() else op
     where = _INSERT.get()
-    inputs = _nodes_in((args, kwargs))
+    inputs = nodes_in((args, kwargs))
     if where is None:
         if not inputs:
             return target(*args, **kwargs)
@@ -157,11 +126,7 @@ def emit(op, *args, **kwargs):
 
 
 class Lowerings:
-    """Op -> lowering function. Every op has a lowering: by default, ``emit`` a call of it.
-
-    ``register(op)`` (a decorator) installs a custom lowering, e.g. one that emits a decomposition
-    through other lowerings. Lookup tries the op, then its overload packet.
-    """
+    """Op (or its packet) -> lowering function, by default ``emit``; ``register(op)`` installs a custom one."""
 
     def __init__(self):
         self._table: Dict[Any, Callable] = {}
@@ -186,10 +151,6 @@ class Lowerings:
 
     def __contains__(self, op) -> bool:
         return op in self._table or callable(op)
-
-    def registered(self):
-        """The ops with a custom lowering."""
-        return list(self._table)
 
 
 lowerings = Lowerings()

@@ -1,23 +1,9 @@
-"""Node patterns (``CallFunction``, ``CallMethod``, ``CallModule``, ``ListOf``, ``MultiOutputPattern``).
-
-A pattern is a tree of expressions rooted at the node that will be rewritten::
-
-    CallFunction(aten.relu, CallFunction(aten.mm, Arg(), KeywordArg("w")))
-
-* ``Arg()`` matches any value and records it in ``match.args``; ``KeywordArg(name)`` records it in
-  ``match.kwargs[name]`` (the same name twice must bind the same value); ``Ignored()`` matches
-  anything and records nothing; ``ExclusiveKeywordArg`` is a KeywordArg whose node may be bound once.
-* ``CallFunction(fns, *args, _users=1, **kwargs)`` matches a ``call_function`` node whose target is
-  ``fns`` (or one of them; an ``OpOverloadPacket`` stands for all of its overloads) with matching
-  arguments. Inner nodes must have exactly ``_users`` users (``MULTIPLE``: any number); the root may
-  have any. ``CallMethod`` and ``CallModule`` (by module type) work the same way.
-* ``ListOf(pattern)`` matches a list whose every element matches ``pattern``.
-* ``MultiOutputPattern([p0, p1, ...])`` matches several roots; ``p0`` anchors the search and the
-  others are found among the users of nodes already matched.
-
-``Match``, ``MatchContext``, ``PatternExpr`` and the leaf patterns are in ``pattern.py``; passes in
-``entries.py``, registration in ``register.py``. The public names are re-exported by
-``kiln.pattern_matcher``.
+"""Node patterns, rooted at the node that will be rewritten:
+``CallFunction(aten.relu, CallFunction(aten.mm, Arg(), KeywordArg("w")))``. A ``CallFunction`` matches a
+node whose target is one of ``fns`` (an ``OpOverloadPacket`` stands for all its overloads) with matching
+arguments; inner nodes must have exactly ``_users`` users (``MULTIPLE``: any), the root may have any.
+``MultiOutputPattern([p0, p1, ...])``: ``p0`` anchors the search, the others are found among the users
+of nodes already matched.
 """
 from __future__ import annotations
 
@@ -28,27 +14,19 @@ import torch.fx as fx
 
 from kiln.passes.match.pattern import _FAILED, MULTIPLE, FailedMatch, Match, MatchContext, PatternExpr, _same
 
-__all__ = ["CallFunction", "CallMethod", "CallModule", "ListOf", "MultiOutputPattern"]
-
 
 def _expand_fns(fns) -> List[Any]:
-    fns = list(fns) if isinstance(fns, (list, tuple)) else [fns]
     out = []
-    for fn in fns:
-        out.append(fn)
-        if isinstance(fn, torch._ops.OpOverloadPacket):
-            out += [getattr(fn, o) for o in fn.overloads()]
+    for fn in fns if isinstance(fns, (list, tuple)) else [fns]:
+        out += [fn] + ([getattr(fn, o) for o in fn.overloads()] if isinstance(fn, torch._ops.OpOverloadPacket) else [])
     return out
 
 
 def _flat_patterns(value) -> Iterator[PatternExpr]:
     if isinstance(value, PatternExpr):
         yield value
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _flat_patterns(v)
-    elif isinstance(value, dict):
-        for v in value.values():
+    elif isinstance(value, (list, tuple, dict)):
+        for v in value.values() if isinstance(value, dict) else value:
             yield from _flat_patterns(v)
 
 
@@ -60,9 +38,7 @@ class _TargetExpr(PatternExpr):
     def __init__(self, fns, *args, _users=1, **kwargs):
         self.fns = _expand_fns(fns)
         self.fns_set = set(self.fns)
-        self.args = tuple(args)
-        self.kwargs = dict(kwargs)
-        self.users = _users
+        self.args, self.kwargs, self.users = tuple(args), dict(kwargs), _users
 
     def has_multiple_users(self) -> bool:
         return self.users is MULTIPLE or self.users > 1
@@ -71,14 +47,11 @@ class _TargetExpr(PatternExpr):
         return isinstance(node, fx.Node) and node.op == self.op and _target_of(node) in self.fns_set
 
     def _node_args(self, node):
-        """``node``'s args and the kwargs this pattern names.
-
-        For ATen overloads the schema reconciles the two call forms: positional args beyond the
-        pattern's are moved to the kwargs the pattern names, missing kwargs take their defaults,
-        and a kwarg the pattern does not name must hold its default or None (else ``None`` is
-        returned; PyTorch ignores such kwargs, kiln does not, so ``sum(x, 1, dtype=f64)`` does not
-        match a pattern written without ``dtype``). ``pin_memory`` is never compared.
-        """
+        """``node``'s args and the kwargs this pattern names. For ATen overloads the schema reconciles the two
+        call forms: positional args beyond the pattern's move to the kwargs it names, missing kwargs take
+        their defaults, and a kwarg it does not name must hold its default or None (else ``(None, None)``:
+        PyTorch ignores such kwargs, kiln does not, so ``sum(x, 1, dtype=f64)`` does not match a pattern
+        written without ``dtype``). ``pin_memory`` is never compared."""
         args = node.args
         kwargs = {k: v for k, v in node.kwargs.items() if k in self.kwargs}
         if not isinstance(node.target, torch._ops.OpOverload):
@@ -119,13 +92,8 @@ class _TargetExpr(PatternExpr):
         if args is None or len(args) != len(self.args) or set(kwargs) != set(self.kwargs):
             return FailedMatch("args_structure")
         m = Match(ctx, self)
-        for p, v in zip(self.args, args):
+        for p, v in [*zip(self.args, args), *((p, kwargs[k]) for k, p in self.kwargs.items())]:
             r = _match_arg(p, v, ctx)
-            if not r:
-                return r
-            m.extend(r)
-        for k, p in self.kwargs.items():
-            r = _match_arg(p, kwargs[k], ctx)
             if not r:
                 return r
             m.extend(r)
@@ -204,8 +172,7 @@ class ListOf(PatternExpr):
     """A list or tuple whose every element matches ``pattern`` (``partial=True``: at least one)."""
 
     def __init__(self, pattern, partial: bool = False):
-        self.pattern = pattern
-        self.partial = partial
+        self.pattern, self.partial = pattern, partial
 
     def _match(self, node, ctx):
         if not isinstance(node, (list, tuple)) or not node:
@@ -239,9 +206,7 @@ class MultiOutputPattern(PatternExpr):
         if not isinstance(outputs[0], _TargetExpr):
             raise TypeError(f"MultiOutputPattern: the first output must be CallFunction/CallMethod, "
                             f"got {outputs[0]!r}; reorder the outputs")
-        self.outputs = outputs
-        self.op = outputs[0].op
-        self.fns = outputs[0].fns
+        self.outputs, self.op, self.fns = outputs, outputs[0].op, outputs[0].fns
 
     def _match(self, node, ctx):
         m = ctx.match(self.outputs[0], node)

@@ -1,18 +1,17 @@
-"""The core of the pattern matcher: ``Match``, ``MatchContext``, ``PatternExpr`` and the leaf patterns.
-
-Leaf patterns bind values without looking at them: ``Arg()`` (positional), ``KeywordArg(name)``,
-``ExclusiveKeywordArg(name)`` and ``Ignored()``. Node patterns (``CallFunction`` and friends) are in
-``nodes.py``. A ``Match`` rewrites the graph through ``replace.py`` (``replace_by_example``,
-``replace_with_graph``), which knows matches only by their methods and imports nothing from here.
+"""The core of the pattern matcher: ``Match``, ``MatchContext``, ``PatternExpr``, the leaf patterns, which bind
+values without looking at them (``Arg()`` positional, ``KeywordArg(name)``, ``ExclusiveKeywordArg(name)``,
+``Ignored()``), and splicing a replacement graph in for a match (``replace_with_graph``).
 """
 from __future__ import annotations
 
+import itertools
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import torch
 import torch.fx as fx
 
-from kiln.passes.match import replace
+from kiln.passes.match.fx_lowerings import fake_values, nodes_in, propagate_val
+from kiln.passes.match.trace import PatternTraceError, example_value, fwd_only
 
 
 class Multiple:
@@ -54,13 +53,11 @@ class Match:
     """A successful match: ``nodes`` (inner first, root last), ``args``, ``kwargs``, ``output_nodes()``."""
 
     def __init__(self, ctx: "MatchContext", pattern: "PatternExpr", args=None, kwargs=None):
-        self.pattern = pattern
+        self.pattern, self.ctx, self.replacement_graph = pattern, ctx, None
         self.args: List[Any] = list(args or [])
         self.kwargs: Dict[str, Any] = dict(kwargs or {})
         self.nodes: List[fx.Node] = []
-        self.targets: Dict["PatternExpr", Any] = {}
-        self.ctx = ctx
-        self.replacement_graph: Optional[fx.GraphModule] = None
+        self.targets: Dict["PatternExpr", Any] = {}   # pattern -> the target it matched
 
     def __bool__(self):
         return True
@@ -84,11 +81,8 @@ class Match:
         return self
 
     def output_nodes(self) -> List[Optional[fx.Node]]:
-        out = []
-        for p in self.ctx.outputs:
-            n = self.ctx.pattern_to_node.get(p, _FAILED) if p is not None else None
-            out.append(None if n is _FAILED else n)
-        return out
+        bound = [self.ctx.pattern_to_node.get(p, _FAILED) if p is not None else None for p in self.ctx.outputs]
+        return [None if n is _FAILED else n for n in bound]
 
     def output_node(self) -> fx.Node:
         return next(n for n in self.output_nodes() if n is not None)
@@ -101,12 +95,12 @@ class Match:
 
     def replace_with_graph(self, replacement_graph, args: Sequence[Any]) -> bool:
         """Splice ``replacement_graph`` (its placeholders bind ``args``) in for the match."""
-        return replace.replace_with_graph(self, self.graph, replacement_graph, args)
+        return replace_with_graph(self, self.graph, replacement_graph, args)
 
     def replace_by_example(self, replacement_fn, args: Sequence[Any], trace_fn=None,
                            run_functional_passes: bool = True) -> bool:
         """Trace ``replacement_fn`` on the example values of ``args`` and splice it in for the match."""
-        return replace.replace_by_example(self, replacement_fn, args, trace_fn, run_functional_passes)
+        return replace_by_example(self, replacement_fn, args, trace_fn, run_functional_passes)
 
     def __repr__(self):
         return f"Match(nodes={[n.name for n in self.nodes]}, args={self.args}, kwargs={self.kwargs})"
@@ -116,9 +110,8 @@ class MatchContext:
     """State of one match attempt: which pattern bound which node."""
 
     def __init__(self, outputs: Sequence[Optional["PatternExpr"]], pattern_to_node=None, graph=None):
-        self.outputs = list(outputs)
+        self.outputs, self.graph = list(outputs), graph
         self.pattern_to_node: Dict["PatternExpr", Any] = {} if pattern_to_node is None else pattern_to_node
-        self.graph = graph
         self.exclusive_node_set: List[fx.Node] = []
 
     def match(self, pattern: "PatternExpr", node) -> Any:
@@ -155,6 +148,9 @@ class PatternExpr:
         if isinstance(bound, fx.Node):
             yield bound
 
+    def __repr__(self):   # Arg(), KeywordArg('x'): also what duplicate checks and uuid() compare
+        return f"{type(self).__name__}({', '.join(map(repr, vars(self).values()))})"
+
 
 class Arg(PatternExpr):
     """Any value, captured positionally (``match.args``)."""
@@ -162,18 +158,12 @@ class Arg(PatternExpr):
     def _match(self, node, ctx):
         return Match(ctx, self, args=[node])
 
-    def __repr__(self):
-        return "Arg()"
-
 
 class Ignored(PatternExpr):
     """Any value, not captured."""
 
     def _match(self, node, ctx):
         return Match(ctx, self)
-
-    def __repr__(self):
-        return "Ignored()"
 
 
 class KeywordArg(PatternExpr):
@@ -192,9 +182,6 @@ class KeywordArg(PatternExpr):
                 yield n
                 return
 
-    def __repr__(self):
-        return f"KeywordArg({self.name!r})"
-
 
 class ExclusiveKeywordArg(KeywordArg):
     """A KeywordArg whose node may be bound only once in a match."""
@@ -206,5 +193,91 @@ class ExclusiveKeywordArg(KeywordArg):
             ctx.exclusive_node_set.append(node)
         return Match(ctx, self, kwargs={self.name: node})
 
-    def __repr__(self):
-        return f"ExclusiveKeywordArg({self.name!r})"
+
+# -- splicing a replacement in ---------------------------------------------------------------------
+def _replace_uses(old: fx.Node, new) -> None:
+    if isinstance(new, fx.Node):
+        old.replace_all_uses_with(new)
+        return
+    for user in list(old.users):
+        user.args = fx.map_arg(user.args, lambda n: new if n is old else n)
+        user.kwargs = fx.map_arg(user.kwargs, lambda n: new if n is old else n)
+
+
+def replace_with_graph(match, graph: fx.Graph, replacement, args: Sequence[Any]) -> bool:
+    """Splice ``replacement`` (GraphModule or Graph; its placeholders bind ``args`` in order) in place
+    of ``match.output_nodes()``, then erase matched nodes left without users. New nodes go just before
+    the first matched output when every argument is defined there, else (joint graphs, where a tangent is
+    computed after the forward output) right after their latest input. Returns False, leaving the graph
+    as it was, when a new output would still come after a user of the output it replaces."""
+    rgraph = replacement.graph if isinstance(replacement, fx.GraphModule) else replacement
+    outputs = match.output_nodes()
+    first_out = min(n for n in outputs if n is not None)
+    arg_nodes = [n for n in nodes_in(args) if n.graph is graph]
+    simple = not arg_nodes or max(arg_nodes) < first_out
+    env: Dict[fx.Node, Any] = {}
+    placeholders = iter(args)
+    inserted: list = []
+    result = None
+    for n in rgraph.nodes:
+        if n.op == "placeholder":
+            env[n] = next(placeholders)
+        elif n.op == "output":
+            result = fx.map_arg(n.args[0], env.__getitem__)
+        else:
+            inputs = [x for x in nodes_in(fx.map_arg((n.args, n.kwargs), env.__getitem__)) if x.graph is graph]
+            where = (graph.inserting_before(first_out) if simple or not inputs
+                     else graph.inserting_after(max(inputs)))
+            with where:
+                env[n] = new = _copy_in(graph, replacement, n, env)
+            inserted.append(new)
+    results = list(result) if isinstance(result, (list, tuple)) else [result]
+    if len(outputs) == 1 and len(results) != 1:
+        results = [result]
+    pairs = [(old, new) for old, new in zip(outputs, results) if old is not None and new is not None and old is not new]
+    if any(isinstance(new, fx.Node) and not all(new < u for u in old.users) for old, new in pairs):
+        for node in reversed(inserted):
+            graph.erase_node(node)
+        return False
+    for old, new in pairs:
+        _replace_uses(old, new)
+    match.erase_nodes()
+    return True
+
+
+def _copy_in(graph: fx.Graph, replacement, n: fx.Node, env) -> fx.Node:
+    """Copy one replacement node into ``graph`` at the current insertion point."""
+    if n.op == "get_attr":
+        value = getattr(replacement, n.target, None) if isinstance(replacement, fx.GraphModule) else None
+        owner = graph.owning_module
+        if owner is None or value is None:
+            raise PatternTraceError("the replacement needs a constant but the graph has no owning module")
+        name = free_attr(owner, "_kiln_constant")
+        if isinstance(value, torch.Tensor):
+            owner.register_buffer(name, value, persistent=False)
+        else:
+            setattr(owner, name, value)
+        return graph.get_attr(name)
+    new = graph.node_copy(n, env.__getitem__)
+    # the traced values may belong to another fake mode (cached traces): recompute them
+    new.meta.pop("val", None)
+    new.meta.pop("tensor_meta", None)
+    propagate_val(new)
+    return new
+
+
+def free_attr(owner, prefix: str) -> str:
+    for i in itertools.count():
+        if not hasattr(owner, f"{prefix}{i}"):
+            return f"{prefix}{i}"
+
+
+def replace_by_example(match, fn, args, trace_fn=None, run_functional_passes=True) -> bool:
+    """Trace ``fn`` on the example values of ``args`` and splice the result in for ``match``."""
+    mode, vals = fake_values([example_value(a) for a in args])
+    with mode:
+        if trace_fn is None:
+            gm = fwd_only(fn, vals, run_functional_passes=run_functional_passes)
+        else:
+            gm = trace_fn(fn, vals)
+    return replace_with_graph(match, match.graph, gm, args)

@@ -1,23 +1,101 @@
-"""Registering rewrites into pattern passes (see ``entries.py`` for how they run).
-
-The top of ``kiln.passes.match``: ``register_graph_pattern``, ``register_lowering_pattern`` and
-``register_replacement`` build entries (``entries.py``) from patterns (``pattern.py``, ``nodes.py``,
-``to_pattern.py``) and traced functions (``trace.py``).
+"""Registering rewrites into pattern passes (``entries.py`` runs them): ``register_graph_pattern``,
+``register_lowering_pattern``, ``register_replacement``; traced graphs as patterns (``fx_to_pattern``,
+``gen_pattern``: traced and converted once, so registering the same pattern again builds nothing).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import inspect
+import itertools
+from typing import Any, Callable, Dict, Sequence
 
 import torch
+import torch.fx as fx
 
 from kiln.debug import log
 from kiln.passes.match.entries import (DuplicatePatternError, GraphPatternEntry, LoweringPatternEntry,
                                       PatternMatcherPass, ReplacementPatternEntry, _return_true)
 from kiln.passes.match.fx_lowerings import fake_values
-from kiln.passes.match.pattern import PatternExpr
-from kiln.passes.match.to_pattern import fx_to_pattern, gen_pattern, search_inputs
+from kiln.passes.match.nodes import CallFunction, MultiOutputPattern
+from kiln.passes.match.pattern import ExclusiveKeywordArg, Ignored, KeywordArg, PatternExpr
 from kiln.passes.match.trace import PatternTraceError, example_value, joint_fwd_bwd, traced
 from kiln.options import UserError
+
+
+def fx_to_pattern(gm, ignore_types=(), argnames=(), scalar_workaround=None,
+                  exclusive_arg_names=()) -> PatternExpr:
+    """Convert a traced graph to a pattern: placeholders become KeywordArgs named by ``argnames``
+    (else by their target, e.g. ``tangents_1``), constants of ``ignore_types`` become ``Ignored()``,
+    floats listed in ``scalar_workaround`` become KeywordArgs, each call keeps its user count."""
+    graph = gm.graph if isinstance(gm, fx.GraphModule) else gm
+    inv_scalar = {v: k for k, v in (scalar_workaround or {}).items()}
+    argnum = itertools.count()
+    env: Dict[fx.Node, Any] = {}
+
+    def process_arg(x):
+        if isinstance(x, fx.Node):
+            return env[x]
+        if isinstance(x, float) and x in inv_scalar:
+            return KeywordArg(inv_scalar[x])
+        if isinstance(x, (list, tuple)):
+            items = [process_arg(v) for v in x]
+            if items and all(isinstance(v, Ignored) for v in items):
+                return Ignored()
+            if type(x) in ignore_types or list in ignore_types and isinstance(x, list):
+                return [v if isinstance(v, PatternExpr) else Ignored() for v in items] or Ignored()
+            return type(x)(items) if isinstance(x, tuple) else items
+        if type(x) in ignore_types:
+            return Ignored()
+        return x
+
+    output = None
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            n = next(argnum)
+            name = argnames[n] if n < len(argnames) else node.target
+            env[node] = ExclusiveKeywordArg(name) if name in exclusive_arg_names else KeywordArg(name)
+        elif node.op == "call_function":
+            args = tuple(process_arg(a) for a in node.args)
+            kwargs = {k: process_arg(v) for k, v in node.kwargs.items()}
+            env[node] = CallFunction(node.target, *args, _users=len(node.users), **kwargs)
+        elif node.op == "output":
+            output = node.args[0]
+        else:
+            raise PatternTraceError(f"fx_to_pattern: {node.op} {node.target} cannot be part of a pattern")
+    if isinstance(output, (list, tuple)):
+        outs = [env[o] if isinstance(o, fx.Node) else None for o in output]
+        if len(outs) == 1:
+            return outs[0]
+        if not isinstance(outs[0], CallFunction):
+            raise PatternTraceError(f"fx_to_pattern: the first output must be a computed value, got {outs[0]!r}")
+        return MultiOutputPattern(outs)
+    return env[output]
+
+
+def search_inputs(search_fn, example_inputs, scalar_workaround) -> tuple:
+    """Argument names of ``search_fn`` and its flat inputs (scalar_workaround values filled in)."""
+    argnames = list(inspect.signature(search_fn).parameters)
+    scalar_workaround = dict(scalar_workaround or {})
+    it = iter(example_inputs)
+    flat = [scalar_workaround[name] if name in scalar_workaround else next(it) for name in argnames]
+    return argnames, flat
+
+
+_PATTERNS: Dict[Any, Any] = {}   # (id of the traced graph, conversion arguments) -> (graph, pattern)
+
+
+def gen_pattern(search_fn, example_inputs, trace_fn, scalar_workaround=(), exclusive_arg_names=(),
+                ignore_types=(int, float, list, torch.device, torch.dtype)) -> PatternExpr:
+    """Trace ``search_fn`` (cached) and convert it to a pattern with shapes and scalars ignored."""
+    argnames, flat = search_inputs(search_fn, example_inputs, scalar_workaround)
+    gm = traced(search_fn, flat, trace_fn)
+    key = ("pattern", id(gm), tuple(sorted(dict(scalar_workaround or {}).items())),
+           tuple(exclusive_arg_names), tuple(ignore_types))
+    if key not in _PATTERNS or _PATTERNS[key][0] is not gm:
+        pattern = fx_to_pattern(gm, ignore_types=ignore_types, argnames=argnames,
+                                scalar_workaround=dict(scalar_workaround or {}),
+                                exclusive_arg_names=exclusive_arg_names)
+        _PATTERNS[key] = (gm, pattern)
+    return _PATTERNS[key][1]
 
 
 class PatternError(RuntimeError, UserError):
@@ -67,14 +145,12 @@ def register_replacement(search_fn, replace_fn, example_inputs: Sequence[Any], t
                          search_fn_pattern=None, skip_duplicates: bool = False):
     """Replace every occurrence of ``search_fn``'s graph by ``replace_fn``'s.
 
-    Both are traced with ``trace_fn`` (``fwd_only`` or ``joint_fwd_bwd``) on ``example_inputs``; the
-    search graph becomes a pattern with shapes, ints, floats, devices and dtypes ignored (cached, so
-    registering again is cheap). At a match, the search function is traced again on the matched
-    values' shapes (also cached) and must match exactly; only then ``extra_check(specific_match)``
-    runs and ``replace_fn`` is traced on those shapes and spliced in. Floats named in
-    ``scalar_workaround`` ({argname: example_float}) are bound as KeywordArgs instead of ignored.
-    Returns the search pattern, or False when skipped (a joint pattern under inference mode, or a
-    duplicate with ``skip_duplicates=True``).
+    Both are traced with ``trace_fn`` (``fwd_only`` or ``joint_fwd_bwd``) on ``example_inputs``; the search
+    graph becomes a pattern with shapes, ints, floats, devices and dtypes ignored (cached). At a match the
+    search function is traced again on the matched values' shapes (cached) and must match exactly; then
+    ``extra_check(specific_match)`` runs and ``replace_fn``, traced on those shapes, is spliced in. Floats
+    named in ``scalar_workaround`` ({argname: example_float}) are bound as KeywordArgs. Returns the search
+    pattern, or False when skipped (a joint pattern under inference mode, a duplicate with ``skip_duplicates``).
     """
     if trace_fn is joint_fwd_bwd and torch.is_inference_mode_enabled():
         return False
@@ -103,17 +179,14 @@ def register_replacement(search_fn, replace_fn, example_inputs: Sequence[Any], t
         if missing:
             raise PatternError(f"register_replacement({search_fn.__name__}): arguments {missing} are not in "
                                f"the pattern (bound: {sorted(match.kwargs)})")
-        values = [match.kwargs[n] for n in argnames]
         try:
-            vals = [example_value(v) for v in values]
-        except PatternTraceError:
-            vals = None
-        if vals is None:  # no fake values: only an exact match of the example trace is safe
+            vals = [example_value(match.kwargs[n]) for n in argnames]
+        except PatternTraceError:   # no fake values: only an exact match of the example trace is safe
             sm = specific_match(flat, match)
-            if sm and extra_check(sm):
+            ok = bool(sm and extra_check(sm))
+            if ok:
                 match.replacement_graph = traced(replace_fn, flat, trace_fn)
-                return True
-            return False
+            return ok
         try:
             mode, vals = fake_values(vals)
         except ValueError:

@@ -1,15 +1,7 @@
-"""Tracing the Python functions that patterns and replacements are written as.
-
-* ``fwd_only(fn, args)`` traces ``fn`` with ``make_fx`` and kiln's decompositions;
-  ``joint_fwd_bwd(fn, args)`` traces forward and backward together with AOTAutograd (the graph
-  kiln's joint passes see: ``primals``, ``tangents_1..``, outputs then gradients).
-* ``traced(fn, args, trace_fn)`` does either and caches the graph on the function and the
-  arguments' metadata, so registering the same pattern again (every compile, say) traces nothing;
-  ``CACHE_STATS`` counts hits and traces.
-* ``example_value(arg)`` is the fake value behind an FX argument (what replacements are traced on).
-
-Knows nothing of patterns: ``to_pattern.py`` turns traced graphs into patterns, ``replace.py``
-splices them into the graph being rewritten.
+"""Tracing the Python functions patterns and replacements are written as: ``fwd_only`` (``make_fx`` with
+kiln's decompositions), ``joint_fwd_bwd`` (forward and backward together with AOTAutograd: the graph kiln's
+joint passes see), and ``traced``, either cached on the function and the arguments' metadata, so that
+registering the same pattern again (every compile, say) traces nothing (``CACHE_STATS`` counts).
 """
 from __future__ import annotations
 
@@ -19,7 +11,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from kiln.capture.decomp import decomposition_table as kiln_table
+from kiln.capture.decomp import decomposition_table
 
 aten = torch.ops.aten
 
@@ -30,19 +22,13 @@ class PatternTraceError(RuntimeError):
     arguments only."""
 
 
-def decomposition_table() -> Dict[Any, Any]:
-    """kiln's table (``kiln.capture.decomp.decomposition_table()``)."""
-    return kiln_table()
-
-
 def remove_noop_aliases(graph: fx.Graph) -> int:
     """Drop ``aten.alias`` nodes (AOTAutograd adds them around saved values); return how many."""
-    count = 0
-    for node in list(graph.find_nodes(op="call_function", target=aten.alias.default)):
+    nodes = list(graph.find_nodes(op="call_function", target=aten.alias.default))
+    for node in nodes:
         node.replace_all_uses_with(node.args[0])
         graph.erase_node(node)
-        count += 1
-    return count
+    return len(nodes)
 
 
 def fwd_only(fn, args, *, run_functional_passes: bool = True, get_decomp_fn=None) -> fx.GraphModule:
@@ -103,8 +89,7 @@ def _fn_key(fn):
 
 def _hashable(v) -> bool:
     try:
-        hash(v)
-        return True
+        return hash(v) is not None
     except TypeError:
         return False
 

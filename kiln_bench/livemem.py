@@ -1,28 +1,20 @@
-"""Measured activation memory on any device: the peak of live tensor-storage bytes created during a call.
+"""Measured activation memory on any device: the peak of live tensor-storage bytes created during a call
+(a tool beside the compiler: kiln itself never measures, it models peaks in kiln/partition/peak.py).
 
 ``measure_peak(step)`` runs ``step()`` under a ``TorchDispatchMode`` that sees every ATen op (forward,
-autograd backward, kiln's wrappers, and the ``torch.empty_strided`` outputs that Triton kernels in
-interpreter mode write into). After each op it
-- forgets tracked storages that died (``StorageWeakRef.expired()``),
-- tracks each output storage that is new: not an input of that op and not seen before (so views,
-  in-place results and ``out=`` buffers of existing storages are not counted twice),
-- records the sum of tracked live bytes; the peak is the largest such sum.
-
-Storages alive before the call (parameters, inputs, old gradients) are never counted: they show up only
-as op inputs, and a storage first seen as an input is marked as pre-existing. Memory that an op allocates
-and frees inside itself, and memory outside torch (numpy, Triton's interpreter), is not seen; a storage
-resized after creation is counted at its size when created. Live bytes are checked only when an op runs,
-so a storage freed between two ops counts until the next op: that is the same instant an allocator
-would reuse it.
-
-The mode declares ``ignore_compile_internals``: Dynamo still compiles (with the mode off) and the
-compiled code runs under the mode, so what is measured is what the compiled step allocates. Compile
-(run the step once) before measuring all the same, so that compile-time tensors are not counted.
+backward, kiln's wrappers, the outputs Triton's interpreter writes into). After each op it forgets the
+tracked storages that died, tracks each output storage that is new (not an input of the op, not seen
+before: views, in-place results and ``out=`` buffers are not counted twice) and records the sum of live
+bytes. Storages alive before the call (parameters, inputs, old gradients) are first seen as inputs and
+never counted. Not seen: memory an op allocates and frees inside itself, memory outside torch, a resize
+after creation; a storage freed between two ops counts until the next op (when an allocator would reuse
+it). The mode declares ``ignore_compile_internals``: Dynamo compiles with it off and the compiled code
+runs under it. Run the step once before measuring, so that compile-time tensors are not counted.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Tuple
+from dataclasses import dataclass
+from typing import Callable, Dict, Tuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -35,8 +27,6 @@ class LiveMem:
     """Result of ``measure_peak``: ``peak`` and ``end`` live bytes above the pre-call state."""
     peak: int = 0
     end: int = 0
-    ops: int = 0
-    trace: List[Tuple[str, int]] = field(default_factory=list)  # (op, live bytes) when record=True
 
 
 def _storages(x) -> list:
@@ -53,17 +43,14 @@ def _storages(x) -> list:
 class LiveBytesMode(TorchDispatchMode):
     """Tracks the live bytes of storages created while it is active (see module docstring)."""
 
-    def __init__(self, record: bool = False):
+    def __init__(self):
         super().__init__()
         self.live: Dict[int, Tuple[StorageWeakRef, int]] = {}
         self.old: Dict[int, StorageWeakRef] = {}
-        self.cur = self.peak = self.ops = 0
-        self.record = record
-        self.trace: List[Tuple[str, int]] = []
+        self.cur = self.peak = 0
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
-        """Let Dynamo compile and run compiled code while measuring (the mode is off while compiling)."""
         return True
 
     def _known(self, key: int, table: dict) -> bool:
@@ -79,15 +66,13 @@ class LiveBytesMode(TorchDispatchMode):
         return True
 
     def _prune(self) -> None:
-        dead = [k for k, (ref, _) in self.live.items() if ref.expired()]
-        for k in dead:
+        for k in [k for k, (ref, _) in self.live.items() if ref.expired()]:
             self.cur -= self.live.pop(k)[1]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        ins = _storages((args, kwargs))
         in_keys = set()
-        for s in ins:
+        for s in _storages((args, kwargs)):
             key = StorageWeakRef(s).cdata
             in_keys.add(key)
             if not self._known(key, self.live) and not self._known(key, self.old):
@@ -103,17 +88,13 @@ class LiveBytesMode(TorchDispatchMode):
             self.live[key] = (ref, nb)
             self.cur += nb
         self.peak = max(self.peak, self.cur)
-        self.ops += 1
-        if self.record:
-            self.trace.append((str(func), self.cur))
         return out
 
 
-def measure_peak(step: Callable[[], object], record: bool = False) -> LiveMem:
+def measure_peak(step: Callable[[], object]) -> LiveMem:
     """Run ``step()`` and return the peak (and final) live bytes of the storages it created."""
-    mode = LiveBytesMode(record=record)
+    mode = LiveBytesMode()
     with mode:
-        result = step()
-    del result
+        step()   # its result dies here
     mode._prune()
-    return LiveMem(peak=mode.peak, end=mode.cur, ops=mode.ops, trace=mode.trace)
+    return LiveMem(peak=mode.peak, end=mode.cur)
