@@ -6,8 +6,8 @@ from the same arguments with the ATen nodes the kernel replaced. The runtime's `
 """
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
-
 
 
 class NoFallback(Exception):
@@ -21,7 +21,7 @@ def extract(inputs, outputs, multi: bool, position=None) -> "Fallback":
     ``position``: node -> index in the graph, to order the copies without walking the graph."""
     if any(o is None for o in outputs):
         raise NoFallback("a kernel output is a buffer without a graph node")
-    env = {}
+    env, sizes = {}, {}
     graph = fx.Graph()
     for i, n in enumerate(inputs):
         p = graph.placeholder(f"arg{i}")
@@ -29,10 +29,15 @@ def extract(inputs, outputs, multi: bool, position=None) -> "Fallback":
         # walk below recomputes what it needs from graph nodes, or finds it cannot
         if n is not None and n not in env:
             env[n] = p
+            if size_expr(n) is not None:
+                sizes.setdefault(size_expr(n), p)
     needed, stack = set(), list(outputs)
     while stack:
         n = stack.pop()
         if n in env or n in needed:
+            continue
+        if n.op != "call_function" and size_expr(n) in sizes:
+            env[n] = sizes[size_expr(n)]   # a size placeholder: the argument of the same size
             continue
         if n.op != "call_function":
             raise NoFallback(f"{n.name} ({n.op}) is needed but is not a kernel argument")
@@ -46,6 +51,12 @@ def extract(inputs, outputs, multi: bool, position=None) -> "Fallback":
     graph.output(tuple(vals) if multi else vals[0])
     graph.lint()
     return Fallback(graph)
+
+
+def size_expr(n):
+    """The expression of a node holding a SymInt (a size), else None."""
+    v = n.meta.get("val")
+    return v.node.expr if isinstance(v, torch.SymInt) else None
 
 
 def graph_inputs(inputs, outputs) -> list:

@@ -16,7 +16,7 @@ import sympy
 import torch
 import torch.fx
 
-from kiln.codegen.fallback import NoFallback, extract, graph_inputs
+from kiln.codegen.fallback import NoFallback, extract, graph_inputs, size_expr
 from kiln.codegen.ir.loops import Unsupported, release_indirect
 from kiln.codegen.lower import Lowering, is_tensor
 from kiln.codegen.schedule.chain import chain_plans
@@ -136,7 +136,10 @@ def members(plan) -> list:
 def _declined(src, lw):
     nodes = {b.node: name for name, b in lw.buffers.items() if b.compute is None and b.node is not None}
     extra = graph_inputs([lw.buffers[n].node for n in src.inputs], [lw.buffers[n].node for n in src.outputs])
-    return replace(src, inputs=src.inputs + tuple(nodes[n] for n in extra if n in nodes))
+    # a size placeholder they read (a view's symbolic shape) becomes a size argument
+    sizes = {size_expr(n) for n in extra if n not in nodes} - {None} - set(src.scalars)
+    return replace(src, inputs=src.inputs + tuple(nodes[n] for n in extra if n in nodes),
+                   scalars=src.scalars + tuple(sorted(sizes, key=str)))
 
 
 def _check_replaceable(gm, lw, plans):
