@@ -68,8 +68,7 @@ def test_memos_hold_what_a_cold_call_computes():
         elif kind == "e":
             fresh = indexing._equal(key[1], key[2], Ranges(dict(key[3])), key[4])
         elif kind == "pl":
-            placed = domain._place(list(key[1]), key[2], None if key[3] is None else list(key[3]))
-            fresh = False if placed is None else tuple(placed)
+            fresh = domain._place(list(key[1]), key[2], None if key[3] is None else list(key[3]))   # or False
         elif kind == "dv":
             fresh = tuple(domain._domain_vars(key[1]))
         else:

@@ -1,18 +1,11 @@
 """Bounds of indirect indices: ``checked`` index values, and the ranges kiln can prove without a check.
 
-An indirect (data-dependent) index into a dim of ``size`` is an Expr ``checked(raw, size, info)``
-(int64): ``raw`` is the value read from the index tensor (or computed from it), ``info`` a ``CheckInfo``
-naming eager's error for that op. Its value is ``raw`` made non-negative where the op wraps negative
-indices (``x[-1]``; ``info.wraps``), and where that is outside ``[0, size)`` an emitter records the
-violation (C++: an error flag the launcher turns into eager's exception; Triton: ``tl.device_assert``,
-or an error buffer under the interpreter) and reads another element of the dim instead (C++ its last,
-Triton its first), so no load or store leaves the tensor. ``kiln.runtime.bounds`` holds the messages.
-
-``proof(e, ranges, buffers)`` says when no check is needed: the raw value's range, computed from the
-kernel's loop ranges (an arange, an index of loop variables), constants, ``remainder`` by a positive
-size, clamps (``maximum``/``minimum``), selects and the results of argmax/argmin over a dim, lies in
-``[0, size)`` ('in': emit ``raw`` as is) or, for a wrapping op, in ``[-size, size)`` ('wrap'). Anything
-else is checked; the analysis only ever errs towards a check.
+An indirect index into a dim of ``size`` is an int64 Expr ``checked(raw, size, info)``: ``raw`` is read
+from (or computed from) the index tensor, ``info`` names eager's error for the op. Its value is ``raw``
+made non-negative where the op wraps (``x[-1]``); out of ``[0, size)`` an emitter records the violation
+(C++: an error flag; Triton: ``tl.device_assert`` or an error buffer) and reads another element of the dim,
+so no access leaves the tensor. ``proof`` says when no check is needed, from the raw value's range (loop
+ranges, constants, ``remainder``, clamps, selects, argmax/argmin results); it only ever errs towards a check.
 """
 from __future__ import annotations
 
@@ -21,17 +14,14 @@ from typing import NamedTuple, Optional
 import sympy
 import torch
 
-from kiln.codegen.ir.indexing import FloorDiv, ModIdx, Ranges
+from kiln.codegen.ir.indexing import ONE, ZERO, FloorDiv, ModIdx, Ranges
+from kiln.codegen.ir.indexing import leq as _le
 from kiln.codegen.ir.loops import Expr, Reduction, Unsupported, ops
-
-ZERO, ONE = sympy.Integer(0), sympy.Integer(1)
 
 
 class CheckInfo(NamedTuple):
-    """What eager raises for an out-of-range index: ``kind`` names the message (``kiln.runtime.bounds``:
-    'index', 'gather', 'scatter', 'self', 'nll'), ``dim`` the indexed dim it names, ``wraps`` whether a
-    negative index counts from the end (``x[i]``, ``index_put``), ``always`` checks even a proven index
-    (``Options.index_checks='always'``)."""
+    """What eager raises for an out-of-range index: ``kind`` names the message (``kiln.runtime.bounds``),
+    ``dim`` the dim it names; ``wraps``: a negative index counts from the end; ``always``: even if proven."""
     kind: str
     dim: int
     wraps: bool
@@ -69,8 +59,7 @@ def proof(e: Expr, ranges: Ranges, buffers: dict, memo: Optional[dict] = None) -
 
 
 def value_range(e: Expr, ranges: Ranges, buffers: dict, memo: dict) -> tuple:
-    """(lo, hi): inclusive sympy bounds of integer Expr ``e`` at every point of ``ranges`` (either None
-    when unknown)."""
+    """(lo, hi): inclusive sympy bounds of integer Expr ``e`` over ``ranges`` (None when unknown)."""
     hit = memo.get(e)
     if hit is None:
         hit = memo[e] = _range(e, ranges, buffers, memo)
@@ -94,7 +83,7 @@ def _range(e, ranges, buffers, memo):
         src = a[0].dtype
         if src == torch.bool:
             return ZERO, ONE
-        wider = e.dtype == torch.int64 or _bits(e.dtype) > _bits(src)
+        wider = e.dtype == torch.int64 or e.dtype.itemsize > src.itemsize
         if src.is_floating_point or e.dtype == torch.bool or not wider:
             return None, None
         return rng(a[0])
@@ -116,8 +105,8 @@ def _range(e, ranges, buffers, memo):
     if op in ("maximum", "minimum"):
         (l1, h1), (l2, h2) = rng(a[0]), rng(a[1])
         if op == "maximum":   # max(x, y) >= each one's lower bound
-            return _known(l1, l2, max), _both(h1, h2, max)
-        return _both(l1, l2, min), _known(h1, h2, min)
+            return _known(l1, l2, max), _either(h1, h2, max)
+        return _either(l1, l2, min), _known(h1, h2, min)
     if op in ("remainder", "fmod"):
         (l1, _), (l2, h2) = rng(a[0]), rng(a[1])
         if l2 is None or h2 is None or not _le(ONE, l2):
@@ -141,23 +130,8 @@ def _arg_range(buf) -> tuple:
     return ZERO, n - 1
 
 
-def _le(a, b) -> bool:
-    """Provably ``a <= b`` (False when unsure)."""
-    d = sympy.expand(b - a)
-    if d.is_Integer:
-        return d >= 0
-    return bool(d.is_nonnegative)
-
-
-def _bits(dtype) -> int:
-    return 1 if dtype == torch.bool else dtype.itemsize * 8
-
-
 def _either(x, y, pick):
     return None if x is None or y is None else _pick(x, y, pick)
-
-
-_both = _either
 
 
 def _known(x, y, pick):

@@ -1,15 +1,13 @@
-"""Index arithmetic for the loop IR.
-
-Every index is a sympy expression over the kernel variables ``xindex`` and ``rindex`` (flat
-positions in the kept and reduced parts of a kernel's iteration space), size symbols of dynamic
-shapes, and ``ind*`` symbols bound to loaded values (indirect indexing). Unflattening a flat
-position uses ``FloorDiv`` and ``ModIdx``; ``simplify`` folds them back when a load walks memory
-in the same order as the kernel (the common contiguous case), using the known variable ranges.
-All indices are non-negative, which every rule here relies on.
+"""Index arithmetic for the loop IR: sympy expressions over ``xindex`` and ``rindex`` (flat positions in the
+kept and reduced parts of a kernel's iteration space), size symbols and ``ind*`` symbols (indirect indexing).
+Unflattening uses ``FloorDiv`` and ``ModIdx``; ``simplify`` folds them back where a load walks memory in the
+kernel's order, using the variables' ranges. Every rule relies on all indices being non-negative.
 """
 from __future__ import annotations
 
 import functools
+import math
+import operator
 
 import sympy
 
@@ -18,25 +16,19 @@ RINDEX = sympy.Symbol("rindex", integer=True, nonnegative=True)
 ZERO, ONE = sympy.Integer(0), sympy.Integer(1)
 
 
-# Memo of the pure functions below (unflatten, flat_index, simplify, equal) by their arguments:
-# the same index expressions recur in every layer of a model and in the scheduler's and emitter's
-# calls. Sympy objects compare structurally, so a hit is the result the call would compute.
-# Cleared when it grows large.
+# Memo of pure index functions by their arguments: the same indices recur in every layer of a model
+# (sympy objects compare structurally, so a hit is what the call would compute). Cleared when large.
 _MEMO: dict = {}
-_MEMO_MAX = 1 << 16
 
 
-def memo_put(key, value):
-    """Remember ``value`` for ``key`` in the shared index memo; returns ``value``."""
-    if len(_MEMO) >= _MEMO_MAX:
-        _MEMO.clear()
-    _MEMO[key] = value
-    return value
-
-
-def memo_get(key):
-    """The value ``memo_put`` remembered for ``key``, or None."""
-    return _MEMO.get(key)
+def memo(key, make):
+    """``make()``, remembered for ``key`` in the shared index memo."""
+    hit = _MEMO.get(key)
+    if hit is None:
+        if len(_MEMO) >= 1 << 16:
+            _MEMO.clear()
+        hit = _MEMO[key] = make()
+    return hit
 
 
 class FloorDiv(sympy.Function):
@@ -103,6 +95,11 @@ def prod(xs):
     return out
 
 
+def numel(shape, dims):
+    """The number of elements over ``dims`` of ``shape``."""
+    return prod([shape[d] for d in dims])
+
+
 def contiguous_strides(shape):
     out, acc = [], ONE
     for s in reversed(shape):
@@ -113,11 +110,7 @@ def contiguous_strides(shape):
 
 def unflatten(flat, sizes):
     """Per-dimension indices of a row-major flat position over ``sizes``."""
-    key = ("u", flat, tuple(sizes))
-    hit = _MEMO.get(key)
-    if hit is None:
-        hit = memo_put(key, tuple(_unflatten(flat, sizes)))
-    return list(hit)
+    return list(memo(("u", flat, tuple(sizes)), lambda: tuple(_unflatten(flat, sizes))))
 
 
 def _unflatten(flat, sizes):
@@ -134,11 +127,8 @@ def _unflatten(flat, sizes):
 
 
 def flat_index(index, strides, offset=ZERO):
-    key = ("f", tuple(index), tuple(strides), offset)
-    hit = _MEMO.get(key)
-    if hit is None:
-        hit = memo_put(key, offset + sum((i * s for i, s in zip(index, strides) if s != 0), ZERO))
-    return hit
+    return memo(("f", tuple(index), tuple(strides), offset),
+                lambda: offset + sum((i * s for i, s in zip(index, strides) if s != 0), ZERO))
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -147,7 +137,7 @@ def _is_multiple(term, d) -> bool:
     return q.as_numer_denom()[1] == 1 and q.is_integer is not False
 
 
-def _leq(a, b) -> bool:
+def leq(a, b) -> bool:
     """Provably a <= b (False when unsure)."""
     if a is None:
         return False
@@ -195,11 +185,7 @@ class Ranges:
 def simplify(e, ranges: Ranges):
     """Fold FloorDiv/ModIdx chains using variable ranges; the result equals ``e`` for in-range vars."""
     e = sympy.sympify(e)
-    key = ("s", e, ranges.key)
-    hit = _MEMO.get(key)
-    if hit is None:
-        hit = memo_put(key, _simplify(sympy.expand(e), ranges))
-    return hit
+    return memo(("s", e, ranges.key), lambda: _simplify(sympy.expand(e), ranges))
 
 
 def _simplify(e, r):
@@ -234,7 +220,7 @@ def _floordiv(a, b, r):
     q, rest = _split(a, b)
     if not _neg_free(rest):
         return FloorDiv(a, b)
-    if rest == 0 or _leq(r.max(rest), b - 1):
+    if rest == 0 or leq(r.max(rest), b - 1):
         return q
     coarse = _coarsen(rest, b, r)
     if coarse is not None:   # rest = c*q2 + low, c | b, low < c: rest // b = q2 // (b / c)
@@ -244,9 +230,8 @@ def _floordiv(a, b, r):
 
 
 def _coarsen(a, d, r):
-    """``(q, c)`` with ``a = c*q + low``, ``c`` a divisor of ``d`` above 1 and ``0 <= low < c`` (so
-    ``a // d == q // (d / c)``: ``(128*x + r) // 16384`` is ``x // 128`` when ``r < 128``), the largest
-    such ``c`` among ``a``'s integer coefficients; None when there is none."""
+    """``(q, c)`` with ``a = c*q + low``, ``0 <= low < c``, ``c > 1`` the largest coefficient of ``a``
+    dividing ``d`` (so ``a // d == q // (d / c)``: ``(128*x + r) // 16384`` is ``x // 128``, r < 128)."""
     if not sympy.sympify(d).is_Integer:
         return None
     coeffs = sorted({int(t.as_coeff_Mul()[0]) for t in sympy.Add.make_args(a)
@@ -255,7 +240,7 @@ def _coarsen(a, d, r):
         if c <= 1 or int(d) % c:
             continue
         q, low = _split(a, c)
-        if q != 0 and _neg_free(q) and _neg_free(low) and (low == 0 or _leq(r.max(low), c - 1)):
+        if q != 0 and _neg_free(q) and _neg_free(low) and (low == 0 or leq(r.max(low), c - 1)):
             return q, c
     return None
 
@@ -272,7 +257,7 @@ def _modidx(a, d, m, r):
         return ModIdx(a, d, m)
     if rest == 0:
         return ZERO
-    if _leq(r.max(rest), d * m - 1):
+    if leq(r.max(rest), d * m - 1):
         return _floordiv(rest, d, r)
     if d != 1:   # rest = c*q + low, c | d, low < c: the digit is q's (1024*xo + xi, xi < 1024: xo's)
         coarse = _coarsen(rest, d, r)
@@ -342,40 +327,26 @@ def _evaluate(x, env):
         return a[0] // a[1]
     if isinstance(x, ModIdx):
         return (a[0] // a[1]) % a[2]
-    if x.is_Add:
-        return sum(a[1:], a[0])
-    if x.is_Mul:
-        out = a[0]
-        for y in a[1:]:
-            out = out * y
-        return out
+    if x.is_Add or x.is_Mul:
+        return functools.reduce(operator.add if x.is_Add else operator.mul, a)
     raise TypeError(x)
 
 
 def equal(a, b, ranges: Ranges, limit: int = 1 << 20) -> bool:
     """Whether two index expressions agree at every in-range point (proved or checked exhaustively)."""
     a, b = sympy.sympify(a), sympy.sympify(b)
-    key = ("e", a, b, ranges.key, limit)
-    hit = _MEMO.get(key)
-    if hit is None:
-        hit = memo_put(key, _equal(a, b, ranges, limit))
-    return hit
+    return memo(("e", a, b, ranges.key, limit), lambda: _equal(a, b, ranges, limit))
 
 
 def _equal(a, b, ranges: Ranges, limit: int) -> bool:
     sa, sb = simplify(a, ranges), simplify(b, ranges)
-    if sa == sb:
+    if sa == sb or sympy.expand(sa - sb) == 0:
         return True
-    if sympy.expand(sa - sb) == 0:
-        return True
-    syms = (sympy.sympify(a).free_symbols | sympy.sympify(b).free_symbols)
+    syms = a.free_symbols | b.free_symbols
     if not syms <= set(ranges.bounds) or not all(ranges.bounds[s].is_Integer for s in syms):
         return False
     import numpy as np
-    total = 1
-    for s in syms:
-        total *= int(ranges.bounds[s])
-    if total > limit:
+    if math.prod(int(ranges.bounds[s]) for s in syms) > limit:
         return False
     syms = sorted(syms, key=str)
     grids = np.meshgrid(*[np.arange(int(ranges.bounds[s]), dtype=np.int64) for s in syms], indexing="ij")

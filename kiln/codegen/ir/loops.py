@@ -13,12 +13,9 @@ Opcodes of ``Expr`` (one scalar computation at one point of a kernel's iteration
     red(buf)                  (kernel-internal) the result of reduction ``buf`` at this row
     <math op>(args...)        see ``UNARY``/``BINARY``/``where``
 
-Exprs are hash-consed: building the same expression twice gives the same object, so identity is
-structural equality and CSE in an emitter is a dict lookup.
-
-A lowered value is a ``Pointwise`` (a function from an index to an Expr, memoized) or, once it is
-materialized, a ``Buffer`` that consumers read through a load. A ``Reduction`` always owns a
-buffer; the scheduler decides which buffers are stored and which stay in registers.
+Exprs are hash-consed (identity is structural equality; CSE in an emitter is a dict lookup). A lowered
+value is a ``Pointwise`` (index -> Expr, memoized) or, once materialized, a ``Buffer`` read through loads; a
+``Reduction`` always owns a buffer, and the scheduler decides which buffers are stored.
 """
 from __future__ import annotations
 
@@ -32,7 +29,7 @@ from typing import Any, Callable, Optional
 import sympy
 import torch
 
-from kiln.codegen.ir.indexing import contiguous_strides, flat_index, memo_get, memo_put, size_expr
+from kiln.codegen.ir.indexing import contiguous_strides, flat_index, memo, size_expr
 
 UNARY = {"neg", "abs", "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sqrt", "rsqrt",
          "sin", "cos", "tan", "asin", "acos", "atan", "sinh", "cosh", "tanh", "asinh", "acosh",
@@ -142,11 +139,8 @@ class ops:
             return x
         if x.op == "const":
             return ops.const(x.args[0], dtype)
-        if _widens(dtype, x.dtype):
-            narrow = _narrowed(x, dtype)
-            if narrow is not None:
-                return narrow
-        return Expr("cast", (x,), dtype)
+        narrow = _narrowed(x, dtype) if _RANK.get(x.dtype, 0) > _RANK.get(dtype, 9) else None
+        return Expr("cast", (x,), dtype) if narrow is None else narrow
 
     @staticmethod
     def load(buf: "Buffer", index):
@@ -175,16 +169,12 @@ class ops:
         return Expr(op, (a, b), torch.bool if op in COMPARE else a.dtype)
 
 
-def _widens(narrow, wide) -> bool:
-    """Whether every ``narrow`` float is exactly a ``wide`` float."""
-    rank = {torch.float16: 1, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
-    return narrow in rank and wide in rank and rank[wide] > rank[narrow]
+_RANK = {torch.float16: 1, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}   # lower widens exactly
 
 
 def _narrowed(x, dtype):
-    """``x`` as a ``dtype`` expression with no conversion, if ``x`` is a widened ``dtype`` value or a
-    selection between such values (None otherwise): a value widened exactly and narrowed back is itself
-    (bf16 -> fp32 -> bf16), and a copy keeps a NaN's bits where a conversion would not (fuzz seed 12 #7722)."""
+    """``x`` (a widened ``dtype`` value, or a selection of such) as ``dtype`` without a conversion, else None:
+    a copy keeps a NaN's bits where a conversion would not (fuzz seed 12 #7722)."""
     if x.op == "cast" and x.args[0].dtype == dtype:
         return x.args[0]
     if x.op == "where":
@@ -220,11 +210,8 @@ def indirect_symbol(value: Expr) -> sympy.Symbol:
 
 def binds_of(index) -> tuple:
     """((symbol, Expr), ...) for the indirect symbols in an index expression."""
-    key = ("ind", index)
-    syms = memo_get(key)
-    if syms is None:   # which symbols are indirect depends on the expression only (memoized)
-        syms = memo_put(key, tuple(s for s in sorted(getattr(index, "free_symbols", ()), key=str)
-                                   if s.name.startswith("ind")))
+    syms = memo(("ind", index), lambda: tuple(s for s in sorted(getattr(index, "free_symbols", ()), key=str)
+                                              if s.name.startswith("ind")))
     if not syms:
         return ()
     indirect, _ = _tables()
@@ -246,11 +233,8 @@ _names = itertools.count()
 
 @dataclass(eq=False)
 class Buffer:
-    """A materialized tensor: graph input, extern (ATen) output, kept view, or kernel result.
-
-    ``compute`` is the Pointwise/Reduction/Scatter that fills it (None for inputs and externs).
-    ``node`` is the FX node whose value it is (None for kernel-internal buffers).
-    """
+    """A materialized tensor: graph input, extern (ATen) output, kept view, or kernel result. ``compute``
+    fills it (None for inputs and externs); ``node`` is its FX node (None for kernel-internal buffers)."""
     name: str
     shape: tuple
     stride: tuple
@@ -286,10 +270,8 @@ def meta_layout(val):
 
 
 class Pointwise:
-    """A value defined at every index of ``shape``: ``fn(index) -> Expr`` (memoized).
-
-    ``buffer`` is set once the value is materialized; later reads load from it.
-    """
+    """A value defined at every index of ``shape``: ``fn(index) -> Expr`` (memoized); reads load from
+    ``buffer`` once it is materialized."""
 
     def __init__(self, shape, dtype, device, fn: Callable, buffer: Optional[Buffer] = None):
         self.shape = tuple(size_expr(s) for s in shape)
@@ -337,15 +319,6 @@ class Reduction:
     split: bool = False   # the second half of a split reduction (never folded back into one program)
     fold: tuple = ()      # a column reduction's partial over row chunks, computed in a row kernel: the
                           # sizes of the rows it reduces (``schedule.split.fold_split``, role 'colpart')
-
-    def full_index(self, out_idx):
-        """Map an output index onto the kept dims of ``ranges`` (reduced dims left as None)."""
-        kept = [d for d in range(len(self.ranges)) if d not in self.reduced]
-        keep = len(self.out_shape) == len(self.ranges)
-        full = [None] * len(self.ranges)
-        for j, d in enumerate(kept):
-            full[d] = out_idx[d] if keep else out_idx[j]
-        return full
 
 
 @dataclass(eq=False)

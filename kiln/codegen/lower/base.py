@@ -1,15 +1,12 @@
 """Lowering of a post-grad ATen graph to the loop IR: the driver and the helpers lowerings share.
 
-``Lowering(gm, opts).run()`` walks the graph once in order. Each node with an entry in ``LOWERINGS``
-becomes a ``Pointwise`` (inlined into its users) or a buffer-backed value; every other node stays
-an ATen call ("extern") whose tensor arguments are materialized. A missing or failing lowering
-is never an error. Lowerings live in the modules beside this one, one small function per op family,
-registered with ``@register(aten.op.overload, ...)``; importing ``kiln.codegen.lower`` registers them all.
+``Lowering(gm, opts).run()`` walks the graph once. A node with an entry in ``LOWERINGS`` (registered by
+the modules beside this one) becomes a ``Pointwise`` (inlined into its users) or a buffer-backed value; any
+other node, or one whose lowering fails, stays an ATen call ("extern") with materialized tensor arguments.
 """
 from __future__ import annotations
 
 import functools
-
 import operator
 
 import sympy
@@ -59,7 +56,6 @@ class Lowering:
         self.values, self.buffers, self.computed, self.kept = {}, {}, [], set()
         self.seeds = Seeds()
         self.node = None
-        self.fake_mode = None
 
     # -- driver -------------------------------------------------------------------------
     def run(self):
@@ -88,19 +84,15 @@ class Lowering:
         return self
 
     def _lowerable(self, node):
-        if _touches_complex(node):   # no kernel computes complex numbers: the op stays ATen
-            return False
-        if _touches(node, _empty):   # nothing to compute, or a neutral value: ATen knows
-            return False
+        if _touches(node, lambda t: t.is_complex() or _empty(t)):   # no kernel computes complex numbers;
+            return False                                              # nothing to compute: ATen knows
         if node.target is operator.getitem:
             return not isinstance(self.values.get(node.args[0]), ExternTuple)
-        if node.target not in LOWERINGS and self._functional(node) is not None:
-            return "val" in node.meta
-        return node.target in LOWERINGS and "val" in node.meta
+        return "val" in node.meta and (node.target in LOWERINGS or self._functional(node) is not None)
 
     def _functional(self, node):
-        """The out-of-place twin of an in-place op whose mutated input is a private temporary
-        (computed here, used by nothing else), so mutating it equals returning a new value."""
+        """The out-of-place twin of an in-place op whose mutated input is a private temporary (used by
+        nothing else), so mutating it equals returning a new value."""
         t = node.target
         if not isinstance(t, torch._ops.OpOverload) or not t._opname.endswith("_") or not node.args:
             return None
@@ -121,12 +113,12 @@ class Lowering:
 
     def arg(self, a):
         if isinstance(a, torch.fx.Node):
-            if a in self.kept and _flipped(a.meta.get("val")):
+            val = a.meta.get("val")
+            if a in self.kept and is_tensor(val) and (val.is_neg() or val.is_conj()):   # _neg_view, _conj
                 # kernels read storage as it is; ATen applies the bit (the reader stays ATen)
                 raise Unsupported(f"{a.name} is a tensor with its negative or conjugate bit set")
             if a in self.values:
                 return self.values[a]
-            val = a.meta.get("val")
             if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
                 return sympy.sympify(val.node.expr)
             raise Unsupported(f"argument {a.name} has no lowered value")
@@ -163,7 +155,9 @@ class Lowering:
         self._keep(node, "extern")
 
     def _realize_args(self, args):
-        for n in _nodes(args):
+        nodes = []
+        torch.fx.node.map_arg(args, nodes.append)
+        for n in nodes:
             v = self.values.get(n)
             for p in (v if isinstance(v, tuple) and not isinstance(v, ExternTuple) else (v,)):
                 if isinstance(p, Pointwise):
@@ -183,16 +177,13 @@ class Lowering:
                 and base.buffer.node is node.args[0]:
             buf = self._node_buffer(node, "view", val)   # keep the ATen view of the stored base
             self.kept.add(node)
-            value.buffer = buf
-            value._memo = {k: v for k, v in value._memo.items() if k and k[0] == "compute"}
-            return buf
-        if is_tensor(val) and tuple(size_expr(s) for s in val.shape) == value.shape:
-            shape, stride = meta_layout(val)
-            buf = Buffer(node.name, shape, stride, val.dtype, val.device, "pointwise", node, value, val)
         else:
-            buf = contiguous_buffer(value.shape, value.dtype, value.device, "pointwise", value)
-        self.buffers[buf.name] = buf
-        self.computed.append(buf)
+            if is_tensor(val) and tuple(size_expr(s) for s in val.shape) == value.shape:
+                shape, stride = meta_layout(val)
+                buf = Buffer(node.name, shape, stride, val.dtype, val.device, "pointwise", node, value, val)
+            else:
+                buf = contiguous_buffer(value.shape, value.dtype, value.device, "pointwise", value)
+            self.add_buffer(buf)
         value.buffer = buf
         value._memo = {k: v for k, v in value._memo.items() if k and k[0] == "compute"}
         return buf
@@ -209,16 +200,13 @@ class Lowering:
                 self.realize(value, node)
 
     def _must_realize(self, node, value):
-        users = [u for u in node.users]
-        for u in users:
-            if u.op == "output" or (u.op == "call_function" and not self._lowerable_target(u)):
+        for u in node.users:
+            lowered = u.target is operator.getitem or u.target in LOWERINGS or self._functional(u) is not None
+            if u.op == "output" or (u.op == "call_function" and not lowered):
                 return True
-        if value.buffer is None and len(users) > 1:
+        if value.buffer is None and len(node.users) > 1:
             return not cheap(value, self.tuning.cheap_ops, self.tuning.cheap_loads)
         return False
-
-    def _lowerable_target(self, u):
-        return u.target is operator.getitem or u.target in LOWERINGS or self._functional(u) is not None
 
     # -- helpers used by lowerings ------------------------------------------------------
     def pointwise(self, fn, shape=None, dtype=None, device=None):
@@ -226,7 +214,7 @@ class Lowering:
         shape = meta.shape if shape is None else shape
         dtype = meta.dtype if dtype is None else dtype
         if self.opts.round_low_precision and dtype in (torch.float16, torch.bfloat16):
-            return Pointwise(shape, dtype, device or self.device, functools.partial(_rounded, fn, dtype))
+            fn = functools.partial(_rounded, fn, dtype)
         return Pointwise(shape, dtype, device or self.device, fn)
 
     @property
@@ -254,26 +242,10 @@ def _touches(node, test) -> bool:
         isinstance(v, (tuple, list)) and any(is_tensor(t) and test(t) for t in v) for v in vals)
 
 
-def _touches_complex(node) -> bool:
-    return _touches(node, lambda t: t.is_complex())
-
-
 def _empty(t) -> bool:
-    """A tensor statically without elements: its indices degenerate (a dim of size 0 makes the others'
-    index terms vanish), and a load hoisted out of an empty loop read past the storage (fuzz seed 10
-    #3264: the sum of an expanded (2, 0) tensor crashed Triton's interpreter)."""
+    """A tensor statically without elements: its indices degenerate, and a load hoisted out of an empty loop
+    read past the storage (fuzz seed 10 #3264: the sum of an expanded (2, 0) tensor crashed Triton)."""
     return any(isinstance(n, int) and n == 0 for n in t.shape)
-
-
-def _flipped(val) -> bool:
-    """A tensor whose values are its storage's negated or conjugated (``_neg_view``, ``_conj``)."""
-    return is_tensor(val) and (val.is_neg() or val.is_conj())
-
-
-def _nodes(args):
-    out = []
-    torch.fx.node.map_arg(args, lambda n: out.append(n))
-    return out
 
 
 def _same_layout(buf, val):
@@ -284,10 +256,9 @@ def _same_layout(buf, val):
 
 
 def cheap(value: Pointwise, limit: int, loads: int = 1 << 30) -> bool:
-    """At most ``limit`` ops (and no RNG) and at most ``loads`` buffers read at every element (not broadcast):
-    recomputed in every user instead of stored. Ops on indices and constants alone (a padding's or a causal
-    mask's bounds tests) are not counted: they read nothing. A residual stream summed over many layers is
-    few ops but reads every layer's output: recomputing it reads them all in each user and keeps them alive."""
+    """At most ``limit`` ops that read something (and no RNG), and at most ``loads`` buffers read at every
+    element: recomputed in each user instead of stored (a residual stream summed over many layers is few ops
+    but would read every layer's output in each user and keep them alive)."""
     idx = [sympy.Symbol(f"c{i}", integer=True, nonnegative=True) for i in range(len(value.shape))]
     n, indices = 0, {}   # indices: buffer -> the index expressions it is loaded at
     reads: dict = {}
@@ -315,6 +286,10 @@ def _reads(e, memo) -> bool:
 
 
 # -- shared helpers for lowerings ---------------------------------------------------------
+def shape_of(meta) -> list:
+    return [size_expr(s) for s in meta.shape]
+
+
 def broadcast(idx, in_shape, out_shape):
     """Index into a value of ``in_shape`` broadcast (right-aligned) to ``out_shape``."""
     k = len(out_shape) - len(in_shape)
@@ -323,9 +298,8 @@ def broadcast(idx, in_shape, out_shape):
 
 
 def _rounded(fn, dtype, idx):
-    """``fn(idx)`` (computed in float32) rounded to 16-bit ``dtype`` and kept in float32: eager rounds every
-    op's result (``Options.round_low_precision``; fuzz seed 11 #9879: ``cos(x ** 3)`` of bf16 ``x`` took
-    ``x ** 3`` unrounded, 0.04 from eager's)."""
+    """``fn(idx)`` rounded to 16-bit ``dtype``, kept in float32, as eager rounds every op's result (fuzz seed
+    11 #9879: ``cos(x ** 3)`` of bf16 ``x`` took ``x ** 3`` unrounded)."""
     e = fn(idx)
     if e.dtype == dtype or _exact_in(e, dtype):
         return e
@@ -336,10 +310,8 @@ _SELECTS = {"where": (1, 2), "masked": (1, 2), "neg": (0,), "abs": (0,), "maximu
 
 
 def _exact_in(e, dtype) -> bool:
-    """Whether float32 ``e`` is already a ``dtype`` value: a widened ``dtype`` value, a constant ``dtype``
-    holds, or a selection, negation or absolute value of such values. Rounding it again changes nothing but
-    the bits of a NaN (eager's conversion makes every NaN +NaN; a copy keeps its sign: fuzz seed 12 #7722,
-    ``signbit(select_scatter(x, ...))``)."""
+    """Whether float32 ``e`` is already a ``dtype`` value (widened, a constant, or a selection, negation or
+    abs of such): rounding again would change only a NaN's sign bit (fuzz seed 12 #7722)."""
     if e.op == "cast":
         return e.args[0].dtype == dtype
     if e.op == "const":
@@ -386,4 +358,4 @@ def result_dtype(*vals):
 
 
 __all__ = ["Lowering", "register", "LOWERINGS", "VIEW_OPS", "broadcast", "value_at", "result_dtype",
-           "aten", "Unsupported", "is_tensor", "cheap", "KEEP"]
+           "shape_of", "aten", "Unsupported", "is_tensor", "cheap", "KEEP"]

@@ -1,11 +1,7 @@
-"""Lowerings that index with tensors, concatenate or pad: gather, index, embedding, index_select,
-cat, stack, constant_pad_nd, select/slice_scatter, and the scatters (scatter_add, index_put with
-accumulate, embedding backward) that write through an index.
-
-Indirect indexing puts an ``ind*`` symbol bound to the loaded index value into a load's index; that
-value is a ``checked`` index (``ir/bounds.py``) naming the error eager raises for the op when it is out
-of range (``Options.index_checks``). Concatenation and padding read each source under a mask
-(``masked``), so out-of-range lanes never touch memory.
+"""Lowerings that index with tensors, concatenate or pad (gather, index, embedding, cat, stack, pad,
+select/slice_scatter), and the scatters that write through an index (scatter_add, index_put, embedding
+backward). An indirect index is an ``ind*`` symbol bound to a ``checked`` value (``ir/bounds.py``) naming
+eager's error for the op; concatenation and padding read each source under a mask (``masked``).
 """
 from __future__ import annotations
 
@@ -13,15 +9,11 @@ import sympy
 import torch
 
 from kiln.codegen.ir.bounds import CheckInfo, checked
-from kiln.codegen.ir.indexing import ZERO, FloorDiv, contiguous_strides, flat_index, size_expr
+from kiln.codegen.ir.indexing import ZERO, FloorDiv, contiguous_strides, flat_index
 from kiln.codegen.ir.loops import (Buffer, Pointwise, Scatter, Unsupported, indirect_symbol, meta_layout, new_name, ops,
                                   upcast)
-from kiln.codegen.lower.base import aten, broadcast, register, value_at
+from kiln.codegen.lower.base import aten, broadcast, register, shape_of, value_at
 from kiln.codegen.lower.pointwise import E
-
-
-def _shape(meta):
-    return [size_expr(s) for s in meta.shape]
 
 
 def wrap(e, size):
@@ -40,10 +32,9 @@ MADE_BY = {"nll_loss_forward": ("nll", False), "nll_loss2d_forward": ("nll", Fal
 
 
 def checker(ctx, kind: str, wraps: bool = False):
-    """``sym(e, size, dim)``: the index symbol of runtime int value ``e`` into dim ``dim`` of ``size`` for the
-    lowering running now, checked as eager checks op ``kind`` (``ir.bounds.CheckInfo``; ``wraps``: a negative
-    index counts from the end), or wrapped and unchecked under ``index_checks='never'``. Made when the lowering
-    runs (its values are computed later, when another node is current)."""
+    """``sym(e, size, dim)``: the index symbol of runtime int value ``e`` into dim ``dim`` of ``size``,
+    checked as eager checks op ``kind`` (``wraps``: a negative index counts from the end), or wrapped and
+    unchecked under ``index_checks='never'``. Made while the lowering runs (its values are computed later)."""
     mode = ctx.opts.index_checks
     made_by = getattr(ctx.node.meta.get("original_aten"), "_opname", "") if ctx.node is not None else ""
     kind, wraps = MADE_BY.get(made_by, (kind, wraps))   # a decomposed op's error: nll_loss's gather, take's index
@@ -139,11 +130,9 @@ def _broadcast_shape(shapes):
 
 @register(aten.cat.default)
 def _cat(ctx, tensors, dim=0):
-    shape = _shape(ctx.meta)
-    dtype = ctx.meta.dtype
-    d = dim % len(shape)
+    d = dim % len(ctx.meta.shape)
     parts = [t for t in tensors if not (len(t.shape) == 1 and t.shape[0] == 0)]
-    compute = upcast(dtype)
+    compute = upcast(ctx.meta.dtype)
 
     def fn(idx):
         pieces, off = [], ZERO
@@ -155,25 +144,21 @@ def _cat(ctx, tensors, dim=0):
             sub = list(idx)
             sub[d] = idx[d] - start
             i = ops.index(idx[d])
-            conds = []
-            if start != 0:
-                conds.append(ops.binary("ge", i, _size(sympy.sympify(start))))
-            if k != 0:
-                conds.append(ops.binary("lt", i, _size(sympy.sympify(end))))
+            conds = ([ops.binary("ge", i, _size(sympy.sympify(start)))] if start != 0 else []) + \
+                ([ops.binary("lt", i, _size(sympy.sympify(end)))] if k != 0 else [])
             val = ops.cast(t(sub), compute)
-            if not conds:
-                out = val if out is None else val
-                continue
-            cond = conds[0] if len(conds) == 1 else ops.binary("logical_and", *conds)
-            val = ops.masked(cond, val, ops.const(0, compute))
-            out = val if out is None else ops.where(cond, val, out)
+            if conds:
+                cond = conds[0] if len(conds) == 1 else ops.binary("logical_and", *conds)
+                val = ops.masked(cond, val, ops.const(0, compute))
+                val = val if out is None else ops.where(cond, val, out)
+            out = val
         return out
     return ctx.pointwise(fn)
 
 
 @register(aten.stack.default)
 def _stack(ctx, tensors, dim=0):
-    shape = _shape(ctx.meta)
+    shape = shape_of(ctx.meta)
     d = dim % len(shape)
     compute = upcast(ctx.meta.dtype)
 
@@ -211,7 +196,7 @@ def _pad(ctx, x, pad, value=0):
 def _select_scatter(ctx, base, src, dim, index):
     n = len(base.shape)
     d = dim % n
-    shape = _shape(ctx.meta)
+    shape = shape_of(ctx.meta)
     compute = upcast(ctx.meta.dtype)
     index = sympy.sympify(index)
     if index.is_Integer and index < 0:
@@ -228,7 +213,7 @@ def _select_scatter(ctx, base, src, dim, index):
 def _slice_scatter(ctx, base, src, dim=0, start=None, end=None, step=1):
     n = len(base.shape)
     d = dim % n
-    shape = _shape(ctx.meta)
+    shape = shape_of(ctx.meta)
     compute = upcast(ctx.meta.dtype)
     size = base.shape[d]
     start = 0 if start is None else start
@@ -253,19 +238,16 @@ def _slice_scatter(ctx, base, src, dim=0, start=None, end=None, step=1):
 
 # -- scatters: writes through an index, on top of a copy of the base --------------------------
 def _scatter(ctx, base, shape, target, value, mode):
+    """Write ``value(idx)`` at output index ``target(idx)`` for each ``idx`` of ``shape``."""
     meta = ctx.meta
     out_shape, out_stride = meta_layout(meta)
     if tuple(out_stride) != contiguous_strides(out_shape):
         raise Unsupported("scatter into a non-contiguous layout")
     buf = Buffer(new_name(), out_shape, out_stride, meta.dtype, meta.device, "scatter", None,
-                 Scatter(base, tuple(shape), target, value, mode))
+                 Scatter(base, tuple(shape), lambda idx: flat_index(target(idx), out_stride), value, mode))
     if mode == "add" and meta.dtype in (torch.bool, torch.int8, torch.uint8, torch.int16):
         raise Unsupported("atomic add on small ints")
     return ctx.add_buffer(buf)
-
-
-def _flat(shape, idx):
-    return flat_index(idx, contiguous_strides(shape))
 
 
 @register(aten.scatter_add.default, aten.scatter.src, aten.scatter.value)
@@ -273,13 +255,12 @@ def _scatter_add(ctx, x, dim, index, src):
     d = dim % max(len(x.shape), 1)
     compute = upcast(ctx.meta.dtype)
     mode = "add" if ctx.node.target == aten.scatter_add.default else "set"
-    out_shape = _shape(ctx.meta)
     sym = checker(ctx, "scatter")
 
     def target(idx):
         full = list(idx)
         full[d] = sym(index(idx), x.shape[d], d)
-        return _flat(out_shape, full)
+        return full
     value = (lambda idx: value_at(src, idx, index.shape, compute))
     return _scatter(ctx, x, index.shape, target, value, mode)
 
@@ -296,14 +277,12 @@ def _index_put(ctx, x, indices, values, accumulate=False):
     rest = list(x.shape[len(pos):])
     shape = list(bshape) + rest
     compute = upcast(ctx.meta.dtype)
-    out_shape = _shape(ctx.meta)
     nb = len(bshape)
     sym = checker(ctx, "index", True)
 
     def target(idx):
-        full = [sym(indices[i](broadcast(idx[:nb], indices[i].shape, bshape)), x.shape[i], i) for i in pos] + \
-            list(idx[nb:])
-        return _flat(out_shape, full)
+        return [sym(indices[i](broadcast(idx[:nb], indices[i].shape, bshape)), x.shape[i], i)
+                for i in pos] + list(idx[nb:])
     value = (lambda idx: value_at(values, idx, shape, compute))
     return _scatter(ctx, x, shape, target, value, "add" if accumulate else "set")
 
@@ -312,13 +291,12 @@ def _index_put(ctx, x, indices, values, accumulate=False):
 def _index_add(ctx, x, dim, index, source, alpha=1):
     d = dim % max(len(x.shape), 1)
     compute = upcast(ctx.meta.dtype)
-    out_shape = _shape(ctx.meta)
     sym = checker(ctx, "self" if len(x.shape) == 1 else "scatter")   # eager's two messages
 
     def target(idx):
         full = list(idx)
         full[d] = sym(index([idx[d]]), x.shape[d], d)
-        return _flat(out_shape, full)
+        return full
 
     def value(idx):
         v = value_at(source, idx, source.shape, compute)
@@ -332,12 +310,12 @@ def _embedding_backward(ctx, grad, indices, num_weights, padding_idx, scale_grad
         raise Unsupported("scale_grad_by_freq")
     compute = upcast(ctx.meta.dtype)
     k = len(indices.shape)
-    out_shape = _shape(ctx.meta)
+    out_shape = shape_of(ctx.meta)
     zeros = Pointwise(out_shape, ctx.meta.dtype, grad.device, lambda idx: ops.const(0, compute))
     sym = checker(ctx, "self")
 
     def target(idx):
-        return _flat(out_shape, [sym(indices(idx[:k]), out_shape[0], 0), idx[k]])
+        return [sym(indices(idx[:k]), out_shape[0], 0), idx[k]]
 
     def value(idx):
         g = ops.cast(grad(idx), compute)

@@ -1,23 +1,16 @@
 """Lowerings that create values: full, arange/iota, scalar_tensor, and philox RNG (rand, randn,
-bernoulli, dropout).
-
-A random value is ``rand(kind, offset, slot)``: Triton's philox at the element's flat offset with a
-seed the kernel draws from torch's generator on every call (so ``torch.manual_seed`` makes runs
-repeatable, though the numbers differ from eager). A random tensor is computed in exactly one
-kernel: a value holding RNG is never duplicated into two users.
+bernoulli, dropout). A random value is ``rand(kind, offset, slot)``: philox at the element's flat offset,
+seeded from torch's generator on every call (``torch.manual_seed`` repeats runs, though not eager's numbers).
+A value holding RNG is computed in exactly one kernel.
 """
 from __future__ import annotations
 
 import torch
 
-from kiln.codegen.ir.indexing import contiguous_strides, flat_index, size_expr
+from kiln.codegen.ir.indexing import contiguous_strides, flat_index
 from kiln.codegen.ir.loops import Expr, Pointwise, Unsupported, ops, upcast
-from kiln.codegen.lower.base import aten, register, value_at
+from kiln.codegen.lower.base import aten, register, shape_of, value_at
 from kiln.codegen.lower.pointwise import E
-
-
-def _shape(meta):
-    return [size_expr(s) for s in meta.shape]
 
 
 def _device_ok(ctx):
@@ -25,20 +18,18 @@ def _device_ok(ctx):
         raise Unsupported(f"device {ctx.meta.device}")
 
 
-@register(aten.full.default, aten.full_like.default, aten.zeros_like.default, aten.ones_like.default,
-          aten.scalar_tensor.default, aten.zeros.default, aten.ones.default, aten.new_zeros.default,
-          aten.new_ones.default, aten.new_full.default, aten.fill.Scalar)
+# op -> its fill value, or the position of the argument holding it
+_FILLS = {aten.zeros_like.default: ("=", 0), aten.zeros.default: ("=", 0), aten.new_zeros.default: ("=", 0),
+          aten.ones_like.default: ("=", 1), aten.ones.default: ("=", 1), aten.new_ones.default: ("=", 1),
+          aten.full.default: ("arg", 1), aten.full_like.default: ("arg", 1), aten.fill.Scalar: ("arg", 1),
+          aten.new_full.default: ("arg", 2), aten.scalar_tensor.default: ("arg", 0)}
+
+
+@register(*_FILLS)
 def _full(ctx, *args, **kwargs):
     _device_ok(ctx)
-    target = ctx.node.target
-    if target in (aten.zeros_like.default, aten.zeros.default, aten.new_zeros.default):
-        value = 0
-    elif target in (aten.ones_like.default, aten.ones.default, aten.new_ones.default):
-        value = 1
-    elif target in (aten.full.default, aten.new_full.default, aten.full_like.default, aten.fill.Scalar):
-        value = args[1] if target != aten.new_full.default else args[2]
-    else:  # scalar_tensor
-        value = args[0]
+    how, v = _FILLS[ctx.node.target]
+    value = v if how == "=" else args[v]
     dtype = ctx.meta.dtype
     if not isinstance(value, (bool, int, float)):
         if hasattr(value, "free_symbols"):
@@ -97,7 +88,7 @@ def _rand(ctx, *args, **kwargs):
     kind = "randn" if ctx.node.target in (aten.randn.default, aten.randn_like.default) else "rand"
     if not ctx.meta.dtype.is_floating_point:
         raise Unsupported("integer rand")
-    return random(ctx, kind, _shape(ctx.meta), ctx.meta.dtype)
+    return random(ctx, kind, shape_of(ctx.meta), ctx.meta.dtype)
 
 
 @register(aten.randint.low, aten.randint.default, aten.randint_like.low_dtype, aten.randint_like.default)
@@ -111,7 +102,7 @@ def _randint(ctx, *args, **kwargs):
     if not all(isinstance(v, int) for v in (low, high)) or not 0 < high - low <= 2 ** 31:
         raise Unsupported("randint range (symbolic, empty or wider than 2**31)")
     dtype = ctx.meta.dtype
-    bits = random(ctx, "randint", _shape(ctx.meta), torch.int64)
+    bits = random(ctx, "randint", shape_of(ctx.meta), torch.int64)
     span = high - low
     return ctx.pointwise(lambda idx: ops.cast(E.bin("add", E.bin("rshift", E.bin("mul", bits(idx), span), 32), low),
                                               upcast(dtype)))
@@ -138,41 +129,31 @@ _RANDOM = {
 }
 
 
-def _register_drawn():
-    for op, (kind, fn) in _RANDOM.items():
-        def lower(ctx, *args, generator=None, _kind=kind, _fn=fn, **kwargs):
-            _plain(ctx, generator)
-            dtype = ctx.meta.dtype
-            if not dtype.is_floating_point:
-                raise Unsupported(f"random {ctx.node.target} of {dtype}")
-            shape = _shape(ctx.meta)
-            compute = upcast(dtype)
-            r = random(ctx, _kind, shape, compute)
-            operands = list(args) + list(kwargs.values())
-            return ctx.pointwise(lambda idx: ops.cast(_fn(r(idx), *[value_at(v, idx, shape, compute)
-                                                                   for v in operands]), compute))
-        register(op)(lower)
+def _drawn(kind, fn):
+    def lower(ctx, *args, generator=None, **kwargs):
+        _plain(ctx, generator)
+        dtype = ctx.meta.dtype
+        if not dtype.is_floating_point:
+            raise Unsupported(f"random {ctx.node.target} of {dtype}")
+        shape, compute = shape_of(ctx.meta), upcast(dtype)
+        r = random(ctx, kind, shape, compute)
+        operands = list(args) + list(kwargs.values())
+        return ctx.pointwise(lambda idx: ops.cast(fn(r(idx), *[value_at(v, idx, shape, compute)
+                                                              for v in operands]), compute))
+    return lower
 
 
-_register_drawn()
+for _op, (_kind, _fn) in _RANDOM.items():
+    register(_op)(_drawn(_kind, _fn))
 
 
-@register(aten.bernoulli.p)
-def _bernoulli(ctx, x, p=0.5, generator=None):
+@register(aten.bernoulli.p, aten.bernoulli.default, aten.bernoulli.Tensor)
+def _bernoulli(ctx, x, p=None, generator=None):
+    """A draw per element with probability ``p`` (a number, a tensor broadcast to ``x``, or ``x`` itself)."""
     _plain(ctx, generator)
-    if not 0 <= p <= 1:
+    if isinstance(p, (int, float)) and not 0 <= p <= 1:
         raise Unsupported("bernoulli p outside [0, 1] (ATen raises)")
-    shape = _shape(ctx.meta)
-    r = random(ctx, "rand", shape, torch.float32)
-    dtype = upcast(ctx.meta.dtype)
-    return ctx.pointwise(lambda idx: ops.cast(E.bin("lt", r(idx), float(p)), dtype))
-
-
-@register(aten.bernoulli.default, aten.bernoulli.Tensor)
-def _bernoulli_tensor(ctx, x, p=None, generator=None):
-    """A draw per element with probability ``p`` (a tensor broadcast to ``x``, or ``x`` itself)."""
-    _plain(ctx, generator)
-    shape = _shape(ctx.meta)
+    shape = shape_of(ctx.meta)
     r = random(ctx, "rand", shape, torch.float32)
     prob = x if p is None else p
     dtype = upcast(ctx.meta.dtype)
@@ -183,7 +164,7 @@ def _bernoulli_tensor(ctx, x, p=None, generator=None):
 @register(aten.native_dropout.default)
 def _native_dropout(ctx, x, p, train):
     _plain(ctx)
-    shape = _shape(ctx.meta[0])
+    shape = shape_of(ctx.meta[0])
     dtype = upcast(ctx.meta[0].dtype)
     if train is False or p == 0:
         raise Unsupported("eval-mode dropout")

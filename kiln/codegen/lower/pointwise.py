@@ -10,9 +10,8 @@ import math
 import sympy
 import torch
 
-from kiln.codegen.ir.indexing import size_expr
 from kiln.codegen.ir.loops import Expr, Pointwise, Unsupported, ops, upcast
-from kiln.codegen.lower.base import aten, register, result_dtype, value_at
+from kiln.codegen.lower.base import aten, register, result_dtype, shape_of, value_at
 
 
 class E:
@@ -40,17 +39,12 @@ def un(op, a): return ops.unary(op, a)            # noqa: E704
 def elementwise(ctx, fn, *inputs, compute=None):
     """A Pointwise over the node's output shape: ``fn(*exprs)`` with tensor/scalar inputs cast to
     ``compute`` (default: upcast of the output dtype)."""
-    meta = ctx.meta
-    shape = tuple(ctx_shape(meta))
-    compute = compute or upcast(meta.dtype)
+    shape = tuple(shape_of(ctx.meta))
+    compute = compute or upcast(ctx.meta.dtype)
 
     def body(idx):
         return fn(*[value_at(v, idx, shape, compute) for v in inputs])
     return ctx.pointwise(body)
-
-
-def ctx_shape(meta):
-    return [size_expr(s) for s in meta.shape]
 
 
 def _binary(op):
@@ -84,21 +78,18 @@ def _fminmax(op):
     return lambda ctx, a, b: elementwise(ctx, fn, a, b)
 
 
-register(aten.add.Tensor, aten.add.Scalar)(_binary("add"))
-register(aten.sub.Tensor, aten.sub.Scalar)(_binary("sub"))
-register(aten.mul.Tensor, aten.mul.Scalar)(_binary("mul"))
-register(aten.maximum)(_binary("maximum"))
-register(aten.minimum)(_binary("minimum"))
+for _name in ("add", "sub", "mul", "remainder", "fmod", "copysign"):
+    _lowering = _binary(_name)
+    register(getattr(aten, _name).Tensor, getattr(aten, _name).Scalar)(
+        int_division(_lowering) if _name in ("remainder", "fmod") else _lowering)
+for _name in ("maximum", "minimum", "atan2", "bitwise_and", "bitwise_or", "bitwise_xor", "hypot"):
+    register(getattr(aten, _name))(_binary(_name))
 register(aten.fmax)(_fminmax("maximum"))
 register(aten.fmin)(_fminmax("minimum"))
-register(aten.atan2)(_binary("atan2"))
-register(aten.bitwise_and)(_binary("bitwise_and"))
-register(aten.bitwise_or)(_binary("bitwise_or"))
-register(aten.bitwise_xor)(_binary("bitwise_xor"))
-register(aten.remainder.Tensor, aten.remainder.Scalar)(int_division(_binary("remainder")))
-register(aten.fmod.Tensor, aten.fmod.Scalar)(int_division(_binary("fmod")))
-register(aten.copysign.Tensor, aten.copysign.Scalar)(_binary("copysign"))
-register(aten.hypot)(_binary("hypot"))
+register(aten.pow.Tensor_Tensor, aten.pow.Scalar)(_binary("pow"))
+register(aten.clamp_min.default, aten.clamp_min.Tensor)(_binary("maximum"))
+register(aten.clamp_max.default, aten.clamp_max.Tensor)(_binary("minimum"))
+register(aten.floor_divide)(int_division(_binary("floordiv")))   # floats: eager's rounding
 
 
 @register(aten.rsub.Tensor, aten.rsub.Scalar)
@@ -106,27 +97,16 @@ def _rsub(ctx, a, b, alpha=1):
     return elementwise(ctx, lambda x, y: sub(y, mul(x, alpha) if alpha != 1 else x), a, b)
 
 
-@register(aten.div.Tensor, aten.div.Scalar, aten.true_divide.Tensor)
-def _div(ctx, a, b):
-    return elementwise(ctx, div, a, b)
-
-
-@register(aten.div.Tensor_mode, aten.div.Scalar_mode)
-@int_division
-def _div_mode(ctx, a, b, rounding_mode=None):
-    meta = ctx.meta
+@register(aten.div.Tensor, aten.div.Scalar, aten.true_divide.Tensor, aten.div.Tensor_mode,
+          aten.div.Scalar_mode)
+@int_division   # (a true division's result is a float)
+def _div(ctx, a, b, rounding_mode=None):
     if rounding_mode is None:
         return elementwise(ctx, div, a, b)
-    if meta.dtype.is_floating_point and rounding_mode == "trunc":
+    if ctx.meta.dtype.is_floating_point and rounding_mode == "trunc":
         return elementwise(ctx, lambda x, y: un("trunc", div(x, y)), a, b)
     op = "floordiv" if rounding_mode == "floor" else "truncdiv"
     return elementwise(ctx, lambda x, y: E.bin(op, x, y), a, b)
-
-
-@register(aten.floor_divide)
-@int_division
-def _floor_divide(ctx, a, b):
-    return elementwise(ctx, lambda x, y: E.bin("floordiv", x, y), a, b)   # floats: eager's rounding
 
 
 def _compare(op):
@@ -135,7 +115,7 @@ def _compare(op):
     in bf16 compared the unrounded cube with the rounded minimum: no element matched, NaN gradients)."""
     def lower(ctx, a, b):
         compute = upcast(result_dtype(a, b))
-        shape = tuple(ctx_shape(ctx.meta))
+        shape = tuple(shape_of(ctx.meta))
 
         def at(v, idx):
             x = value_at(v, idx, shape, compute)
@@ -151,19 +131,12 @@ for _name in ("eq", "ne", "lt", "le", "gt", "ge"):
 
 
 def _logical(op):
-    def lower(ctx, a, b):
-        return elementwise(ctx, lambda x, y: E.bin(op, x, y), a, b, compute=torch.bool)
-    return lower
+    fn = (lambda x: un(op, x)) if op == "logical_not" else (lambda x, y: E.bin(op, x, y))
+    return lambda ctx, *args: elementwise(ctx, fn, *args, compute=torch.bool)
 
 
-register(aten.logical_and)(_logical("logical_and"))
-register(aten.logical_or)(_logical("logical_or"))
-register(aten.logical_xor)(_logical("logical_xor"))
-
-
-@register(aten.logical_not)
-def _logical_not(ctx, a):
-    return elementwise(ctx, lambda x: un("logical_not", x), a, compute=torch.bool)
+for _name in ("logical_and", "logical_or", "logical_xor", "logical_not"):
+    register(getattr(aten, _name))(_logical(_name))
 
 
 def _unary(op, compute_from_input=False):
@@ -173,20 +146,14 @@ def _unary(op, compute_from_input=False):
     return lower
 
 
-for _name in ("neg", "abs", "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sqrt", "rsqrt",
-              "sin", "cos", "tan", "asin", "acos", "atan", "sinh", "cosh", "tanh", "asinh", "acosh",
-              "atanh", "sigmoid", "erf", "erfc", "floor", "ceil", "trunc", "sign", "reciprocal",
-              "bitwise_not", "lgamma"):
+# the unary ops of ATen and prims alike (``prims.py``)
+UNARY = ("neg", "abs", "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sqrt", "rsqrt", "sin", "cos",
+         "tan", "asin", "acos", "atan", "sinh", "cosh", "tanh", "asinh", "acosh", "atanh", "sigmoid", "erf",
+         "erfc", "floor", "ceil", "trunc", "sign", "reciprocal", "bitwise_not", "lgamma", "round")
+for _name in UNARY:
     register(getattr(aten, _name).default)(_unary(_name))
-register(aten.round.default)(_unary("round"))
-register(aten.isnan.default)(_unary("isnan", True))
-register(aten.isinf.default)(_unary("isinf", True))
-register(aten.signbit.default)(_unary("signbit", True))
-
-
-@register(aten.relu.default)
-def _relu(ctx, a):
-    return elementwise(ctx, lambda x: E.bin("maximum", x, 0), a)
+for _name in ("isnan", "isinf", "signbit"):
+    register(getattr(aten, _name).default)(_unary(_name, True))
 
 
 @register(aten.pow.Tensor_Scalar)
@@ -201,53 +168,26 @@ def _pow_scalar(ctx, a, exponent):
     return elementwise(ctx, lambda x: E.bin("pow", x, exponent), a)
 
 
-@register(aten.pow.Tensor_Tensor, aten.pow.Scalar)
-def _pow(ctx, a, b):
-    return elementwise(ctx, lambda x, y: E.bin("pow", x, y), a, b)
-
-
 @register(aten.clamp.default, aten.clamp.Tensor)
 def _clamp(ctx, a, min=None, max=None):
-    def fn(x, lo, hi):
-        if lo is not None:
-            x = E.bin("maximum", x, lo)
-        if hi is not None:
-            x = E.bin("minimum", x, hi)
+    bounds = [(op, v) for op, v in (("maximum", min), ("minimum", max)) if v is not None]
+
+    def fn(x, *vs):
+        for (op, _), v in zip(bounds, vs):
+            x = E.bin(op, x, v)
         return x
-    lo = min if min is not None else None
-    hi = max if max is not None else None
-    args = [a] + [v for v in (lo, hi) if v is not None]
-
-    def call(x, *rest):
-        rest = list(rest)
-        return fn(x, rest.pop(0) if lo is not None else None, rest.pop(0) if hi is not None else None)
-    return elementwise(ctx, call, *args)
-
-
-@register(aten.clamp_min.default, aten.clamp_min.Tensor)
-def _clamp_min(ctx, a, lo):
-    return elementwise(ctx, lambda x, y: E.bin("maximum", x, y), a, lo)
-
-
-@register(aten.clamp_max.default, aten.clamp_max.Tensor)
-def _clamp_max(ctx, a, hi):
-    return elementwise(ctx, lambda x, y: E.bin("minimum", x, y), a, hi)
+    return elementwise(ctx, fn, a, *[v for _, v in bounds])
 
 
 @register(aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar)
 def _where(ctx, cond, a, b):
-    shape = ctx_shape(ctx.meta)
+    shape = shape_of(ctx.meta)
     compute = upcast(ctx.meta.dtype)
     return ctx.pointwise(lambda idx: ops.where(value_at(cond, idx, shape, torch.bool),
                                                value_at(a, idx, shape, compute), value_at(b, idx, shape, compute)))
 
 
-@register(aten.masked_fill.Scalar, aten.masked_fill.Tensor)
-def _masked_fill(ctx, a, mask, value):
-    shape = ctx_shape(ctx.meta)
-    compute = upcast(ctx.meta.dtype)
-    return ctx.pointwise(lambda idx: ops.where(value_at(mask, idx, shape, torch.bool),
-                                               value_at(value, idx, shape, compute), value_at(a, idx, shape, compute)))
+register(aten.masked_fill.Scalar, aten.masked_fill.Tensor)(lambda ctx, a, mask, v: _where(ctx, mask, v, a))
 
 
 # -- casts and copies ---------------------------------------------------------------------
@@ -270,7 +210,7 @@ def _copy(ctx, dst, src, non_blocking=False):
     meta = ctx.meta
     if not isinstance(src, Pointwise) or src.device != meta.device:
         raise Unsupported("device copy")
-    shape = ctx_shape(meta)
+    shape = shape_of(meta)
     return ctx.pointwise(lambda idx: ops.cast(value_at(src, idx, shape, src.dtype), meta.dtype))
 
 
@@ -305,68 +245,32 @@ def _gelu_backward(ctx, grad, a, approximate="none"):
     return elementwise(ctx, fn, grad, a)
 
 
-@register(aten.silu.default)
-def _silu(ctx, a):
-    return elementwise(ctx, lambda x: mul(x, un("sigmoid", x)), a)
+def _hardsigmoid(x):
+    return div(E.bin("minimum", E.bin("maximum", add(x, 3), 0), 6), 6)
 
 
-@register(aten.silu_backward.default)
-def _silu_backward(ctx, grad, a):
-    def fn(g, x):
-        s = un("sigmoid", x)
-        return mul(g, mul(s, add(1, mul(x, sub(1, s)))))
-    return elementwise(ctx, fn, grad, a)
+def _softplus(x, beta=1, threshold=20):
+    return ops.where(E.bin("gt", mul(x, beta), threshold), x, div(un("log1p", un("exp", mul(x, beta))), beta))
 
 
-@register(aten.sigmoid_backward.default)
-def _sigmoid_backward(ctx, grad, y):
-    return elementwise(ctx, lambda g, s: mul(g, mul(s, sub(1, s))), grad, y)
-
-
-@register(aten.tanh_backward.default)
-def _tanh_backward(ctx, grad, y):
-    return elementwise(ctx, lambda g, t: mul(g, sub(1, mul(t, t))), grad, y)
-
-
-@register(aten.threshold_backward.default)
-def _threshold_backward(ctx, grad, a, threshold):
-    return elementwise(ctx, lambda g, x: ops.where(E.bin("le", x, threshold), E.c(0, g), g), grad, a)
-
-
-@register(aten.hardtanh.default)
-def _hardtanh(ctx, a, lo=-1.0, hi=1.0):
-    return elementwise(ctx, lambda x: E.bin("minimum", E.bin("maximum", x, lo), hi), a)
-
-
-@register(aten.leaky_relu.default)
-def _leaky_relu(ctx, a, slope=0.01):
-    return elementwise(ctx, lambda x: ops.where(E.bin("gt", x, 0), x, mul(x, slope)), a)
-
-
-@register(aten.softplus.default)
-def _softplus(ctx, a, beta=1, threshold=20):
-    def fn(x):
-        bx = mul(x, beta)
-        return ops.where(E.bin("gt", bx, threshold), x, div(un("log1p", un("exp", bx)), beta))
-    return elementwise(ctx, fn, a)
-
-
-@register(aten.hardsigmoid.default)
-def _hardsigmoid(ctx, a):
-    return elementwise(ctx, lambda x: div(E.bin("minimum", E.bin("maximum", add(x, 3), 0), 6), 6), a)
-
-
-@register(aten.hardswish.default)
-def _hardswish(ctx, a):
-    return elementwise(ctx, lambda x: mul(x, div(E.bin("minimum", E.bin("maximum", add(x, 3), 0), 6), 6)), a)
-
-
-@register(aten.mish.default)
-def _mish(ctx, a):
-    def fn(x):
-        sp = ops.where(E.bin("gt", x, 20), x, un("log1p", un("exp", x)))
-        return mul(x, un("tanh", sp))
-    return elementwise(ctx, fn, a)
+# op -> fn(*operand exprs): its tensor operands, then its Python numbers (the defaults where omitted)
+_ELEMENTWISE = {
+    aten.relu.default: lambda x: E.bin("maximum", x, 0),
+    aten.silu.default: lambda x: mul(x, un("sigmoid", x)),
+    aten.silu_backward.default: lambda g, x: mul(g, mul(un("sigmoid", x),
+                                                        add(1, mul(x, sub(1, un("sigmoid", x)))))),
+    aten.sigmoid_backward.default: lambda g, s: mul(g, mul(s, sub(1, s))),
+    aten.tanh_backward.default: lambda g, t: mul(g, sub(1, mul(t, t))),
+    aten.threshold_backward.default: lambda g, x, t: ops.where(E.bin("le", x, t), E.c(0, g), g),
+    aten.hardtanh.default: lambda x, lo=-1.0, hi=1.0: E.bin("minimum", E.bin("maximum", x, lo), hi),
+    aten.leaky_relu.default: lambda x, slope=0.01: ops.where(E.bin("gt", x, 0), x, mul(x, slope)),
+    aten.hardsigmoid.default: _hardsigmoid,
+    aten.hardswish.default: lambda x: mul(x, _hardsigmoid(x)),
+    aten.softplus.default: _softplus,
+    aten.mish.default: lambda x: mul(x, un("tanh", _softplus(x))),
+}
+for _op, _fn in _ELEMENTWISE.items():
+    register(_op)(lambda ctx, *args, _fn=_fn: elementwise(ctx, _fn, *args))
 
 
 @register(aten.elu.default)

@@ -1,22 +1,20 @@
 """Lowerings of reductions and the normalizations built from them.
 
-``reduce()`` makes one ``Reduction``, always its own buffer (how it splits, the scheduler decides:
-``schedule/split.py``).
-Softmax, log-softmax, layer norm, var/std and losses are written as a few reductions plus pointwise
-epilogues; the scheduler puts reductions over the same rows into one kernel, so e.g. a layer norm is one
-kernel. Variance is two-pass (mean, then sum of squared deviations) within that kernel.
+``reduce()`` makes one ``Reduction``, always its own buffer (the scheduler decides how it splits). Softmax,
+layer norm, var/std and losses are a few reductions plus pointwise epilogues, which the scheduler fuses
+into one kernel per row; variance is two-pass (mean, then sum of squared deviations) within it.
 """
 from __future__ import annotations
 
 import sympy
 import torch
 
-from kiln.codegen.ir.indexing import ONE, ZERO, prod, size_expr
+from kiln.codegen.ir.indexing import ONE, ZERO, numel
 from kiln.codegen.ir.loops import Pointwise, Reduction, Unsupported, ops, upcast
-from kiln.codegen.lower.base import aten, register, value_at
+from kiln.codegen.lower.base import aten, register, shape_of, value_at
 from kiln.codegen.lower.index import checker, indirect
 from kiln.codegen.lower.pointwise import E, add, div, mul, sub, un
-from kiln.codegen.lower.view import reshape_index
+from kiln.codegen.lower.view import reshape_index, unsqueeze_index
 
 
 def _dims(dims, n):
@@ -25,10 +23,6 @@ def _dims(dims, n):
     if isinstance(dims, int):
         dims = [dims]
     return sorted({d + n if d < 0 else d for d in dims})
-
-
-def numel(shape, dims):
-    return prod([shape[d] for d in dims])
 
 
 def out_shape(shape, dims, keepdim):
@@ -51,9 +45,9 @@ def keep_index(idx, dims):
     return [ZERO if i in dims else v for i, v in enumerate(idx)]
 
 
-@register(aten.sum.dim_IntList, aten.sum.default)
+@register(aten.sum.dim_IntList, aten.sum.default, aten.prod.default, aten.prod.dim_int)
 def _sum(ctx, a, dims=None, keepdim=False, dtype=None):
-    return reduce(ctx, "sum", a, dims, keepdim, ctx.meta.dtype)
+    return reduce(ctx, ctx.node.target._opname, a, dims, keepdim, ctx.meta.dtype)
 
 
 @register(aten.mean.dim, aten.mean.default)
@@ -71,15 +65,9 @@ def _count(count, dtype):
     return ops.cast(ops.index(count), dtype)
 
 
-@register(aten.amax, aten.amin)
+@register(aten.amax, aten.amin, aten.max.default, aten.min.default)
 def _amax(ctx, a, dims=(), keepdim=False):
-    kind = "max" if ctx.node.target in (aten.amax.default, aten.amax.out) else "min"
-    return reduce(ctx, kind, a, dims, keepdim)
-
-
-@register(aten.max.default, aten.min.default)
-def _max_all(ctx, a):
-    return reduce(ctx, "max" if ctx.node.target == aten.max.default else "min", a, None)
+    return reduce(ctx, ctx.node.target._opname[-3:], a, dims, keepdim)   # (a)max or (a)min
 
 
 @register(aten.max.dim, aten.min.dim)
@@ -92,15 +80,9 @@ def _max_dim(ctx, a, dim, keepdim=False):
 
 @register(aten.argmax.default, aten.argmin.default)
 def _argmax(ctx, a, dim=None, keepdim=False):
-    kind = "argmax" if ctx.node.target == aten.argmax.default else "argmin"
     if dim is None and keepdim:
         raise Unsupported("argmax keepdim without dim")
-    return reduce(ctx, kind, a, dim, keepdim, torch.int64, upcast(a.dtype))
-
-
-@register(aten.prod.default, aten.prod.dim_int)
-def _prod(ctx, a, dim=None, keepdim=False, dtype=None):
-    return reduce(ctx, "prod", a, dim, keepdim, ctx.meta.dtype)
+    return reduce(ctx, ctx.node.target._opname, a, dim, keepdim, torch.int64, upcast(a.dtype))
 
 
 @register(aten.any.default, aten.any.dim, aten.any.dims, aten.all.default, aten.all.dim, aten.all.dims)
@@ -131,30 +113,18 @@ def variance(ctx, a, dims, correction, keepdim, dtype):
     corr = correction if correction is not None else 1
     denom = _count(count - corr, acc) if isinstance(count, sympy.Basic) and not count.is_Integer else \
         ops.const(max(int(count) - corr, 0), acc)
-    keep = (lambda idx: idx) if keepdim else (lambda idx: _unsqueeze_idx(idx, dims, n))
+    keep = (lambda idx: idx) if keepdim else (lambda idx: unsqueeze_index(idx, dims, n))
     var = Pointwise(out_shape(a.shape, dims, keepdim), dtype, a.device, lambda idx: div(m2(keep(idx)), denom))
     mean = Pointwise(out_shape(a.shape, dims, keepdim), dtype, a.device, lambda idx: mean_k(keep(idx)))
     return var, mean
 
 
-def _unsqueeze_idx(idx, dims, n):
-    it = iter(idx)
-    return [ZERO if i in dims else next(it) for i in range(n)]
-
-
-@register(aten.var.correction, aten.var.dim)
+@register(aten.var.correction, aten.var.dim, aten.std.correction, aten.std.dim)
 def _var(ctx, a, dims=None, unbiased=None, keepdim=False, correction=None):
-    if ctx.node.target == aten.var.dim:
+    if ctx.node.target in (aten.var.dim, aten.std.dim):
         correction = 1 if unbiased in (None, True) else 0
-    return variance(ctx, a, dims, correction, keepdim, ctx.meta.dtype)[0]
-
-
-@register(aten.std.correction, aten.std.dim)
-def _std(ctx, a, dims=None, unbiased=None, keepdim=False, correction=None):
-    if ctx.node.target == aten.std.dim:
-        correction = 1 if unbiased in (None, True) else 0
-    var, _ = variance(ctx, a, dims, correction, keepdim, ctx.meta.dtype)
-    return ctx.pointwise(lambda idx: un("sqrt", var(idx)))
+    var = variance(ctx, a, dims, correction, keepdim, ctx.meta.dtype)[0]
+    return var if ctx.node.target._opname == "var" else ctx.pointwise(lambda idx: un("sqrt", var(idx)))
 
 
 @register(aten.var_mean.correction)
@@ -169,49 +139,33 @@ def _logsumexp(ctx, a, dims, keepdim=False):
     m = reduce(ctx, "max", a, dims, True, a.dtype, upcast(a.dtype))
     safe = lambda idx: (lambda v: ops.where(un("isinf", v), E.c(0, v), v))(ops.cast(m(keep_index(idx, dims)), acc))  # noqa
     s = reduce(ctx, "sum", a, dims, True, acc, acc, lambda idx: un("exp", sub(ops.cast(a(idx), acc), safe(idx))))
-    keep = (lambda idx: idx) if keepdim else (lambda idx: _unsqueeze_idx(idx, dims, len(a.shape)))
+    keep = (lambda idx: idx) if keepdim else (lambda idx: unsqueeze_index(idx, dims, len(a.shape)))
     return ctx.pointwise(lambda idx: add(un("log", s(keep(idx))), safe(keep(idx))))
 
 
-def _softmax_parts(ctx, a, dim, dtype):
+@register(aten._softmax.default, aten._log_softmax.default)
+def _softmax(ctx, a, dim, half_to_float=False):
     dims = _dims(dim, len(a.shape))
-    acc = upcast(dtype)
+    acc = upcast(ctx.meta.dtype)
     m = reduce(ctx, "max", a, dims, True, a.dtype, upcast(a.dtype))
     shifted = lambda idx: sub(ops.cast(a(idx), acc), ops.cast(m(keep_index(idx, dims)), acc))  # noqa: E731
     s = reduce(ctx, "sum", a, dims, True, acc, acc, lambda idx: un("exp", shifted(idx)))
-    return dims, shifted, s
-
-
-@register(aten._softmax.default)
-def _softmax(ctx, a, dim, half_to_float=False):
-    dims, shifted, s = _softmax_parts(ctx, a, dim, ctx.meta.dtype)
-    return ctx.pointwise(lambda idx: div(un("exp", shifted(idx)), s(keep_index(idx, dims))))
-
-
-@register(aten._log_softmax.default)
-def _log_softmax(ctx, a, dim, half_to_float=False):
-    dims, shifted, s = _softmax_parts(ctx, a, dim, ctx.meta.dtype)
+    if ctx.node.target is aten._softmax.default:
+        return ctx.pointwise(lambda idx: div(un("exp", shifted(idx)), s(keep_index(idx, dims))))
     return ctx.pointwise(lambda idx: sub(shifted(idx), un("log", s(keep_index(idx, dims)))))
 
 
-@register(aten._softmax_backward_data.default)
+@register(aten._softmax_backward_data.default, aten._log_softmax_backward_data.default)
 def _softmax_backward(ctx, grad, out, dim, input_dtype):
     dims = _dims(dim, len(out.shape))
     acc = upcast(ctx.meta.dtype)
     g = lambda idx: ops.cast(grad(idx), acc)  # noqa: E731
     y = lambda idx: ops.cast(out(idx), acc)  # noqa: E731
-    s = reduce(ctx, "sum", out, dims, True, acc, acc, lambda idx: mul(g(idx), y(idx)))
-    return ctx.pointwise(lambda idx: mul(y(idx), sub(g(idx), s(keep_index(idx, dims)))))
-
-
-@register(aten._log_softmax_backward_data.default)
-def _log_softmax_backward(ctx, grad, out, dim, input_dtype):
-    dims = _dims(dim, len(out.shape))
-    acc = upcast(ctx.meta.dtype)
-    g = lambda idx: ops.cast(grad(idx), acc)  # noqa: E731
-    s = reduce(ctx, "sum", grad, dims, True, acc, acc, g)
-    return ctx.pointwise(lambda idx: sub(g(idx), mul(un("exp", ops.cast(out(idx), acc)),
-                                                      s(keep_index(idx, dims)))))
+    if ctx.node.target is aten._softmax_backward_data.default:
+        s = reduce(ctx, "sum", out, dims, True, acc, acc, lambda idx: mul(g(idx), y(idx)))
+        return ctx.pointwise(lambda idx: mul(y(idx), sub(g(idx), s(keep_index(idx, dims)))))
+    s = reduce(ctx, "sum", grad, dims, True, acc, acc, g)   # log-softmax's
+    return ctx.pointwise(lambda idx: sub(g(idx), mul(un("exp", y(idx)), s(keep_index(idx, dims)))))
 
 
 @register(aten.native_layer_norm.default)
@@ -239,7 +193,7 @@ def _layer_norm(ctx, x, normalized_shape, weight, bias, eps):
 
 def _reshaped(v, meta):
     """``v`` (keepdim shape) presented with ``meta``'s shape (same numel, 1s dropped or kept)."""
-    shape = tuple(size_expr(s) for s in meta.shape)
+    shape = tuple(shape_of(meta))
     if shape == v.shape:
         return Pointwise(shape, meta.dtype, v.device, v)
     return Pointwise(shape, meta.dtype, v.device, lambda idx: v(reshape_index(idx, v.shape, shape)))
@@ -284,11 +238,8 @@ def _nll_parts(ctx, x, target, weight, ignore_index):
     acc = upcast(x.dtype)
     sym = checker(ctx, "nll")
 
-    def t_of(idx):
-        return target(idx)
-
     def pick(idx):
-        t = t_of(idx)
+        t = target(idx)
         valid = E.bin("ne", t, ignore_index)
         safe = ops.where(valid, t, E.c(0, t))
         full = list(idx[:cdim]) + [None] + list(idx[cdim:])
@@ -307,10 +258,9 @@ def _nll_loss_forward(ctx, x, target, weight, reduction, ignore_index):
     tshape = target.shape
     per = Pointwise(tshape, dtype, x.device, loss)
     wsum = Pointwise(tshape, acc, x.device, lambda idx: pick(idx)[1])
-    if reduction == 0:  # none
-        total = reduce(ctx, "sum", wsum, None, False, acc, acc)
-        return (per, _reshaped(total, ctx.meta[1]))
     total_w = reduce(ctx, "sum", wsum, None, False, acc, acc)
+    if reduction == 0:  # none
+        return (per, _reshaped(total_w, ctx.meta[1]))
     s = reduce(ctx, "sum", per, None, False, dtype, acc)
     if reduction == 2:  # sum
         return (s, _reshaped(total_w, ctx.meta[1]))
@@ -321,7 +271,6 @@ def _nll_loss_forward(ctx, x, target, weight, reduction, ignore_index):
 def _nll_loss_backward(ctx, grad, x, target, weight, reduction, ignore_index, total_weight):
     cdim = 1 if len(x.shape) >= 2 else 0
     acc = upcast(ctx.meta.dtype)
-    shape = x.shape
 
     def fn(idx):
         tidx = list(idx[:cdim]) + list(idx[cdim + 1:])
@@ -329,14 +278,9 @@ def _nll_loss_backward(ctx, grad, x, target, weight, reduction, ignore_index, to
         c = ops.index(idx[cdim])
         valid = E.bin("ne", t, ignore_index)
         hit = ops.binary("logical_and", E.bin("eq", t, c), valid)
-        if weight is not None:
-            w = ops.cast(weight([idx[cdim]]), acc)
-        else:
-            w = ops.const(1, acc)
-        g = value_at(grad, tidx if reduction == 0 else [], grad.shape, acc) if reduction == 0 else \
-            ops.cast(grad([]), acc)
+        w = ops.cast(weight([idx[cdim]]), acc) if weight is not None else ops.const(1, acc)
+        g = value_at(grad, tidx, grad.shape, acc) if reduction == 0 else ops.cast(grad([]), acc)
         if reduction == 1:
             g = div(g, ops.cast(total_weight([]), acc))
         return ops.where(hit, ops.unary("neg", mul(w, g)), ops.const(0, acc))
-    del shape
     return ctx.pointwise(fn)

@@ -1,13 +1,9 @@
 """Lowerings of view ops: reshape, permute, expand, squeeze/unsqueeze, slice, select, flip.
 
-Every view becomes index arithmetic on its input, so a kernel reads through it: a view of a value
-still being computed fuses the computation through the view, and a kernel reading a view of a
-stored tensor (a graph input, a library call's result) gets that tensor itself, with no view call
-left in the wrapper (GPT-2's wrappers made about 650 of them a step, each a microsecond of host
-time). Where the view itself must exist (a library call or a graph output reads it), ``realize``
-makes it an ATen view of its stored base (``view_base``), never a copy; a chain of views becomes a
-chain of ATen views. Option ``tuning.fuse_stored_views=False`` keeps views of stored tensors as ATen
-views (the lowering returns ``KEEP``), for comparison.
+Every view becomes index arithmetic on its input, so a kernel reads through it, even a view of a stored
+tensor: no view call is left in the wrapper (GPT-2's made about 650 a step, a microsecond each). Where the
+view itself must exist, ``realize`` makes it an ATen view of its stored base (``view_base``), never a copy.
+``tuning.fuse_stored_views=False`` keeps views of stored tensors as ATen views (``KEEP``), for comparison.
 """
 from __future__ import annotations
 
@@ -15,11 +11,7 @@ import sympy
 
 from kiln.codegen.ir.indexing import ONE, ZERO, ModIdx, contiguous_strides, size_expr, unflatten
 from kiln.codegen.ir.loops import Pointwise, Unsupported
-from kiln.codegen.lower.base import KEEP, aten, register
-
-
-def _shape(meta):
-    return [size_expr(s) for s in meta.shape]
+from kiln.codegen.lower.base import KEEP, aten, broadcast, register, shape_of
 
 
 def _remap(ctx, a, fn):
@@ -30,7 +22,7 @@ def _remap(ctx, a, fn):
     base = buf is not None and buf.node is not None and buf.node is ctx.node.args[0]
     if base and buf.kind in ("input", "extern", "view") and not ctx.tuning.fuse_stored_views:
         return KEEP
-    out = ctx.pointwise(lambda idx: a(fn(idx)), shape=_shape(ctx.meta), dtype=a.dtype)
+    out = ctx.pointwise(lambda idx: a(fn(idx)), shape=shape_of(ctx.meta), dtype=a.dtype)
     if base or (buf is None and getattr(a, "view_base", None) is not None):
         out.view_base = a   # a view of a stored tensor (or of such a view): fuse through it, an ATen view if stored
     return out
@@ -44,12 +36,9 @@ def reshape_index(idx, in_shape, out_shape):
     """Index into ``in_shape`` for position ``idx`` of the same data viewed as ``out_shape``."""
     in_shape = [size_expr(s) for s in in_shape]
     out_shape = [size_expr(s) for s in out_shape]
-    groups = _groups(list(in_shape), list(out_shape))
     out = []
-    for ins, outs in groups:
-        sizes_out = [out_shape[j] for j in outs]
-        strides = contiguous_strides(sizes_out)
-        flat = sum((idx[j] * s for j, s in zip(outs, strides)), ZERO)
+    for ins, outs in _groups(in_shape, out_shape):
+        flat = sum((idx[j] * s for j, s in zip(outs, contiguous_strides([out_shape[j] for j in outs]))), ZERO)
         out.extend(unflatten(flat, [in_shape[i] for i in ins]) if ins else [])
     return out
 
@@ -91,7 +80,7 @@ def _groups(a, b):
 @register(aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.view_copy.default,
           view=True)
 def _view(ctx, a, shape):
-    out_shape = _shape(ctx.meta)
+    out_shape = shape_of(ctx.meta)
     return _remap(ctx, a, lambda idx: reshape_index(idx, a.shape, out_shape))
 
 
@@ -115,14 +104,9 @@ def _permute(ctx, a, dims):
 
 @register(aten.transpose.int, view=True)
 def _transpose(ctx, a, d0, d1):
-    n = len(a.shape)
-    d0, d1 = _norm_dim(d0, n), _norm_dim(d1, n)
-
-    def fn(idx):
-        idx = list(idx)
-        idx[d0], idx[d1] = idx[d1], idx[d0]
-        return idx
-    return _remap(ctx, a, fn)
+    dims, n = list(range(len(a.shape))), len(a.shape)
+    dims[_norm_dim(d0, n)], dims[_norm_dim(d1, n)] = dims[_norm_dim(d1, n)], dims[_norm_dim(d0, n)]
+    return _permute(ctx, a, dims)
 
 
 @register(aten.t.default, view=True)
@@ -132,10 +116,8 @@ def _t(ctx, a):
 
 @register(aten.expand.default, view=True)
 def _expand(ctx, a, sizes, implicit=False):
-    out_shape = _shape(ctx.meta)
-    k = len(out_shape) - len(a.shape)
-    return _remap(ctx, a, lambda idx: [ZERO if s == 1 and o != 1 else idx[k + i]
-                                       for i, (s, o) in enumerate(zip(a.shape, out_shape[k:]))])
+    out_shape = shape_of(ctx.meta)
+    return _remap(ctx, a, lambda idx: broadcast(idx, a.shape, out_shape))
 
 
 @register(aten.unsqueeze.default, view=True)
@@ -152,11 +134,13 @@ def _squeeze(ctx, a, dims=None):
     elif isinstance(dims, int):
         dims = [dims]
     dims = {_norm_dim(d, n) for d in dims if a.shape[_norm_dim(d, n)] == 1}
+    return _remap(ctx, a, lambda idx: unsqueeze_index(idx, dims, n))
 
-    def fn(idx):
-        it = iter(idx)
-        return [ZERO if i in dims else next(it) for i in range(n)]
-    return _remap(ctx, a, fn)
+
+def unsqueeze_index(idx, dims, n):
+    """The rank-``n`` index of ``idx`` with 0 inserted at ``dims``."""
+    it = iter(idx)
+    return [ZERO if i in dims else next(it) for i in range(n)]
 
 
 def _clamp_index(v, size):

@@ -1,17 +1,10 @@
 """Chained kernels: a small kernel that only reads another kernel's results runs inside it.
 
-A split reduction is two kernels: the partial results over chunks of each row, then a short
-reduction of the partials (a layer norm's weight and bias gradients, a full sum). The second one
-is tiny (a few thousand elements) but costs a launch and a kernel boundary. ``chain_plans`` makes
-such a pair one kernel: the head's plan carries the tail's (``KernelPlan.tail``); the head's programs
-run as before, each then counts itself done, and the last one to arrive runs the tail's body over
-all of the tail's elements, as one program (``Programs.ONE``, ``chained``). An emitter writes the
-counting and the ordering of memory (``to_triton/module.py``).
-
-The tail reads only what the head stores (not the head's inputs, which a later node could have
-changed in place), has static sizes, no random numbers and at most ``tuning.tail_max`` elements; the
-head is an ordinary kernel with static sizes (no size symbol: the tail's call passes none) and a
-non-empty row count (not one with its own last program).
+The second kernel of a split reduction (the short reduction of the partials) is tiny but costs a launch.
+``chain_plans`` makes such a pair one kernel (``KernelPlan.tail``): each of the head's programs counts itself
+done, and the last to arrive runs the tail as one program (``Programs.ONE``, ``chained``; the counting is
+the emitter's). The tail reads only what the head stores (not its inputs, which a later node could change
+in place); both have static sizes, since the tail's call passes no size symbol.
 """
 from __future__ import annotations
 
@@ -32,9 +25,8 @@ def fits(head: KernelPlan, tail: KernelPlan, tuning: Tuning) -> bool:
     total = tail.xnumel * tail.rnumel
     if not (total.is_Integer and 0 < int(total) <= tuning.tail_max) or tail.symbols or tail.random:
         return False
-    if not (head.xnumel.is_Integer and int(head.xnumel) > 0):   # a head that may not launch at all
-        return False
-    if not (_static(head) and _static(tail)):   # the tail's call passes no size arguments
+    # not a head that may not launch at all; static sizes: the tail's call passes no size arguments
+    if not (head.xnumel.is_Integer and int(head.xnumel) > 0 and _static(head) and _static(tail)):
         return False
     stored = {b.name for b in head.stored}
     return bool(tail.reads) and tail.reads <= stored and not head.random and tail.device == head.device
@@ -47,8 +39,8 @@ def _static(plan: KernelPlan) -> bool:
 
 
 def tails(groups, tuning: Tuning) -> dict:
-    """{id(head group): tail group}: for each small group whose reads are all stored by one earlier
-    group, that group (the first such tail per head; ``fits`` checks the plans)."""
+    """{id(head group): tail group}: a small group whose reads are all stored by one earlier group (the
+    first such tail per head; ``fits`` checks the plans)."""
     owner = {b.name: g for g in groups for b in g.stored}
     out, taken = {}, set()
     for h in groups:

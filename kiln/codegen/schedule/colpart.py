@@ -1,9 +1,5 @@
-"""Where a folded column partial (role 'colpart') sits in a row kernel.
-
-A column reduction cut into chunks of whole rows (``split.fold_split``) has one partial per
-chunk; a kernel over (rows, columns) computes them with one program per chunk (``XPID``), each walking
-its chunk's rows and accumulating per column. These helpers give such a partial's kernel domain, the
-element it reduces at (xindex, rindex), and where each program stores its result.
+"""Where a folded column partial (role 'colpart', ``split.fold_split``) sits in a row kernel: one program
+per chunk of whole rows (``XPID``) walks its rows, accumulating per column.
 """
 from __future__ import annotations
 
@@ -27,8 +23,8 @@ def colpart_dims(c: Reduction) -> tuple:
 
 
 def colpart_body(c: Reduction, dims):
-    """The element a folded partial reduces at row ``xindex`` (chunk ``xindex // chunk``), column
-    ``rindex`` of a kernel over ``dims``; None when the kernel's rows or columns are not its own."""
+    """The element a folded partial reduces at row ``xindex``, column ``rindex`` of a kernel over ``dims``
+    (None when the kernel's rows or columns are not its own)."""
     cols = [s for s, r in dims if r]
     if not (same_sizes([prod([s for s, r in dims if not r])], [prod(list(c.fold))]) and
             same_sizes(cols, [s for s in c.ranges[2:] if s != 1])):

@@ -1,11 +1,6 @@
-"""Where a buffer sits in a kernel's domain.
-
-A kernel iterates a *domain*: a tuple of ``(size, is_reduced)`` dims (size-1 dims dropped), split
-into a flat kept part ``xindex`` and a flat reduced part ``rindex``. A pointwise buffer is placed
-on the domain when its shape (without 1s) equals all dims (it varies along ``rindex``) or only
-the kept dims; a reduction when its iteration space equals the domain. ``body`` is the expression a
-buffer's kernel evaluates there, ``current`` the element it computes at (xindex, rindex), ``loads``
-what an expression reads.
+"""Where a buffer sits in a kernel's domain: a tuple of ``(size, is_reduced)`` dims (size-1 dims dropped),
+flattened into a kept part ``xindex`` and a reduced part ``rindex``. ``body`` is the expression a buffer's
+kernel evaluates there, ``current`` the element it computes at (xindex, rindex), ``loads`` what it reads.
 """
 from __future__ import annotations
 
@@ -14,7 +9,7 @@ import weakref
 
 import sympy
 
-from kiln.codegen.ir.indexing import (RINDEX, XINDEX, ZERO, Ranges, contiguous_strides, memo_get, memo_put, prod,
+from kiln.codegen.ir.indexing import (RINDEX, XINDEX, ZERO, Ranges, contiguous_strides, memo, prod,
                                       same_sizes, unflatten)
 from kiln.codegen.ir.loops import Pointwise, Reduction, ops
 from kiln.codegen.schedule.colpart import colpart_body, colpart_dims, colpart_index
@@ -37,55 +32,37 @@ def squeeze(shape):
 
 
 def node_dims(buf):
-    """The domain a buffer would have as a kernel of its own (a folded column partial: its rows and
-    columns, the columns reduced in the row kernel's sense)."""
+    """The domain a buffer would have as a kernel of its own."""
     c = buf.compute
     if isinstance(c, Reduction) and c.fold:
         return colpart_dims(c)
     if isinstance(c, Reduction):
         return tuple((s, d in c.reduced) for d, s in enumerate(c.ranges) if s != 1)
-    if isinstance(c, Pointwise):
-        return tuple((s, False) for s in squeeze(memory_order(buf.shape, buf.stride)))
+    if isinstance(c, Pointwise):   # in memory order (channels-last: N, H, W, C), walked in address order
+        order = _dense_order(buf.shape, buf.stride) or range(len(buf.shape))
+        return tuple((buf.shape[d], False) for d in order if buf.shape[d] != 1)
     return None
 
 
-def memory_order(shape, stride):
-    """``shape`` listed from the largest stride to the smallest when ``stride`` is a dense permuted
-    layout (a channels-last tensor: N, H, W, C), else as it is: a kernel over this domain walks
-    memory in address order (``place`` maps it back through ``memory_unflatten``)."""
-    order = _dense_order(shape, stride)
-    return list(shape) if order is None else [shape[d] for d in order]
-
-
 def domain_vars(dims):
-    key = ("dv", dims)
-    hit = memo_get(key)
-    if hit is None:
-        hit = memo_put(key, tuple(_domain_vars(dims)))
-    return list(hit)
+    return list(memo(("dv", dims), lambda: tuple(_domain_vars(dims))))
 
 
 def _domain_vars(dims):
-    xs = unflatten(XINDEX, [s for s, r in dims if not r])
-    rs = unflatten(RINDEX, [s for s, r in dims if r])
-    xi, ri = iter(xs), iter(rs)
+    xi = iter(unflatten(XINDEX, [s for s, r in dims if not r]))
+    ri = iter(unflatten(RINDEX, [s for s, r in dims if r]))
     return [next(ri) if r else next(xi) for _, r in dims]
 
 
 def place(shape, dims, stride=None):
-    """Index (one expr per dim of ``shape``) of the element computed at (xindex, rindex), or None.
-
-    A buffer with the domain's elements in another shape is walked in its memory order (``stride``):
-    a transposed copy stored from a row-major domain then writes consecutive addresses."""
-    key = ("pl", tuple(shape), dims, None if stride is None else tuple(stride))
-    hit = memo_get(key)
-    if hit is None:
-        hit = _place(shape, dims, stride)
-        hit = memo_put(key, False if hit is None else tuple(hit))
+    """Index (one expr per dim of ``shape``) of the element computed at (xindex, rindex), or None; another
+    shape of the domain's elements is walked in memory order (a transposed copy writes in address order)."""
+    hit = memo(("pl", tuple(shape), dims, None if stride is None else tuple(stride)),
+               lambda: _place(shape, dims, stride))
     return None if hit is False else list(hit)
 
 
-def _place(shape, dims, stride=None):
+def _place(shape, dims, stride=None):   # a tuple, or False where the buffer does not fit
     sq = squeeze(shape)
     full = [s for s, _ in dims]
     xs = [s for s, r in dims if not r]
@@ -97,17 +74,16 @@ def _place(shape, dims, stride=None):
         vs = iter(unflatten(XINDEX, xs))
     elif same_sizes([prod(sq)], [prod(full)]):   # same elements, another shape: walk both in memory order
         flat = sum((v * st for v, st in zip(domain_vars(dims), contiguous_strides(full))), ZERO)
-        return memory_unflatten(flat, list(shape), stride)
+        return tuple(memory_unflatten(flat, list(shape), stride))
     elif len(xs) < len(full) and same_sizes([prod(sq)], [prod(xs)]):
-        return memory_unflatten(XINDEX, list(shape), stride)
+        return tuple(memory_unflatten(XINDEX, list(shape), stride))
     else:
-        return None
-    return [ZERO if s == 1 else next(vs) for s in shape]
+        return False
+    return tuple(ZERO if s == 1 else next(vs) for s in shape)
 
 
 def memory_unflatten(flat, shape, stride=None):
-    """Per-dimension indices of flat position ``flat`` in the memory order of a dense layout
-    ``stride`` (a permutation of row-major strides); row-major when the layout is not one."""
+    """Per-dimension indices of ``flat`` in the memory order of dense layout ``stride`` (else row-major)."""
     order = _dense_order(shape, stride)
     if order is None or order == [d for d in range(len(shape)) if int(shape[d]) != 1]:
         return unflatten(flat, shape)
@@ -118,8 +94,7 @@ def memory_unflatten(flat, shape, stride=None):
 
 
 def _dense_order(shape, stride):
-    """The non-size-1 dims of ``shape`` from the largest stride to the smallest when ``stride`` is a
-    dense permuted layout, else None."""
+    """The non-size-1 dims of ``shape`` by decreasing stride when ``stride`` is a dense layout, else None."""
     if stride is None or not all(sympy.sympify(x).is_Integer for x in list(shape) + list(stride)):
         return None
     dims = [d for d in range(len(shape)) if int(shape[d]) != 1]
@@ -133,9 +108,7 @@ def _dense_order(shape, stride):
 
 
 def body(buf, dims, role: Role = Role.ROW):
-    """The Expr a buffer's kernel evaluates under ``dims`` in ``role`` (None if it does not fit): an
-    outer reduction's element at row ``xindex``; a folded column partial's at row ``xindex`` (chunk
-    ``xindex // chunk``), column ``rindex``."""
+    """The Expr a buffer's kernel evaluates under ``dims`` in ``role`` (None if it does not fit)."""
     c = buf.compute
     if isinstance(c, Reduction) and c.fold:
         return colpart_body(c, dims)
@@ -158,8 +131,7 @@ def dims_key(dims) -> tuple:
 
 
 def current(buf, dims, role: Role = Role.ROW):
-    """Flat index of the element of ``buf`` computed at (xindex, rindex) (a colpart's: at its
-    program's chunk ``XPID``, column ``rindex``, once the chunk's rows are reduced)."""
+    """Flat index of the element of ``buf`` computed at (xindex, rindex)."""
     if role in (Role.OUTER, Role.SCALAR):
         return buf.index([ZERO] * len(buf.shape))
     if role is Role.COLPART:

@@ -1,16 +1,10 @@
-"""Fusion: group the computed buffers of a lowered graph into kernels (``Group``s over a domain,
-see ``domain.py``).
+"""Fusion: group the computed buffers of a lowered graph into kernels (``Group``s over a domain).
 
-Buffers are visited in topological order; each joins the first group (a producer's, then a
-sibling's that shares an input) where
-
-* the domains agree (a pointwise group takes on a reduction's domain if all members still fit),
-* every read of a group member happens at the element this kernel computes ("current point"),
-  so the value is in registers; this is what lets a layer norm's reductions and epilogue share
-  one kernel, while a read of another row's result forces a new kernel,
-* no path leaves the group and comes back through another kernel or an ATen call (cycle).
-
-A buffer is stored when something outside its kernel reads it.
+Buffers are visited in topological order; each joins the first group (a producer's, then a sibling's that
+shares an input) where the domains agree (a pointwise group takes on a reduction's domain if all members
+still fit), every read of a member is of the element the kernel computes (in registers: a layer norm's
+reductions and epilogue share one kernel), and no path leaves the group and comes back (a cycle). A buffer
+is stored when something outside its kernel reads it.
 """
 from __future__ import annotations
 
@@ -63,39 +57,28 @@ class Scheduler:
         self._grouped_rank = -1    # at least the rank of every unit ever put in a group
 
     # -- dependency graph over units (computed buffers and kept FX nodes) ---------------------
-    def _unit_of_node(self, node):
-        if node in self.lw.kept:
-            return node
-        v = self.lw.values.get(node)
-        return v.buffer if isinstance(v, Pointwise) and v.buffer is not None else None
-
-    def _unit(self, name):
-        buf = self.buffers[name]
-        return buf if buf.compute is not None else buf.node
-
     def _build_graph(self):
         succ = {}
         for buf in self.lw.computed:
             succ.setdefault(buf, set())
             for name in self.reads[buf]:
-                u = self._unit(name)
+                b = self.buffers[name]
+                u = b if b.compute is not None else b.node
                 if u is not None:
                     succ.setdefault(u, set()).add(buf)
         for node in self.lw.kept:
             succ.setdefault(node, set())
             for a in node.all_input_nodes:
-                u = self._unit_of_node(a)
+                v = self.lw.values.get(a)
+                u = a if a in self.lw.kept else v.buffer if isinstance(v, Pointwise) else None
                 if u is not None:
                     succ.setdefault(u, set()).add(node)
         self._succ = succ
         self._rank = _topological_rank(succ)
 
     def _cycle(self, members):
-        """Whether merging ``members`` into one kernel would create a dependency cycle.
-
-        Units are grouped in topological order, so every grouped unit ranks at most
-        ``_grouped_rank``: an ungrouped unit ranked above that and above every member leads only
-        to ungrouped units ranked higher still, never back to a member, and is not walked."""
+        """Whether merging ``members`` into one kernel would create a dependency cycle. An ungrouped unit
+        ranked above every grouped unit and member leads only to higher ranks: it is not walked."""
         rank = self._rank
         top = max(self._grouped_rank, max(rank[m] for m in members))
         stack = [s for m in members for s in self._succ.get(m, ()) if s not in members]
@@ -135,25 +118,12 @@ class Scheduler:
     def _add(self, buf):
         if isinstance(buf.compute, Scatter):
             return self._new_group(buf, (), "scatter")
-        candidates = []
-        for name in sorted(self.reads[buf]):
-            g = self.group_of.get(self.buffers[name])
-            if g is not None and g.kind != "scatter" and g not in candidates:
-                candidates.append(g)
-        for name in sorted(self.reads[buf]):
-            for g in self.readers.get(name, ()):
-                if g not in candidates and g.kind != "scatter":
-                    candidates.append(g)
-        # siblings that read other outputs of the same producer kernel (the halves of split
-        # reductions over the same rows)
-        producers = [self.group_of.get(self.buffers[n]) for n in sorted(self.reads[buf])]
-        for p in producers:
-            if p is None:
-                continue
-            for b in p.nodes:
-                for g in self.readers.get(b.name, ()):
-                    if g not in candidates and g.kind != "scatter" and g is not p:
-                        candidates.append(g)
+        reads = sorted(self.reads[buf])
+        producers = [p for p in (self.group_of.get(self.buffers[n]) for n in reads) if p is not None]
+        siblings = [g for n in reads for g in self.readers.get(n, ())]
+        # and readers of a producer kernel's other outputs (the halves of split reductions over the same rows)
+        cousins = [g for p in producers for b in p.nodes for g in self.readers.get(b.name, ())]
+        candidates = list(dict.fromkeys(g for g in producers + siblings + cousins if g.kind != "scatter"))
         for g in candidates:
             if self._try_join(g, buf):
                 for other in candidates:
@@ -224,8 +194,7 @@ class Scheduler:
         return True
 
     def _roles_agree(self, g, buf, role) -> bool:
-        """A folded column partial runs one program per row chunk: every colpart of a kernel has the
-        same chunks, and a kernel with colparts has no reduction over all rows ('outer')."""
+        """A kernel's colparts have the same row chunks, and a kernel with colparts no outer reduction."""
         roles = set(g.roles.values())
         if role is Role.COLPART:
             mine = colpart_shape(buf)
@@ -234,13 +203,10 @@ class Scheduler:
         return not (role in (Role.OUTER, Role.SCALAR) and Role.COLPART in roles)
 
     def _far(self, g, buf) -> bool:
-        """Joining ``buf`` to ``g`` would compute it far earlier than the graph does. A kernel runs
-        where its first member was, so a far member is computed early and, when stored, stays alive
-        until its use: a far sibling (a kernel that reads the same input) or a far producer pulls a
-        recomputation of the backward's second phase into its first (partition/hold.py), and the
-        recomputed values then live through the whole backward. A consumer may follow its producer
-        member within ``tuning.near`` graph nodes (row-local chains of any length stay one kernel); a sibling
-        may join only while the kernel spans at most that many nodes."""
+        """Joining ``buf`` to ``g`` would compute it far earlier than the graph does (a kernel runs where its
+        first member was): a far sibling or producer pulls the backward's recomputation into its first
+        phase (partition/hold.py). A consumer may follow its producer member within ``tuning.near`` graph
+        nodes; a sibling may join only while the kernel spans at most that many."""
         pos = self._fx_position()
         here = pos.get(buf.node)
         if here is None:
@@ -311,20 +277,13 @@ class Scheduler:
         return True
 
     def _needed_outside(self, buf, g):
-        if buf.node is not None:
-            for u in buf.node.users:
-                if u.op == "output" or u in self.lw.kept:
-                    return True
-        for other in self.lw.computed:
-            if self.group_of.get(other) is not g and buf.name in self.reads[other]:
-                return True
-        return False
+        users = buf.node.users if buf.node is not None else ()
+        return any(u.op == "output" or u in self.lw.kept for u in users) or any(
+            self.group_of.get(o) is not g and buf.name in self.reads[o] for o in self.lw.computed)
 
 
 def _topological_rank(succ) -> dict:
-    """unit -> the length of the longest path reaching it in the graph ``succ`` (unit ->
-    successors): a successor always ranks higher, and the ranks of the units grouped so far stay
-    close to those of the buffer being placed."""
+    """unit -> the length of the longest path reaching it in ``succ`` (a successor always ranks higher)."""
     indeg = {}
     for u, ss in succ.items():
         indeg.setdefault(u, 0)

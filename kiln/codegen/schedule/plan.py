@@ -1,20 +1,10 @@
 """Kernel plans: what one scheduled kernel computes, as plain data that an emitter reads once.
 
-A ``KernelPlan`` (made by ``planner.plan_group`` from a fused ``Group``) settles everything that is the
-same for every target:
-
-- each member's *resolved* expression: reads of buffers the kernel computes itself become register
-  values (a reduction's result, ``red(buf)``, or the producer's expression inlined), and every index is
-  simplified over the kernel's ranges, so one address is one Expr;
-- how the kernel walks its rows: straight-line code when a row fits (``persistent``) or one loop per
-  dependency stage (``passes``: a layer norm's mean before its variance before its output), the
-  programs it launches (``Programs``), 64-bit indexing where sizes need it;
-- facts emitters and the chaining step read: the buffers it loads, the size symbols its indices use,
-  whether it draws random numbers, which input its one output may overwrite.
-
-A plan prints as readable text (``describe``; KILN_DEBUG=4 and KILN_DUMP show it) between the fused
-graph and the kernel text. Emitters (``codegen/to_triton``, ``codegen/to_cpp``) take a plan and write
-text in one pass (``codegen/text``).
+A ``KernelPlan`` (``planner.plan_group``) settles what every target shares: each member's resolved
+expression (reads of the kernel's own buffers become register values, indices are simplified, so one
+address is one Expr), how the kernel walks its rows (``persistent``, or one loop per dependency stage:
+``passes``), its ``Programs``, 64-bit indexing, and the facts emitters read. ``describe`` prints it
+(KILN_DEBUG=4, KILN_DUMP).
 """
 from __future__ import annotations
 
@@ -53,9 +43,8 @@ class Programs(enum.Enum):
 
 @dataclass(frozen=True, eq=False)
 class Member:
-    """One computed buffer of a kernel: ``value`` is the element it reduces (a reduction, ``reduce`` the
-    kind, ``acc`` the accumulator dtype) or computes; ``index`` is where it is stored (None: kept in
-    registers, or an outer reduction's single element)."""
+    """One computed buffer of a kernel: ``value`` is the element it reduces (``reduce``: the kind) or
+    computes; ``index`` is where it is stored (None: in registers, or an outer reduction's one element)."""
     buffer: Buffer
     role: Role
     value: Expr
@@ -76,10 +65,9 @@ class Member:
 
 @dataclass(frozen=True)
 class RowPass:
-    """One loop over a row's elements (looped kernels). ``reduce``: the reductions accumulated in it,
-    in member order; ``online``: (max, sum) pairs whose sum of ``exp(v - max)`` is rescaled as the max
-    grows, so both take this one pass; ``stores``: element-level stores written in it; ``reads``: the
-    buffers it loads per element (an emitter's cache policy: read again by a later pass or not)."""
+    """One loop over a row's elements (looped kernels): the reductions accumulated in it, ``online``
+    (max, sum) pairs whose sum of ``exp(v - max)`` is rescaled as the max grows, the element-level stores
+    written in it, and the buffers it loads per element (for an emitter's cache policy)."""
     reduce: tuple
     online: tuple
     stores: tuple
@@ -88,9 +76,8 @@ class RowPass:
 
 @dataclass(frozen=True, eq=False)
 class ScatterWrite:
-    """The write-through-index part of a scatter: ``value`` (resolved, in the output's dtype) is written
-    (``mode`` 'set') or added atomically ('add') at flat position ``target`` (an ``index`` Expr with its
-    indirect bindings) of ``buffer``."""
+    """A scatter's write: ``value`` set or atomically added (``mode``) at flat position ``target`` (an
+    ``index`` Expr with its indirect bindings) of ``buffer``."""
     buffer: Buffer
     value: Expr
     target: Expr
@@ -99,8 +86,7 @@ class ScatterWrite:
 
 @dataclass(frozen=True, eq=False)
 class KernelPlan:
-    """One kernel, as an emitter needs it (see the module docstring). ``buffers``: every buffer named
-    by the kernel's expressions and stores."""
+    """One kernel, as an emitter needs it; ``buffers``: every buffer its expressions and stores name."""
     kind: Kind
     device: torch.device
     dims: tuple

@@ -1,9 +1,6 @@
-"""Planning: a fused ``Group`` -> its ``KernelPlan`` (see ``plan.py`` for what a plan holds).
-
-``plan_group`` resolves the group's expressions (``_Resolver``), decides how the kernel walks its rows
-(persistent or looped; its ``RowPass``es and online softmax pairs; its ``Programs``), and gathers the
-facts emitters and the chaining step read (buffers read, size symbols, random numbers, inputs the output
-may overwrite). ``plan_scatter`` makes a scatter's two kernels.
+"""Planning: a fused ``Group`` -> its ``KernelPlan`` (``plan.py``): resolved expressions (``_Resolver``), how
+the kernel walks its rows (persistent or looped, ``RowPass``es, online softmax pairs, ``Programs``) and the
+facts emitters read. ``plan_scatter`` makes a scatter's two kernels.
 """
 from __future__ import annotations
 
@@ -42,8 +39,7 @@ class _Resolver:
                 r = self(body(buf, self.group.dims, self.group.role(buf)))
             r = ops.cast(r, upcast(buf.dtype))
         elif e.op in ("load", "index"):
-            # an index that folds to one without rindex is then a per-row value (hoisted out of the row
-            # loops), and two spellings of one address become one Expr (one load)
+            # an index without rindex is hoisted out of the row loops; two spellings of an address: one load
             given = e.args[1] if e.op == "load" else e.args[0]
             binds = [(s, self(v)) for s, v in e.args[2]]
             idx = given
@@ -64,8 +60,8 @@ class _Resolver:
 
 
 def numel_summary(buffers: dict) -> tuple:
-    """(every buffer's numel is static, the largest static numel): whether a graph's kernels may index
-    in 32 bits depends on the largest tensor of the graph."""
+    """(every buffer's numel is static, the largest one): a graph's kernels index in 32 bits by its largest
+    tensor."""
     numels = [b.numel for b in buffers.values()]
     static = all(n.is_Integer for n in numels)
     return static, (max([int(n) for n in numels], default=0) if static else 0)
@@ -76,9 +72,7 @@ def plan_kernel(group: Group, buffers: dict, tuning: Tuning, summary: tuple) -> 
     red = group.kind == "reduction"
     dims = group.dims
     xnumel, rnumel = prod(group.xs), prod(group.rs)
-    roles = dict(group.roles)
-    outer_names = {n for n, r in roles.items() if r is Role.OUTER}
-    levels = Levels(outer_names, red)
+    levels = Levels({n for n, r in group.roles.items() if r is Role.OUTER}, red)
     resolve = _Resolver(group, buffers)
     ranges = group.ranges
     members = []
@@ -95,18 +89,14 @@ def plan_kernel(group: Group, buffers: dict, tuning: Tuning, summary: tuple) -> 
     outer = any(m.role in (Role.OUTER, Role.SCALAR) for m in members)
     total = xnumel * rnumel
     last = outer and not (total.is_Integer and int(total) <= tuning.outer_max)
-    # a persistent tile holds whole rows: right when rows are contiguous (inner reductions); a column
-    # reduction over long columns must loop so that a tile spans many columns, else each program reads
-    # one column with strided, uncoalesced loads (an H100 profile of GPT-2's bias gradients: 0.78 ms
-    # per layer with one 2048-row column per program)
+    # a column reduction over long columns loops so that a tile spans many columns, not one strided column
+    # per program (an H100 profile of GPT-2's bias gradients: 0.78 ms per layer with one per program)
     inner = bool(dims) and dims[-1][1]
     persistent = red and rnumel.is_Integer and int(rnumel) <= (
         tuning.persistent_max if inner else tuning.outer_persistent_max)
     programs = (Programs.CHUNKS if chunks else Programs.LAST if last else Programs.ONE if outer
                 else Programs.BLOCKS)
-    passes, row_stores = ((), ())
-    if red and not persistent:
-        passes, row_stores = row_passes(members, levels, tuning)
+    passes, row_stores = row_passes(members, levels, tuning) if red and not persistent else ((), ())
     emitted = [m.value for m in members if m.reduce] + [m.result for m in members if m.stored]
     reads, symbols, random = _facts(emitted, ranges, [m.index for m in members if m.index is not None])
     static, largest = summary
@@ -119,10 +109,8 @@ def plan_kernel(group: Group, buffers: dict, tuning: Tuning, summary: tuple) -> 
 
 
 def _online_pairs(reductions, tuning: Tuning) -> dict:
-    """{sum name: max member} for sums of ``exp(v - max(v))`` over the rows whose max this kernel
-    reduces too (softmax, log-softmax, cross-entropy): looped, each pair runs as one online pass that
-    rescales the running sum whenever the running max grows, instead of a pass for the max and another
-    for the sum (one read of each row fewer)."""
+    """{sum name: max member} for sums of ``exp(v - max(v))`` whose max this kernel reduces too (softmax):
+    looped, each pair takes one online pass (the sum rescaled as the max grows) instead of two."""
     if not tuning.online_softmax:
         return {}
     by_name = {m.name: m for m in reductions}
@@ -142,9 +130,8 @@ def _online_pairs(reductions, tuning: Tuning) -> dict:
 
 
 def row_passes(members, levels: Levels, tuning: Tuning) -> tuple:
-    """(RowPass per loop, names of the row-level stores after the loops) of a looped kernel: a reduction
-    runs in the pass after those whose results it uses; a store of an element in the pass after the
-    reductions it reads."""
+    """(RowPass per loop, names of the row-level stores after the loops) of a looped kernel: a reduction or
+    an element's store runs in the pass after the reductions it reads."""
     reductions = [m for m in members if m.role is Role.ROW and m.reduce]
     online = _online_pairs(reductions, tuning)
     stage = {}
@@ -177,8 +164,7 @@ def row_passes(members, levels: Levels, tuning: Tuning) -> tuple:
 
 
 def element_reads(roots, levels: Levels) -> set:
-    """Buffers loaded per element (``Level.ELEMENT``) in computing ``roots``: a load under a mask is
-    made at the mask's level when that is deeper than its own (it runs where the mask is known)."""
+    """Buffers loaded per element in computing ``roots`` (a masked load at its mask's level if deeper)."""
     out, seen = set(), set()
     stack = [(e, Level.CONST) for e in roots]
     while stack:
@@ -225,12 +211,9 @@ def _facts(exprs, ranges, store_indices) -> tuple:
 
 
 def _reusable(plan: KernelPlan, group: Group) -> frozenset:
-    """Inputs that the kernel's one output may be written into: a pointwise kernel with one stored
-    output, an input of the output's dtype, shape and strides, read only at the element the kernel
-    writes (so each program reads its elements before it stores them). The wrapper passes such an input
-    as ``into`` where it dies at the call (``wrapper._Emitter._into``): its memory is reused instead of a
-    new buffer of the same size living beside it. So may a row reduction (a softmax over attention scores)
-    whose programs own whole rows and store in their last loop over them."""
+    """Inputs the kernel's one output may be written into (the wrapper's ``into``, where the input dies): of
+    the output's dtype and layout, read only at the element written (each program reads before it stores);
+    from a pointwise kernel, or a row reduction whose programs own whole rows and store in their last loop."""
     if plan.outer or len(plan.stored) != 1:
         return frozenset()
     if plan.reduction and (plan.programs is not Programs.BLOCKS or plan.row_stores or plan.chunks is not None or (
@@ -255,12 +238,10 @@ def _reusable(plan: KernelPlan, group: Group) -> frozenset:
 
 
 def plan_scatter(group: Group, buffers: dict, tuning: Tuning, summary: tuple) -> ScatterPlan:
-    """A scatter group's two kernels: a pointwise copy of the base into the output, then the write of
-    each value at its computed target index."""
+    """A scatter group's two kernels: a copy of the base into the output, then the write through the index."""
     buf = group.nodes[0]
     s = buf.compute
-    # the copy reads the base as the scheduler saw it (a stored base is loaded, not recomputed from what
-    # it was computed from, which may not be stored)
+    # the copy reads the base as the scheduler saw it (a stored base is loaded, not recomputed)
     base = Pointwise(s.base.shape, s.base.dtype, s.base.device, s.base)
     copy_buf = Buffer(buf.name, buf.shape, buf.stride, buf.dtype, buf.device, "pointwise", buf.node, base)
     copy = plan_kernel(Group(tuple((x, False) for x in squeeze(buf.shape)), [copy_buf], "pointwise", [copy_buf]),

@@ -1,27 +1,20 @@
 """How reductions split, decided once, before fusion (the scheduler's first step: ``split_reductions``).
 
-Lowering makes one ``Reduction`` per reduction. A splittable one (sum, max, min, prod) over few long rows
-(a full sum) or over many rows of few columns (a bias gradient) would leave most of a GPU idle as one
-kernel. It is left whole, or cut in two:
-
-- the classic split (``split_count`` chunks): partial results over chunks of each row
-  (``split_partial``), then a short reduction of the partials (``split_final``);
-- a fold (``fold_split``): a column reduction of short rows (a norm's weight and bias gradients) cut into
-  chunks of whole rows, whose partials run inside the row kernel that reads those rows (role 'colpart',
-  ``colpart.py``), reading each row once, then the reduction over the partials.
-
-A fold pays where a row reduction over the same rows and columns reads a buffer the column reduction
-reads (a norm backward's row kernel, which it joins): there it costs no extra reads. Elsewhere (a bias
-gradient, a pointwise producer's column sums) the classic split measured faster on an H200 (GELU backward
-with its bias gradient, 8192x3072 bf16: 0.058 ms against 0.083 folded). ``tuning.fold``: 'shared' (that
-rule), 'always' (wherever ``fold_split`` allows), 'never'.
+A splittable reduction (sum, max, min, prod) over few long rows, or many rows of few columns, would leave
+most of a GPU idle as one kernel. It is left whole, or cut in two: the classic split (``split_count``
+chunks per row: ``split_partial``, then ``split_final`` over the partials), or a fold (``fold_split``): a
+column reduction of short rows cut into chunks of whole rows, whose partials run inside the row kernel
+reading those rows (role 'colpart'). A fold pays only where a row reduction over the same rows reads a
+buffer the column reduction reads (a norm backward); elsewhere the classic split measured faster on an H200
+(GELU backward with its bias gradient, 8192x3072 bf16: 0.058 ms against 0.083). ``tuning.fold``: 'shared'
+(that rule), 'always', 'never'.
 """
 from __future__ import annotations
 
 import sympy
 import torch
 
-from kiln.codegen.ir.indexing import ONE, next_pow2, prod, unflatten
+from kiln.codegen.ir.indexing import next_pow2, numel, prod, unflatten
 from kiln.codegen.ir.loops import Pointwise, Reduction, contiguous_buffer, neutral_value, ops
 from kiln.codegen.schedule.domain import body, loads, node_dims
 from kiln.options import Tuning
@@ -30,9 +23,8 @@ SPLITTABLE = {"sum": "sum", "max": "max", "min": "min", "prod": "prod"}
 
 
 def split_reductions(lowering, tuning: Tuning) -> int:
-    """Split the lowering's splittable reductions in place (see the module docstring): a split's partial
-    buffer goes into ``lowering.computed`` before its final, which keeps its buffer and name. Returns how
-    many were split."""
+    """Split the lowering's splittable reductions in place (a partial goes into ``lowering.computed``
+    before its final, which keeps its buffer and name); returns how many were split."""
     folds, n = [], 0
     for buf in list(lowering.computed):
         c = buf.compute
@@ -61,8 +53,7 @@ def _reads(buf) -> set:
 
 
 def _read_by_rows(lowering, skip) -> dict:
-    """(rows, columns) -> the buffers row reductions over them read (reductions over trailing dims, no
-    final of a split; ``skip``: the fold candidates)."""
+    """(rows, columns) -> the buffers row reductions over them read (``skip``: the fold candidates)."""
     out = {}
     for b in lowering.computed:
         c = b.compute
@@ -74,8 +65,7 @@ def _read_by_rows(lowering, skip) -> dict:
 
 
 def _split(lowering, buf, splits: int, fold: bool = False) -> int:
-    """Cut ``buf``'s reduction in ``splits`` chunks (nothing when below 2): a new partial buffer, and
-    ``buf`` reducing the partials."""
+    """Cut ``buf``'s reduction in ``splits`` chunks (if 2 or more): a new partial buffer, then ``buf``."""
     if splits <= 1:
         return 0
     c = buf.compute
@@ -85,13 +75,6 @@ def _split(lowering, buf, splits: int, fold: bool = False) -> int:
     lowering.computed.insert(lowering.computed.index(buf), part)
     buf.compute = split_final(c.kind, Pointwise.of_buffer(part), part_red, c.acc_dtype, c.dtype, c.out_shape)
     return 1
-
-
-def numel(shape, dims):
-    out = ONE
-    for d in dims:
-        out = out * shape[d]
-    return out
 
 
 def split_count(shape, dims, tuning: Tuning) -> int:
@@ -114,13 +97,8 @@ def split_count(shape, dims, tuning: Tuning) -> int:
 
 
 def fold_split(shape, dims, tuning: Tuning) -> int:
-    """Row chunks for a column reduction computed inside a row kernel (1: not one).
-
-    A reduction over the leading dims of ``shape`` that keeps a short static tail (at most
-    ``tuning.persistent_max`` elements: a row of a persistent row kernel) and many rows (a norm's weight
-    and bias gradients, a bias gradient) is split into ``S`` chunks of rows, ``S`` dividing the row count.
-    Its partial results are computed by a kernel over (rows, columns) whose ``S`` programs each walk
-    one chunk, reading each row once, coalesced along the columns."""
+    """Row chunks (dividing the row count) for a column reduction over the leading dims of ``shape`` with
+    a short static tail (a persistent row) and many rows, computed inside a row kernel (1: not one)."""
     n = len(shape)
     if not dims or list(dims) != list(range(len(dims))) or len(dims) == n:
         return 1
@@ -137,8 +115,7 @@ def fold_split(shape, dims, tuning: Tuning) -> int:
 
 
 def split_partial(kind, shape, dims, fn, acc, splits, fold=False) -> Reduction:
-    """The first half of a split reduction: the reduced dims become (splits, chunk) at the first
-    reduced position, and chunk is reduced."""
+    """The first half of a split reduction: the reduced dims become (splits, chunk), chunk reduced."""
     total = numel(shape, dims)
     chunk = -(-int(total) // splits)
     pos = dims[0]
