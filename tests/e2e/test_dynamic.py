@@ -171,3 +171,26 @@ def test_embeddings_over_variable_lengths_keep_their_kernels(codegen):
                 torch.testing.assert_close(k, e, rtol=1e-4, atol=1e-5)
     assert _compiles(run) == 2
     assert kiln.counters["codegen"]["fallback"] + kiln.counters["fallback"]["eager_graphs"] == before
+
+
+def test_symbolic_sizes_compile_once_per_block_size_on_the_gpu():
+    """The CUDA kernels of a dynamic graph (written offline: emit_for='cuda') take their sizes as
+    arguments that Triton does not specialize (a size that is 1 or a multiple of 16 would otherwise
+    compile every kernel again: the late compiles of #35), and a reduction over a symbolic length loops
+    (no persistent block sized from the first length)."""
+    import contextlib
+    import re
+
+    from kiln.runtime.load import collect_sources
+    f = lambda x: torch.softmax(x * 2, -1) + x.sum(0)   # noqa: E731
+    c = torch.compile(f, backend="kiln", dynamic=True, options={"codegen": "triton", "emit_for": "cuda"})
+    with collect_sources() as sources:
+        with contextlib.suppress(Exception):   # CUDA's kernels: their ATen fallback may run them here
+            c(torch.randn(8, 50))
+    kernels = re.findall(r"@triton\.jit(\(.*?\))?\ndef (kiln_\w+)\((.*?)\):", "\n".join(sources))
+    assert len(kernels) >= 2, sources
+    for dec, name, params in kernels:
+        sizes = [p for p in params.split(", ") if p.startswith("ks_") or p in ("xnumel", "rnumel")]
+        assert sizes, (name, params)
+        assert dec == f"(do_not_specialize={sizes!r})", (name, dec, sizes)
+    assert all("'persistent': False" in s for s in sources if "launch.run(kiln_red" in s)

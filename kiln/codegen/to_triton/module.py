@@ -120,7 +120,10 @@ def kernel_def(k: TritonKernel, name, names, extra_params=(), tail_lines=()):
     elif plan.outer or plan.chunks:
         _render(k.post.lines, "", body, False, even)
     body += list(tail_lines)
-    return "\n".join(["@triton.jit", f"def {name}({', '.join(params)}):"] + ["    " + b for b in body])
+    # sizes are arguments Triton must not specialize (1, multiples of 16): a new length compiles nothing
+    sizes = [p for p in params if p in names.values() or p in ("xnumel", "rnumel")] if not k.interpret else []
+    jit = f"@triton.jit(do_not_specialize={sizes!r})" if sizes else "@triton.jit"
+    return "\n".join([jit, f"def {name}({', '.join(params)}):"] + ["    " + b for b in body])
 
 
 def _last_program(k):
