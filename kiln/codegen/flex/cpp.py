@@ -1,13 +1,8 @@
 """FlexAttention's forward on the CPU: one C++ function and its Python launcher (``cpp_forward``).
 
-OpenMP threads take (batch, head, query tile) triples, dynamically scheduled (a causal mask gives the
-last tiles the most work). A thread copies its query tile in float (scaled: by ``scale * log2(e)`` when
-score_mod is the identity), then walks the kv blocks its BlockMask row lists, ``BN`` keys at a time: the
-keys go transposed and the values row-major into float scratch, ``S = Q K^T`` runs in 4 x 16 register
-tiles of fused multiply-adds, score_mod and mask_mod (partial blocks only) run per element in ``omp
-simd`` loops, and the online softmax (base 2, libmvec's vector ``exp2f``) scales the output
-accumulator, which ``P V`` updates in 4 x 16 tiles too. float64 inputs compute in double. The
-log-sum-exp (base 2) and max are written when the graph reads them.
+OpenMP threads take (batch, head, query tile) triples and walk the kv blocks of their BlockMask row ``BN``
+keys at a time: ``S = Q K^T`` and ``P V`` in 4 x 16 register tiles, the mods per element in ``omp simd``
+loops, the online softmax in base 2. float64 inputs compute in double.
 """
 from __future__ import annotations
 
@@ -16,11 +11,10 @@ import math
 
 import torch
 
-from kiln.codegen.flex.hop import FlexCall, buffer_kind
-from kiln.codegen.flex.mods import Mods, indices
+from kiln.codegen.flex.hop import FlexCall, Mods, buffer_kind, indices
 from kiln.codegen.flex.translate import CppDialect, Unsupported, Val
-from kiln.codegen.flex.triton_fwd import LOG2E
-from kiln.codegen.flex.triton_module import RUNTIME, order
+from kiln.codegen.flex.triton_kernels import LOG2E
+from kiln.codegen.flex.triton_module import KB, MASK_PARAMS, RUNTIME, SIZES, VB, order, stats
 from kiln.codegen.to_cpp.ops import MEMORY, PREAMBLE, literal
 from kiln.codegen.text.source import PLACEHOLDER
 
@@ -32,9 +26,27 @@ def _load(dtype) -> str:
 
 
 def _store(dtype) -> str:
-    if dtype == torch.bfloat16:
-        return "kiln_bf16_store((float)({}))"
-    return f"({MEMORY[dtype]})({{}})"
+    return "kiln_bf16_store((float)({}))" if dtype == torch.bfloat16 else f"({MEMORY[dtype]})({{}})"
+
+
+def _rows4(fmt: str, sep: str) -> str:
+    """``fmt`` for the rows ``i0`` .. ``i0 + 3`` of a register tile (``{i}``: the row, ``{r}``: 0 .. 3)."""
+    return sep.join(fmt.format(i="i0" if r == 0 else f"i0 + {r}", r=r) for r in range(4))
+
+
+def _mma(fma: str, col: str, cols: str, init: list, red: str, ptr: str, a: str, lane: str, dst: str) -> list:
+    """Rows ``i0`` .. ``i0 + 3`` x 16 columns from ``col`` of ``dst`` in registers ``c0`` .. ``c3``:
+    ``init``, then over loop ``red``, ``c<r>[lane] += a<r> * ptr[lane]``."""
+    p = ptr.split()[0]
+    upd = [" ".join(f"c{r}[{lane}] = {fma}(a{r}, {p}[{lane}], c{r}[{lane}]);" for r in rr)
+           for rr in ((0, 1), (2, 3))]
+    return [f"    for (int64_t {col} = 0; {col} < {cols}; {col} += 16)",
+            "      for (int64_t i0 = 0; i0 < mrr; i0 += 4) {"] + init + [
+        f"        for ({red}) {{", f"          const CT* {ptr};",
+        "          const CT " + _rows4(f"a{{r}} = {a}", ", ") + ";", "#pragma omp simd",
+        f"          for (int {lane} = 0; {lane} < 16; {lane}++) {{"] + ["            " + u for u in upd] + [
+        "          }", "        }", "        for (int j = 0; j < 16; j++) {",
+        "          " + _rows4(f"{dst}[{{i}}][{col} + j] = c{{r}}[j];", " "), "        }", "      }"]
 
 
 def _static_layout(v):
@@ -76,19 +88,23 @@ def kernel_text(call: FlexCall, name: str) -> tuple:
     ints = ["B", "QL", "KL", "sqb", "sqh", "sqm", "sqd", "skb", "skh", "skn", "skd", "svb", "svh", "svn", "svd",
             "sob", "soh", "som", "sod", "knb", "knh", "knm", "kib", "kih", "kim", "kin"]
     ints += [f"f{x}" for x in ints[-7:]] * full
-    consts = []
+    consts, prep, bargs, bsizes = [], [], [], []   # the launcher's: restrides, buffer arguments and sizes
     for i, b in enumerate(call.score_bufs + call.mask_bufs):
         if buffer_kind(b) == "tensor":
             v = b.meta["val"]
             ptrs.append(f"const {MEMORY[v.dtype]}* __restrict BUF{i}")
+            bargs.append(f"buf{i}.data_ptr()")
             names = [f"BUF{i}_stride{j}" for j in range(v.dim())] + [f"BUF{i}_size{j}" for j in range(v.dim())]
             layout = _static_layout(v)
             if layout is None:
                 ints += names
+                bsizes += [f"*buf{i}.stride()", f"*buf{i}.shape"] if v.dim() else []
             else:   # constants: contiguous loads where a stride is 1 (the launcher restrides other layouts)
                 consts += [f"{n} = {x}" for n, x in zip(names, layout[1] + layout[0])]
+                prep.append(f"buf{i} = cpp_build.restride(buf{i}, {tuple(layout[0])}, {tuple(layout[1])})")
         else:
             ints.append(f"BUF{i}")
+            bsizes.append(f"int(buf{i})")
     identity = mods.identity
     qscale = call.scale * LOG2E if identity else call.scale
     fma = "__builtin_fmaf" if ct == torch.float32 else "__builtin_fma"
@@ -123,22 +139,8 @@ def kernel_text(call: FlexCall, name: str) -> tuple:
             f"      else for (int64_t e = 0; e < DV; e++) vt[j][e] = {_load(dt).format('vr[e * svd]')};",
             "    }",
             "    const int64_t nnc = (nn + 15) & ~(int64_t)15, mrr = (mr + 3) & ~(int64_t)3;   // whole register tiles",
-            "    for (int64_t jc = 0; jc < nnc; jc += 16)",
-            "      for (int64_t i0 = 0; i0 < mrr; i0 += 4) {",
-            "        CT c0[16] = {0}, c1[16] = {0}, c2[16] = {0}, c3[16] = {0};",
-            "        for (int64_t e = 0; e < D; e++) {",
-            "          const CT* kr = &kt[e][jc];",
-            "          const CT a0 = qt[i0][e], a1 = qt[i0 + 1][e], a2 = qt[i0 + 2][e], a3 = qt[i0 + 3][e];",
-            "#pragma omp simd",
-            "          for (int j = 0; j < 16; j++) {",
-            f"            c0[j] = {fma}(a0, kr[j], c0[j]); c1[j] = {fma}(a1, kr[j], c1[j]);",
-            f"            c2[j] = {fma}(a2, kr[j], c2[j]); c3[j] = {fma}(a3, kr[j], c3[j]);",
-            "          }",
-            "        }",
-            "        for (int j = 0; j < 16; j++) {",
-            "          s[i0][jc + j] = c0[j]; s[i0 + 1][jc + j] = c1[j]; s[i0 + 2][jc + j] = c2[j]; s[i0 + 3][jc + j] = c3[j];",
-            "        }",
-            "      }",
+        ] + _mma(fma, "jc", "nnc", ["        CT c0[16] = {0}, c1[16] = {0}, c2[16] = {0}, c3[16] = {0};"],
+                 "int64_t e = 0; e < D; e++", "kr = &kt[e][jc]", "qt[{i}][e]", "j", "s") + [
             "    for (int64_t i = 0; i < BM; i++) {",
             "      CT* srow = s[i];",
             "      if (i >= mr) { for (int64_t j = 0; j < BN; j++) srow[j] = 0; continue; }",
@@ -169,25 +171,12 @@ def kernel_text(call: FlexCall, name: str) -> tuple:
             "#pragma omp simd",
             "      for (int64_t e = 0; e < DVP; e++) acc[i][e] *= alpha;",
             "    }",
-            "    for (int64_t ec = 0; ec < DVP; ec += 16)",
-            "      for (int64_t i0 = 0; i0 < mrr; i0 += 4) {",
-            "        CT c0[16], c1[16], c2[16], c3[16];",
-            "        for (int j = 0; j < 16; j++) {",
-            "          c0[j] = acc[i0][ec + j]; c1[j] = acc[i0 + 1][ec + j]; c2[j] = acc[i0 + 2][ec + j]; c3[j] = acc[i0 + 3][ec + j];",
-            "        }",
-            "        for (int64_t j = 0; j < nn; j++) {",
-            "          const CT* vr = vdirect ? (const CT*)(v + vbase + (n0 + j) * svn) + ec : &vt[j][ec];",
-            "          const CT a0 = s[i0][j], a1 = s[i0 + 1][j], a2 = s[i0 + 2][j], a3 = s[i0 + 3][j];",
-            "#pragma omp simd",
-            "          for (int e = 0; e < 16; e++) {",
-            f"            c0[e] = {fma}(a0, vr[e], c0[e]); c1[e] = {fma}(a1, vr[e], c1[e]);",
-            f"            c2[e] = {fma}(a2, vr[e], c2[e]); c3[e] = {fma}(a3, vr[e], c3[e]);",
-            "          }",
-            "        }",
-            "        for (int j = 0; j < 16; j++) {",
-            "          acc[i0][ec + j] = c0[j]; acc[i0 + 1][ec + j] = c1[j]; acc[i0 + 2][ec + j] = c2[j]; acc[i0 + 3][ec + j] = c3[j];",
-            "        }",
-            "      }",
+        ] + _mma(fma, "ec", "DVP", ["        CT c0[16], c1[16], c2[16], c3[16];",
+                                    "        for (int j = 0; j < 16; j++) {",
+                                    "          " + _rows4("c{r}[j] = acc[{i}][ec + j];", " "), "        }"],
+                 "int64_t j = 0; j < nn; j++",
+                 "vr = vdirect ? (const CT*)(v + vbase + (n0 + j) * svn) + ec : &vt[j][ec]", "s[{i}][j]", "e",
+                 "acc") + [
             "  }",
             "}",
         ]
@@ -232,48 +221,28 @@ def kernel_text(call: FlexCall, name: str) -> tuple:
     ctype = "float" if ct == torch.float32 else "double"
     # g++ -O3 versions loops for unit strides: with this kernel's many strided loops that took 8 s of a 9 s build
     text = f"typedef {ctype} CT;\n#pragma GCC optimize (\"no-version-loops-for-strides\")\n#pragma GCC target (\"prefer-vector-width=512\")\nextern \"C\" void {name}({sig}) {{\n" + "\n".join("  " + b for b in body) + "\n}\n"
-    return text, len(ptrs), ints
+    return text, len(ptrs), ints, (prep, bargs, bsizes)
 
 
 def cpp_forward(call: FlexCall) -> tuple:
     """(C++ unit source, function name, launcher module text)."""
-    text, n_ptr, ints = kernel_text(call, PLACEHOLDER)
+    text, n_ptr, ints, (prep, bargs, bsizes) = kernel_text(call, PLACEHOLDER)
     fname = "kiln_flex_cpp_" + hashlib.sha256(text.encode()).hexdigest()[:16]
     source = PREAMBLE + "\n" + text.replace(PLACEHOLDER, fname)
-    _, _, _, _, _, _, dv, _ = call.dims()
     full = call.masks["full_kv_num"] is not None
-    out_order = order(call.val(call.node)[0])
     ptrs = ["q", "k", "v", "out", "lse", "mx", "kvn", "kvi"] + (["fkvn", "fkvi"] if full else [])
-    args, params = [f"{p}.data_ptr()" if p not in ("lse", "mx") else f"0 if {p} is None else {p}.data_ptr()"
-                    for p in ptrs], []
+    args = [f"0 if {p} is None else {p}.data_ptr()" if p in ("lse", "mx") else f"{p}.data_ptr()"
+            for p in ptrs]
     sizes = ["B", "QL", "KL", "*q.stride()", "kb", "*k.stride()[1:]", "vb", "*v.stride()[1:]", "*out.stride()",
              "*_mask(kvn, kvi)"] + (["*_mask(fkvn, fkvi)"] if full else [])
-    prep = []
-    for i, b in enumerate(call.score_bufs + call.mask_bufs):
-        params.append(f"buf{i}")
-        if buffer_kind(b) == "tensor":
-            layout = _static_layout(b.meta["val"])
-            if layout is not None:
-                prep.append(f"    buf{i} = cpp_build.restride(buf{i}, {tuple(layout[0])}, {tuple(layout[1])})")
-            args.append(f"buf{i}.data_ptr()")
-            if b.meta["val"].dim() and layout is None:
-                sizes += [f"*buf{i}.stride()", f"*buf{i}.shape"]
-        else:
-            sizes.append(f"int(buf{i})")
+    params = "".join(f", buf{i}" for i in range(len(call.score_bufs + call.mask_bufs)))
     lines = ["# kiln generated kernel (FlexAttention, C++)", "import torch", "from kiln.runtime import cpp_build", "",
              f"_k = cpp_build.function({fname!r}, {n_ptr}, {len(ints)})", RUNTIME, "",
-             f"def call(q, k, v, kvn, kvi, fkvn, fkvi, qn, qi, fqn, fqi{''.join(', ' + p for p in params)}, *_unused):",
-             "    B, HQ, QL, KL = q.shape[0], q.shape[1], q.shape[2], k.shape[2]",
-             f"    out = _strided((B, HQ, QL, {dv}), {out_order}, q.dtype, q.device)"] + prep
-    for i, var in ((1, "lse"), (2, "mx")):
-        lines.append(f"    {var} = torch.empty((B, HQ, QL), dtype=torch.float32, device=q.device)" if i in call.used
-                     else f"    {var} = None")
-    lines += ["    kb = 0 if k.shape[0] == 1 and B > 1 else k.stride(0)",
-              "    vb = 0 if v.shape[0] == 1 and B > 1 else v.stride(0)",
-              "    if B * HQ * QL:",
-              f"        _k({', '.join(args + sizes)})",
-              f"    return {'(out, lse, mx)' if len(call.val(call.node)) == 3 else '(out, lse)'}"]
-    return source, fname, "\n".join(lines) + "\n"
+             f"def call(q, k, v, {', '.join(MASK_PARAMS)}{params}, *_unused):"]
+    out = f"out = _strided((B, HQ, QL, {call.dims()[6]}), {order(call.val(call.node)[0])}, q.dtype, q.device)"
+    body = [SIZES, out] + prep + stats(call)[:2] + [KB, VB, "if B * HQ * QL:",
+                                                   f"    _k({', '.join(args + bargs + sizes + bsizes)})"]
+    return source, fname, "\n".join(lines + ["    " + b for b in body + stats(call)[2:]]) + "\n"
 
 
 __all__ = ["cpp_forward", "kernel_text"]

@@ -1,15 +1,10 @@
 """FlexAttention's higher-order ops as kiln finds them in a post-grad graph: ``parse(gm, node) -> FlexCall``.
 
-``flex_attention(q, k, v, score_mod, block_mask, scale, kernel_options, score_mod_other_buffers,
-mask_mod_other_buffers) -> (out, lse[, max_scores])`` and ``flex_attention_backward(q, k, v, out, lse,
-grad_out, grad_lse, fw_graph, joint_graph, block_mask, scale, kernel_options, score_mod_other_buffers,
-mask_mod_other_buffers) -> (dq, dk, dv, (grads of the score_mod's buffers))``. The subgraphs are
-``get_attr`` nodes of GraphModules. The block mask is a tuple: torch 2.13 writes ``(q_len, kv_len,
-kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, q_num_blocks, q_indices,
-full_q_num_blocks, full_q_indices, dq_write_order, dq_write_order_full, dq_kv_order, dq_kv_order_spt,
-Q_BLOCK_SIZE, KV_BLOCK_SIZE, mask_mod)``; 2.11 has no ``dq_*`` entries (13 in all) and older releases
-no lengths (11). Both ends are fixed: the eight index tensors follow the lengths when there are any,
-the block sizes and the mask_mod close the tuple. The logsumexp the ops exchange is in base 2.
+``flex_attention(q, k, v, score_mod, block_mask, scale, kernel_options, score_bufs, mask_bufs)`` and
+``flex_attention_backward(q, k, v, out, lse, grad_out, grad_lse, fw_graph, joint_graph, block_mask, ...)``.
+The block mask tuple: the lengths, eight index tensors, ``dq_*`` (torch 2.13), the block sizes and the
+mask_mod. The lse the ops exchange is in base 2. ``Mods(call, dialect, index)``: the op's subgraphs
+translated for one kernel, ``index`` naming its ``b, h, q_idx, kv_idx``; captured operands are ``BUF<i>``.
 """
 from __future__ import annotations
 
@@ -19,19 +14,16 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from kiln.codegen.ir.loops import Unsupported
+from kiln.codegen.flex.translate import Ref, Scatter, Unsupported, Val, is_identity, is_true, translate
 
 MASK_NAMES = ("kv_num", "kv_idx", "full_kv_num", "full_kv_idx", "q_num", "q_idx", "full_q_num", "full_q_idx")
-FORWARD = "flex_attention"
-BACKWARD = "flex_attention_backward"
 
 
 def hop_name(node) -> str:
-    """'flex_attention', 'flex_attention_backward' or '' for any other node."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.HigherOrderOperator):
         return ""
     name = node.target.name()
-    return name if name in (FORWARD, BACKWARD) else ""
+    return name if name in ("flex_attention", "flex_attention_backward") else ""
 
 
 @dataclass
@@ -66,8 +58,7 @@ class FlexCall:
         return self.val(self.q).dtype
 
     def dims(self):
-        """(B, Hq, Hkv, Lq, Lkv, D, Dv, Bkv): ints, or SymInts where dynamic (head counts and head dims are
-        always static: Dynamo marks them so)."""
+        """(B, Hq, Hkv, Lq, Lkv, D, Dv, Bkv): ints, or SymInts where dynamic (never head counts and dims)."""
         q, k, v = self.val(self.q), self.val(self.k), self.val(self.v)
         return q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3], k.shape[0]
 
@@ -75,20 +66,16 @@ class FlexCall:
 def _module(gm, node):
     if not isinstance(node, fx.Node) or node.op != "get_attr":
         raise Unsupported(f"flex: a subgraph operand that is not a get_attr ({node})")
-    obj = gm
-    for part in node.target.split("."):
-        obj = getattr(obj, part)
+    obj = operator.attrgetter(node.target)(gm)
     if not isinstance(obj, fx.GraphModule):
         raise Unsupported(f"flex: subgraph {node.target} is a {type(obj).__name__}, not a GraphModule")
     return obj
 
 
 def _block_mask(gm, bm):
-    if not isinstance(bm, (tuple, list)) or len(bm) < 11:
+    if not isinstance(bm, (tuple, list)) or len(bm) < 13:
         raise Unsupported(f"flex: a block mask of {len(bm) if isinstance(bm, (tuple, list)) else '?'} entries")
-    first = 2 if len(bm) >= 13 else 0
-    tensors = bm[first:first + 8]
-    q_bs, kv_bs, mask = bm[-3], bm[-2], bm[-1]
+    tensors, (q_bs, kv_bs, mask) = bm[2:10], bm[-3:]
     if not all(isinstance(x, int) for x in (q_bs, kv_bs)):
         raise Unsupported("flex: block sizes that are not Python ints")
     for name, t in zip(MASK_NAMES, tensors):
@@ -118,17 +105,14 @@ def parse(gm, node) -> FlexCall:
     """The ``FlexCall`` of HOP ``node`` (``Unsupported`` when its operands are not as expected)."""
     if node.kwargs:
         raise Unsupported(f"flex: keyword arguments {sorted(node.kwargs)}")
-    a = list(node.args)
-    backward = hop_name(node) == BACKWARD
+    a, backward = list(node.args), hop_name(node) == "flex_attention_backward"
+    n, least = (14, 12) if backward else (9, 7)
+    if len(a) < least:
+        raise Unsupported(f"flex: {hop_name(node)} with {len(a)} arguments")
+    a += [()] * (n - len(a))
     if backward:
-        if len(a) < 12:
-            raise Unsupported(f"flex: flex_attention_backward with {len(a)} arguments")
-        a += [()] * (14 - len(a))
         q, k, v, out, lse, dout, dlse, fw, joint, bm, scale, ko, sbufs, mbufs = a[:14]
     else:
-        if len(a) < 7:
-            raise Unsupported(f"flex: flex_attention with {len(a)} arguments")
-        a += [()] * (9 - len(a))
         q, k, v, fw, bm, scale, ko, sbufs, mbufs = a[:9]
     masks, q_bs, kv_bs, mask = _block_mask(gm, bm)
     if not isinstance(scale, (int, float)):
@@ -152,10 +136,9 @@ def _check(call: FlexCall):
     q, k, v = (call.val(n) for n in (call.q, call.k, call.v))
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise Unsupported(f"flex: mixed dtypes q {q.dtype}, k {k.dtype}, v {v.dtype}")
-    B, Hq, Hkv, _, _, D, Dv, Bkv = call.dims()
-    for s in (Hq, Hkv, D, Dv):
-        if not isinstance(s, int):
-            raise Unsupported("flex: a dynamic head count or head dim")
+    _, Hq, Hkv, _, _, D, Dv, _ = call.dims()
+    if not all(isinstance(s, int) for s in (Hq, Hkv, D, Dv)):
+        raise Unsupported("flex: a dynamic head count or head dim")
     if Hq % Hkv:
         raise Unsupported(f"flex: {Hq} query heads over {Hkv} kv heads")
     if D > 256 or Dv > 256:
@@ -186,10 +169,97 @@ def _check(call: FlexCall):
 
 
 def buffer_kind(b):
-    """'tensor' or 'int' for a captured operand."""
-    if isinstance(b, fx.Node) and isinstance(b.meta.get("val"), torch.Tensor):
-        return "tensor"
-    return "int"
+    return "tensor" if isinstance(b, fx.Node) and isinstance(b.meta.get("val"), torch.Tensor) else "int"
 
 
-__all__ = ["FlexCall", "parse", "hop_name", "buffer_kind", "MASK_NAMES", "FORWARD", "BACKWARD"]
+def indices(b: str, h: str, q: str, kv: str, h_rows: bool = False) -> dict:
+    """The ``index`` of a kernel whose values of b, h, q_idx and kv_idx are named so (int32, not negative);
+    ``h_rows``: h varies along the query axis (rows of several heads)."""
+    i32 = torch.int32
+    return {"b": Val(b, i32, nonneg=True), "h": Val(h, i32, frozenset({"q"}) if h_rows else frozenset(), nonneg=True),
+            "q": Val(q, i32, frozenset({"q"}), nonneg=True), "kv": Val(kv, i32, frozenset({"kv"}), nonneg=True)}
+
+
+def buffer_names(call: FlexCall) -> list:
+    return [f"BUF{i}" for i in range(len(call.score_bufs) + len(call.mask_bufs))]
+
+
+def _inputs(bufs, first: int) -> list:
+    return [Ref(i, b.meta["val"].dim(), b.meta["val"].dtype) if buffer_kind(b) == "tensor"
+            else Val(f"BUF{i}", torch.int64) for i, b in enumerate(bufs, first)]
+
+
+class Mods:
+    """Statements for the score_mod, mask_mod and joint graph of ``call`` (see the module docstring)."""
+
+    def __init__(self, call: FlexCall, dialect, index: dict):
+        self.call, self.d, self.index = call, dialect, index
+        self.names = buffer_names(call)
+        self.identity = is_identity(call.score)
+
+    def _idx(self):
+        return [self.index[k] for k in ("b", "h", "q", "kv")]
+
+    def score(self, src: Val, tag: str):
+        """(lines, Val): the score after score_mod of pre-mod score ``src`` (float)."""
+        if self.identity:
+            return [], src
+        lines, out = translate(self.call.score, [src] + self._idx() + _inputs(self.call.score_bufs, 0), self.d,
+                               f"sc{tag}_", self.names)
+        return lines, self._float(out, lines)
+
+    def _float(self, v, lines):
+        if not isinstance(v, Val):
+            raise Unsupported("flex: score_mod returns no value")
+        if v.dtype == self.d.compute:
+            return v
+        name = f"scf_{len(lines)}"
+        lines.append(self.d.assign(name, self.d.cast(v.code, v.dtype, self.d.compute), self.d.compute))
+        return Val(name, self.d.compute, v.axes)
+
+    def mask(self, tag: str):
+        """(lines, Val or None): mask_mod's verdict (bool), None where it is constant True."""
+        n = len(self.call.score_bufs)
+        lines, out = translate(self.call.mask, self._idx() + _inputs(self.call.mask_bufs, n), self.d, f"mk{tag}_",
+                               self.names)
+        if is_true(out):
+            return [], None
+        if not isinstance(out, Val):
+            raise Unsupported("flex: mask_mod returns no value")
+        if out.dtype != torch.bool:
+            name = f"mkb{tag}"
+            lines.append(self.d.assign(name, self.d.cast(out.code, out.dtype, torch.bool), torch.bool))
+            out = Val(name, torch.bool, out.axes)
+        return lines, out
+
+    def joint(self, score: Val, grad: Val, tag: str):
+        """(lines, dscore Val or None, {buffer index: Scatter}): the joint graph at pre-mod ``score`` with the
+        gradient ``grad`` of the post-mod score."""
+        if self.identity and not self.call.score_bufs:
+            return [], grad, {}
+        lines, outs = translate(self.call.joint, [score] + self._idx() + [grad] + _inputs(self.call.score_bufs, 0),
+                                self.d, f"jt{tag}_", self.names)
+        if not isinstance(outs, list) or len(outs) < 5:
+            raise Unsupported("flex: a joint graph without its five leading gradients")
+        dscore = outs[0]
+        if dscore is not None and not isinstance(dscore, Val):
+            raise Unsupported("flex: the joint graph's score gradient is not a value")
+        if dscore is not None:
+            dscore = self._float(dscore, lines)
+        scatters = {}
+        for j, g in enumerate(outs[5:]):
+            if g is None:
+                continue
+            b = self.call.score_bufs[j]
+            if buffer_kind(b) != "tensor":
+                raise Unsupported("flex: a gradient of a captured integer")
+            shape = tuple(int(s) for s in b.meta["val"].shape)
+            if isinstance(g, Val) and shape == ():
+                g = Scatter((), [([], g)])
+            if not isinstance(g, Scatter) or g.shape != shape:
+                raise Unsupported("flex: a captured-tensor gradient other than scatters of the score's gradient")
+            scatters[j] = g
+        return lines, dscore, scatters
+
+
+__all__ = ["FlexCall", "parse", "hop_name", "buffer_kind", "MASK_NAMES", "Mods", "buffer_names", "indices"]

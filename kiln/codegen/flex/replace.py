@@ -1,13 +1,5 @@
-"""The graph edit: each FlexAttention op becomes one call of a kiln kernel (``lower_flex``).
-
-For every ``flex_attention`` / ``flex_attention_backward`` node: parse it (``hop.parse``), write its
-kernel module (Triton: ``triton_module``; C++: ``cpp``, whose translation unit the target builds), and
-put a ``call_function`` node whose target is the kernel's ``KernelRef`` (data, bound by the runtime) in
-its place, with the same result structure, so that its ``getitem`` users stay as they are. The fallback is a small graph
-running the op itself (its dense implementation) on the same arguments: it runs if the kernel fails on
-its first call. A node kiln cannot write (``Unsupported``: an op in a score_mod without a translation,
-a block size no tile fits, the backward on the C++ target) keeps the op, with the reason logged and
-counted in ``counters['fallback']['flex_attention']`` (or ``..._backward``).
+"""The graph edit: each FlexAttention op becomes one call of a kiln kernel (``lower_flex``), whose fallback
+runs the op itself; an op kiln cannot write (``Unsupported``) stays, the reason logged and counted.
 """
 from __future__ import annotations
 
@@ -22,13 +14,9 @@ from kiln.codegen.flex.triton_module import backward_module, forward_module, ope
 from kiln.codegen.text.source import KernelSource, Unit, named
 from kiln.debug import counters, log
 
-OUTPUTS = {"flex": ("out", "lse", "max_scores"), "flex_decode": ("out", "lse", "max_scores"),
-           "flex_backward": ("dq", "dk", "dv", "grads"), "flex_cpp": ("out", "lse", "max_scores")}
-
 
 class HopFallback(Fallback):
-    """The fallback of a FlexAttention kernel: the op on the kernel's arguments (its subgraphs copied
-    from the graph as submodules)."""
+    """The op on the kernel's arguments, its subgraphs copied from the graph as submodules."""
 
     def __init__(self, gm: fx.GraphModule, graph: fx.Graph):
         super().__init__(graph)
@@ -52,9 +40,7 @@ def _fallback(gm, node, ops):
 
 
 def _source(call: FlexCall, opts, cpp: bool):
-    """(``KernelSource``, kind, C++ ``Unit`` or None) of ``call``'s kernel module on the C++ target (``cpp``)
-    or Triton's."""
-    device = call.val(call.q).device
+    """(``KernelSource``, kind, C++ ``Unit`` or None) of ``call``'s kernel module on the target."""
     unit = None
     if cpp:
         if call.backward:
@@ -63,14 +49,15 @@ def _source(call: FlexCall, opts, cpp: bool):
         source, fname, text = cpp_forward(call)
         unit, kind, interpret = Unit(source, (fname,)), "flex_cpp", None
     else:
-        interpret = device.type != "cuda" and opts.emit_for != "cuda"
+        interpret = call.val(call.q).device.type != "cuda" and opts.emit_for != "cuda"
         if call.dtype == torch.float64:
             raise Unsupported("flex: float64 on the Triton target (its kernels accumulate in float32)")
         if call.backward:
             text, kind = backward_module(call, interpret)
         else:
             text, kind = forward_module(call, interpret, opts.tuning.flex_decode_q)
-    return KernelSource(text, (), OUTPUTS[kind], (), kind, (), interpret), kind, unit
+    outputs = ("dq", "dk", "dv", "grads") if call.backward else ("out", "lse", "max_scores")
+    return KernelSource(text, (), outputs, (), kind, (), interpret), kind, unit
 
 
 def lower_flex(gm: fx.GraphModule, opts, cpp: bool) -> tuple:

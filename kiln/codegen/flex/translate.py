@@ -1,17 +1,8 @@
-"""FlexAttention's ``score_mod``/``mask_mod`` subgraphs as Triton or C++ statements.
+"""FlexAttention's ``score_mod``/``mask_mod`` subgraphs as Triton or C++ statements: ``translate``.
 
-A subgraph computes on 0-dim tensors: the score, the indices ``b, h, q_idx, kv_idx`` and loads from the
-tensors it captured (``aten.index.Tensor(buffer, [index, ...])``). ``translate(gm, inputs, dialect,
-prefix)`` walks its nodes once and writes each as one statement ``<prefix><n> = <expression>``, with
-kiln's op templates (``to_triton.ops.template``, ``to_cpp.ops.template``). A value knows the axes of
-the kernel's tile it varies along (``'q'``, ``'kv'``, neither or both): a load is masked by the masks
-of its own axes only (a table indexed by ``h`` is one scalar load, by ``q_idx`` one load per row). Floats
-compute in float32 (float64 on the C++ target for float64 inputs), as eager's dense FlexAttention
-computes its scores. The joint graph's gradients of captured tensors (``flex_lib.zeros_and_scatter``)
-become ``Scatter`` values, which the backward kernel adds into the gradients atomically.
-
-A node this module cannot write raises ``Unsupported``: the caller leaves the higher-order op to
-its dense (eager) implementation and logs why.
+Each node becomes one statement from kiln's op templates; a value knows the tile axes it varies along (a
+load is masked by its own axes' masks only). Floats compute in float32 (float64 for C++ float64 inputs),
+as eager's dense FlexAttention does; gradients of captured tensors become ``Scatter`` values.
 """
 from __future__ import annotations
 
@@ -30,9 +21,8 @@ aten = torch.ops.aten
 
 @dataclass(frozen=True)
 class Val:
-    """A translated value: its ``code`` (a name or a literal), dtype, and the tile axes it varies along.
-    ``const``: the Python value of a literal; ``nonneg``: an integer known not to be negative (an index
-    into a captured tensor then needs no wrapping)."""
+    """A translated value: ``code`` (a name or a literal), dtype, the tile axes it varies along, ``const``
+    (a literal's Python value), ``nonneg`` (an integer known not negative: an index needing no wrapping)."""
     code: str
     dtype: torch.dtype
     axes: frozenset = frozenset()
@@ -41,15 +31,8 @@ class Val:
 
 
 class Line(str):
-    """A statement, with the tile axes of the value it computes (a C++ kernel hoists those without
-    ``'kv'`` out of its loop over keys)."""
+    """A statement and the tile axes of its value (C++ hoists those without ``'kv'`` out of its key loop)."""
     axes = frozenset({"q", "kv"})
-
-    @classmethod
-    def of(cls, text, axes):
-        line = cls(text)
-        line.axes = frozenset(axes)
-        return line
 
 
 @dataclass(frozen=True)
@@ -63,21 +46,17 @@ class Ref:
 
 @dataclass
 class Scatter:
-    """Gradient contributions to a captured tensor of ``shape``: each part ``(index vals, value val)`` adds
-    the value at the index (the joint graph's output position says which tensor)."""
+    """Gradient contributions to a captured tensor of ``shape``: parts ``(index vals, value val)``."""
     shape: tuple
     parts: list = field(default_factory=list)
 
 
 class Dialect:
-    """How statements are written for one target; ``masks``: the mask expression of each tile axis
-    (Triton; a C++ loop has no out-of-range lanes)."""
-    name = ""
+    """How statements are written for one target; ``masks``: each tile axis's mask expression (Triton)."""
 
     def __init__(self, compute=torch.float32, masks=None, interpret=False):
         self.compute, self.masks, self.interpret = compute, masks or {}, interpret
-        self.helpers: set = set()
-        self.libdevice = False
+        self.helpers, self.libdevice = set(), False
 
     def ctype(self, dtype):
         """The dtype a value of ``dtype`` computes in."""
@@ -85,8 +64,6 @@ class Dialect:
 
 
 class TritonDialect(Dialect):
-    name = "triton"
-
     def assign(self, name, code, dtype):
         return f"{name} = {code}"
 
@@ -126,8 +103,6 @@ class TritonDialect(Dialect):
 
 
 class CppDialect(Dialect):
-    name = "cpp"
-
     def assign(self, name, code, dtype):
         return f"const {cpp_ops.VALUE[dtype]} {name} = {code};"
 
@@ -158,27 +133,24 @@ class CppDialect(Dialect):
         return f"({idx} < 0 ? {idx} + {size} : {idx})"
 
 
-# aten op -> the op name of kiln's templates; (name, arity)
-UNARY = {aten.neg: "neg", aten.abs: "abs", aten.exp: "exp", aten.exp2: "exp2", aten.log: "log",
-         aten.log2: "log2", aten.sqrt: "sqrt", aten.rsqrt: "rsqrt", aten.sin: "sin", aten.cos: "cos",
-         aten.tanh: "tanh", aten.sigmoid: "sigmoid", aten.erf: "erf", aten.floor: "floor", aten.ceil: "ceil",
-         aten.trunc: "trunc", aten.round: "round", aten.reciprocal: "reciprocal", aten.sign: "sign",
-         aten.log1p: "log1p", aten.expm1: "expm1", aten.logical_not: "logical_not",
-         aten.bitwise_not: "bitwise_not", aten.isnan: "isnan"}
-ARITH = {aten.add: "add", aten.sub: "sub", aten.mul: "mul", aten.div: "truediv", aten.maximum: "maximum",
-         aten.minimum: "minimum", aten.remainder: "remainder", aten.fmod: "fmod", aten.pow: "pow",
-         aten.floor_divide: "floordiv", aten.atan2: "atan2"}
-COMPARE = {aten.eq: "eq", aten.ne: "ne", aten.lt: "lt", aten.le: "le", aten.gt: "gt", aten.ge: "ge"}
-LOGICAL = {aten.logical_and: "logical_and", aten.logical_or: "logical_or", aten.logical_xor: "logical_xor",
-           aten.bitwise_and: "bitwise_and", aten.bitwise_or: "bitwise_or", aten.bitwise_xor: "bitwise_xor"}
-PYTHON = {operator.add: aten.add, operator.sub: aten.sub, operator.mul: aten.mul, operator.truediv: aten.div,
-          operator.eq: aten.eq, operator.ne: aten.ne, operator.lt: aten.lt, operator.le: aten.le,
-          operator.gt: aten.gt, operator.ge: aten.ge, operator.and_: aten.bitwise_and,
-          operator.or_: aten.bitwise_or, operator.neg: aten.neg, operator.floordiv: aten.floor_divide}
-IDENTITY = {aten.clone, aten.alias, aten.detach, aten.lift_fresh_copy, aten.contiguous, aten.view, aten.reshape,
-            aten.expand, aten.squeeze, aten.unsqueeze, aten._unsafe_view}
-CONSTANT = {aten.full, aten.scalar_tensor, aten.new_ones, aten.new_zeros, aten.new_full, aten.ones_like,
-            aten.zeros_like, aten.full_like, aten.ones, aten.zeros}
+def _named(names: str) -> dict:
+    return {getattr(aten, n): n for n in names.split()}
+
+
+# aten op -> the op name of kiln's templates
+UNARY = _named("neg abs exp exp2 log log2 sqrt rsqrt sin cos tanh sigmoid erf floor ceil trunc round "
+               "reciprocal sign log1p expm1 logical_not bitwise_not isnan")
+ARITH = {**_named("add sub mul maximum minimum remainder fmod pow atan2"), aten.div: "truediv",
+         aten.floor_divide: "floordiv"}
+COMPARE = _named("eq ne lt le gt ge")
+LOGICAL = _named("logical_and logical_or logical_xor bitwise_and bitwise_or bitwise_xor")
+PYTHON = {getattr(operator, n): getattr(aten, n) for n in "add sub mul eq ne lt le gt ge neg".split()}
+PYTHON.update({operator.truediv: aten.div, operator.and_: aten.bitwise_and, operator.or_: aten.bitwise_or,
+               operator.floordiv: aten.floor_divide})
+IDENTITY = set(_named("clone alias detach lift_fresh_copy contiguous view reshape expand squeeze unsqueeze "
+                      "_unsafe_view"))
+CONSTANT = set(_named("full scalar_tensor new_ones new_zeros new_full ones_like zeros_like full_like ones "
+                      "zeros"))
 
 
 def _packet(target):
@@ -200,7 +172,6 @@ class Translator:
     def __init__(self, gm: fx.GraphModule, dialect: Dialect, prefix: str, buffers):
         self.gm, self.d, self.prefix, self.buffers = gm, dialect, prefix, buffers   # buffers: kernel operand names
         self.lines: list = []
-        self.n = 0
 
     # -- values -----------------------------------------------------------------------------------
     def const(self, v, dtype) -> Val:
@@ -208,9 +179,10 @@ class Translator:
         return Val(self.d.literal(v, dtype), dtype, frozenset(), v)
 
     def emit(self, code, dtype, axes, nonneg=False) -> Val:
-        name = f"{self.prefix}{self.n}"
-        self.n += 1
-        self.lines.append(Line.of(self.d.assign(name, code, dtype), axes))
+        name = f"{self.prefix}{len(self.lines)}"
+        line = Line(self.d.assign(name, code, dtype))
+        line.axes = frozenset(axes)
+        self.lines.append(line)
         return Val(name, dtype, frozenset(axes), None, nonneg)
 
     def as_(self, v: Val, dtype) -> str:
@@ -236,11 +208,10 @@ class Translator:
 
     # -- the walk ---------------------------------------------------------------------------------
     def run(self, inputs: list):
-        self.env = {}
         phs = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
         if len(phs) != len(inputs):
             raise Unsupported(f"flex: subgraph takes {len(phs)} inputs, {len(inputs)} given")
-        self.env.update(zip(phs, inputs))
+        self.env = dict(zip(phs, inputs))
         for node in self.gm.graph.nodes:
             if node.op == "placeholder":
                 continue
@@ -258,20 +229,17 @@ class Translator:
         raise Unsupported("flex: subgraph without output")
 
     def _constant(self, node):
-        t = self.gm
-        for part in node.target.split("."):
-            t = getattr(t, part)
+        t = operator.attrgetter(node.target)(self.gm)
         if not isinstance(t, torch.Tensor) or t.numel() != 1 or t.dim() != 0:
             raise Unsupported(f"flex: the subgraph holds a constant tensor {node.target} (not a 0-dim one)")
         return self.const(t.item(), t.dtype)
 
     def _call(self, node):
-        target, args, kw = node.target, node.args, node.kwargs
+        target, args = node.target, node.args
         p = _packet(target)
         if str(target) == "flex_lib.zeros_and_scatter.default":
             return self._scatter(node)
-        if p is aten.add and all(isinstance(self.env.get(a), Scatter) for a in args[:2] if isinstance(a, fx.Node)) \
-                and len(args) == 2 and all(isinstance(a, fx.Node) for a in args):
+        if p is aten.add and len(args) == 2 and all(isinstance(self.env.get(a), Scatter) for a in args):
             a, b = self.env[args[0]], self.env[args[1]]
             return Scatter(a.shape, a.parts + b.parts)
         if p in IDENTITY:
@@ -284,10 +252,6 @@ class Translator:
             v, dst = self.value(args[0]), self.d.ctype(_out_dtype(node))
             keep = v.nonneg and not dst.is_floating_point and dst != torch.bool
             return v if v.dtype == dst else self.emit(self.as_(v, dst), dst, v.axes, keep)
-        if p in UNARY:
-            v = self.value(args[0])
-            out = self.d.ctype(_out_dtype(node))
-            return self.emit(self.d.op(UNARY[p], out, [self.as_(v, out)]), out, v.axes)
         if p in ARITH or p is aten.rsub:
             return self._arith(node, p)
         if p in COMPARE:
@@ -295,21 +259,23 @@ class Translator:
             ct = self.d.ctype(torch.promote_types(a.dtype, b.dtype))
             code = self.d.op(COMPARE[p], ct, [self.as_(a, ct), self.as_(b, ct)])
             return self.emit(code, torch.bool, a.axes | b.axes)
+        if p in (aten.clamp, aten.clamp_min, aten.clamp_max):
+            return self._clamp(node, p)
+        if p in UNARY or p in LOGICAL or p in (aten.where, aten.tanh_backward):
+            out = self.d.ctype(_out_dtype(node))   # these compute in their output's dtype
+        if p in UNARY:
+            v = self.value(args[0])
+            return self.emit(self.d.op(UNARY[p], out, [self.as_(v, out)]), out, v.axes)
         if p in LOGICAL:
             a, b = self.value(args[0]), self.value(args[1])
-            out = self.d.ctype(_out_dtype(node))
             op = LOGICAL[p].replace("bitwise", "logical") if out == torch.bool else LOGICAL[p]
             return self.emit(self.d.op(op, out, [self.as_(a, out), self.as_(b, out)]), out, a.axes | b.axes)
         if p is aten.where:
             c, a, b = (self.value(x) for x in args[:3])
-            out = self.d.ctype(_out_dtype(node))
             code = self.d.where(self.as_(c, torch.bool), self.as_(a, out), self.as_(b, out))
             return self.emit(code, out, c.axes | a.axes | b.axes)
-        if p in (aten.clamp, aten.clamp_min, aten.clamp_max):
-            return self._clamp(node, p)
         if p is aten.tanh_backward:   # grad * (1 - y * y)
             g, y = self.value(args[0]), self.value(args[1])
-            out = self.d.ctype(_out_dtype(node))
             gy, yy = self.as_(g, out), self.as_(y, out)
             return self.emit(f"({gy} * ({self.d.literal(1.0, out)} - {yy} * {yy}))", out, g.axes | y.axes)
         raise Unsupported(f"flex: no translation of {target} in a score_mod/mask_mod")
@@ -357,16 +323,12 @@ class Translator:
         return self.emit(code, out, axes)
 
     def _fill(self, node):
-        p, args, kw = _packet(node.target), node.args, node.kwargs
+        p, args = _packet(node.target), node.args
         out = _out_dtype(node)
-        if p in (aten.ones, aten.ones_like, aten.new_ones):
-            v = 1
-        elif p in (aten.zeros, aten.zeros_like, aten.new_zeros):
-            v = 0
-        elif p is aten.scalar_tensor:
-            v = args[0]
-        else:
-            v = args[-1] if p in (aten.full, aten.full_like) else args[2]
+        fixed = {aten.ones: 1, aten.ones_like: 1, aten.new_ones: 1, aten.zeros: 0, aten.zeros_like: 0,
+                 aten.new_zeros: 0}
+        v = fixed[p] if p in fixed else args[0] if p is aten.scalar_tensor else \
+            args[-1] if p in (aten.full, aten.full_like) else args[2]
         if not isinstance(v, (int, float, bool)):
             raise Unsupported(f"flex: a {node.target} of a non-constant value")
         if tuple(node.meta["val"].shape) != ():
@@ -380,15 +342,19 @@ class Translator:
             raise Unsupported("flex: indexing a computed value")
         if any(i is None for i in idx):
             raise Unsupported("flex: index with None (a full slice)")
-        vals = [self.value(i) for i in idx]
-        if any(v.dtype.is_floating_point or v.dtype == torch.bool for v in vals):
-            raise Unsupported("flex: a captured tensor indexed by a float or bool value")
+        vals = self._ints(idx, "a captured tensor indexed by a float or bool value")
         ref = Ref(ref.buf, ref.dims, ref.dtype, ref.index + tuple(vals))
         if len(ref.index) > ref.dims:
             raise Unsupported("flex: more indices than dims")
         if len(ref.index) < ref.dims:
             return ref
         return self._load(ref)
+
+    def _ints(self, idx, what: str) -> list:
+        vals = [self.value(i) for i in idx]
+        if any(v.dtype.is_floating_point or v.dtype == torch.bool for v in vals):
+            raise Unsupported(f"flex: {what}")
+        return vals
 
     def _offset(self, ref: Ref):
         name = self.buffers[ref.buf]
@@ -412,16 +378,13 @@ class Translator:
         shape, idx, val = node.args[0], node.args[1], node.args[2]
         if len(idx) != len(shape) or any(i is None for i in idx):
             raise Unsupported("flex: a captured-tensor gradient scattered along part of its dims")
-        vals = [self.value(i) for i in idx]
-        if any(v.dtype.is_floating_point or v.dtype == torch.bool for v in vals):
-            raise Unsupported("flex: a captured-tensor gradient scattered at a float or bool index")
+        vals = self._ints(idx, "a captured-tensor gradient scattered at a float or bool index")
         return Scatter(tuple(int(s) for s in shape), [(vals, self.value(val))])
 
 
 def translate(gm, inputs, dialect: Dialect, prefix: str, buffers):
-    """``(lines, output)`` of subgraph ``gm`` on ``inputs`` (``Val``/``Ref`` per placeholder); see the module
-    docstring. ``buffers``: the kernel operand name of each captured tensor (its ``_stride<d>`` and
-    ``_size<d>`` names are the operand's strides and sizes)."""
+    """``(lines, output)`` of subgraph ``gm`` on ``inputs`` (``Val``/``Ref`` per placeholder); ``buffers``:
+    the kernel operand name of each captured tensor (``<name>_stride<d>``, ``<name>_size<d>`` beside it)."""
     t = Translator(gm, dialect, prefix, buffers)
     out = t.run(inputs)
     return t.lines, out
