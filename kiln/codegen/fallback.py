@@ -1,8 +1,5 @@
-"""The ATen fallback of a kernel: the original nodes its group replaced, as a small graph.
-
-``generate`` gives each kernel node a ``Fallback`` (``extract``): a graph computing the same outputs
-from the same arguments with the ATen nodes the kernel replaced. The runtime's ``KernelCall``
-(``kiln/runtime/kernels.py``) runs it if the kernel fails on its first call.
+"""The ATen fallback of a kernel (``extract``): the original nodes its group replaced, as a small graph
+computing the same outputs from the same arguments, run if the kernel fails on its first call.
 """
 from __future__ import annotations
 
@@ -16,9 +13,8 @@ class NoFallback(Exception):
 
 
 def extract(inputs, outputs, multi: bool, position=None) -> "Fallback":
-    """A (lazily built) GraphModule computing original nodes ``outputs`` from original nodes ``inputs`` (its
-    placeholders, in order), copying every node in between; a tuple when ``multi``.
-    ``position``: node -> index in the graph, to order the copies without walking the graph."""
+    """A (lazily built) GraphModule computing original nodes ``outputs`` from ``inputs`` (its placeholders,
+    in order), copying every node in between; a tuple when ``multi``. ``position``: node -> graph index."""
     if any(o is None for o in outputs):
         raise NoFallback("a kernel output is a buffer without a graph node")
     env, sizes = {}, {}
@@ -31,18 +27,14 @@ def extract(inputs, outputs, multi: bool, position=None) -> "Fallback":
             env[n] = p
             if size_expr(n) is not None:
                 sizes.setdefault(size_expr(n), p)
-    needed, stack = set(), list(outputs)
-    while stack:
-        n = stack.pop()
-        if n in env or n in needed:
-            continue
+    needed = set()
+    for n in _upstream(outputs, env):
         if n.op != "call_function" and size_expr(n) in sizes:
             env[n] = sizes[size_expr(n)]   # a size placeholder: the argument of the same size
             continue
         if n.op != "call_function":
             raise NoFallback(f"{n.name} ({n.op}) is needed but is not a kernel argument")
         needed.add(n)
-        stack.extend(n.all_input_nodes)
     if position is None:
         position = {n: i for i, n in enumerate(outputs[0].graph.nodes)}
     for n in sorted(needed, key=position.__getitem__):   # graph order is a topological order
@@ -62,23 +54,23 @@ def size_expr(n):
 def graph_inputs(inputs, outputs) -> list:
     """The placeholders that computing ``outputs`` from ``inputs`` with the graph's nodes reads beside
     ``inputs`` (a declined kernel's ATen nodes may recompute what other kernels hold in registers)."""
-    have, seen, out = set(inputs), set(), []
-    stack = [o for o in outputs if o is not None]
+    return [n for n in _upstream([o for o in outputs if o is not None], set(inputs)) if n.op == "placeholder"]
+
+
+def _upstream(outputs, stop):
+    """The nodes ``outputs`` are computed from, depth first, up to those of ``stop`` (through calls only)."""
+    seen, stack = set(), list(outputs)
     while stack:
         n = stack.pop()
-        if n in have or n in seen:
-            continue
-        seen.add(n)
-        if n.op == "placeholder":
-            out.append(n)
-        elif n.op == "call_function":
-            stack.extend(n.all_input_nodes)
-    return out
+        if n not in stop and n not in seen:
+            seen.add(n)
+            yield n
+            if n.op == "call_function":
+                stack.extend(n.all_input_nodes)
 
 
 class Fallback:
-    """The extracted graph, made a ``GraphModule`` (Python code generated and compiled, about a
-    millisecond) only when it first runs: most kernels never fail, and a GPT-2 has ~300 of them."""
+    """The extracted graph, made a ``GraphModule`` (about a millisecond) only when it first runs."""
 
     def __init__(self, graph: fx.Graph):
         self.graph, self._gm = graph, None

@@ -1,11 +1,8 @@
 """Code generation for one graph, as data: ``generate(gm, opts, emit) -> Code``.
 
-Lower the post-grad ATen graph to the loop IR (``lower/``), decide how reductions split, group computed
-buffers into kernels and plan each one (``schedule/``: splits and folds, fusion, chains), have the
-target's emitter write each plan's text (``emit``: ``to_triton`` or ``to_cpp``, through a
-``codegen.target.Target``), name each kernel and extract its ATen fallback. Nothing here changes the
-graph, loads or builds anything: ``codegen.rewrite`` puts the kernels into the graph, ``kiln.runtime``
-builds and binds them. Nodes without a lowering stay ATen calls.
+Lower the graph to the loop IR (``lower/``), group and plan kernels (``schedule/``), have the target's
+emitter write each plan's text, name each kernel and extract its ATen fallback. Nothing here changes the
+graph or builds anything (``codegen.rewrite``, ``kiln.runtime`` do). Nodes without a lowering stay ATen.
 """
 from __future__ import annotations
 
@@ -35,10 +32,8 @@ class CodegenError(RuntimeError):
 
 @dataclass(frozen=True, eq=False)
 class Generated:
-    """One kernel of a graph: its ``plan``, its ``source`` (``text.source.KernelSource``), the node
-    ``target`` its graph node calls (a named ``KernelRef``, or for a kernel the emitter declined its ATen
-    ``Fallback``), the graph nodes of its size arguments (``symbols``), the fake values of its outputs
-    (``vals``) and whether its call site has an ATen fallback of its own (``own``)."""
+    """One kernel of a graph: its node ``target`` (a named ``KernelRef``, or a declined kernel's ATen
+    ``Fallback``), the nodes of its size arguments (``symbols``), whether it has a fallback of its own."""
     plan: object
     source: object
     target: object
@@ -49,11 +44,9 @@ class Generated:
 
 @dataclass(frozen=True, eq=False)
 class Code:
-    """What code generation makes of a graph: the lowering (its buffers, the nodes it keeps), the
-    ``kernels`` in launch order, the C++ translation unit to build (``unit``, None for other targets) and,
-    when some kernel has no ATen fallback of its own or a unit is to be built, the graph as it was
-    (``unfused``: the compiled graph runs it if such a kernel fails on its first call, or the unit does not
-    build). ``position``: each node's index in the graph."""
+    """What code generation makes of a graph: the lowering, the ``kernels`` in launch order, the C++ unit
+    to build (or None) and, when some kernel has no ATen fallback of its own or a unit is to be built, the
+    graph as it was (``unfused``). ``position``: each node's index in the graph."""
     lowering: object
     kernels: tuple
     unit: Optional[Unit]
@@ -66,9 +59,7 @@ class Code:
 
 
 def generate(gm: torch.fx.GraphModule, opts, emit) -> Code:
-    """The kernels of ``gm`` under ``opts`` (see the module docstring). ``emit(plans, on_cuda)`` is the
-    target's emitter: ``([KernelSource per plan], unit or None)``, a declined plan's source without text.
-    Raises when the graph cannot be compiled (``Unsupported``, ``CodegenError``)."""
+    """The kernels of ``gm``; ``emit(plans, on_cuda) -> (sources, unit)``: the target's emitter."""
     try:
         return _generate(gm, opts, emit)
     finally:
@@ -102,9 +93,7 @@ def on_cuda(gm) -> bool:
 
 
 def _kernel(lw, position, plan, src, symbols, vals) -> Generated:
-    """One kernel with its node target: its named ``KernelRef`` carrying the group's original ATen nodes
-    as its fallback, which run if the kernel fails on its first call (``runtime.kernels.KernelCall``); a
-    kernel the emitter declined (a source without text) is its fallback."""
+    """One kernel: a ``KernelRef`` with the group's ATen nodes as fallback, or (declined) that fallback."""
     # the call passes the philox seeds after the sizes (``rewrite.seed_nodes``): the fallback takes them unused
     ins = [lw.buffers[name].node for name in src.inputs] + list(symbols) + [None] * src.seeds
     outs = [lw.buffers[name].node for name in src.outputs]
@@ -167,16 +156,13 @@ def _toposort_groups(groups, lw):
                         d.add(id(o))
         deps[id(g)] = d
     order, done = [], set()
-    pending = list(groups)
-    while pending:
-        progressed = False
-        for g in list(pending):
-            if deps[id(g)] <= done:
+    while len(order) < len(groups):
+        before = len(order)
+        for g in groups:
+            if id(g) not in done and deps[id(g)] <= done:
                 order.append(g)
                 done.add(id(g))
-                pending.remove(g)
-                progressed = True
-        if not progressed:
+        if len(order) == before:
             raise CodegenError("codegen: kernel groups depend on each other in a cycle")
     return order
 
@@ -189,8 +175,7 @@ def _copy(gm) -> torch.fx.GraphModule:
 
 
 class FakeMaker:
-    """``maker(buf)``: a FakeTensor for a kernel-internal buffer that crosses kernels. The graph's
-    fake mode and its SymInts by expression are gathered on the first call, once per graph."""
+    """``maker(buf)``: a FakeTensor (the graph's mode) for a kernel-internal buffer crossing kernels."""
 
     def __init__(self, graph):
         self.graph, self.mode, self.table = graph, None, None
@@ -207,14 +192,15 @@ class FakeMaker:
             elif isinstance(v, torch.SymInt):
                 self.table.setdefault(sympy.sympify(v.node.expr), v)
 
-    def empty(self, shape, dtype, device):
-        """A FakeTensor (or a meta tensor where the graph has no fake mode) of a new dense tensor."""
+    def empty(self, shape, dtype, device, stride=None):
+        """A FakeTensor (or a meta tensor where the graph has no fake mode) of a new tensor."""
         if self.table is None:
             self._scan()
+        stride = stride if stride is not None else torch.empty(shape, device="meta").stride()
         if self.mode is None:
-            return torch.empty(shape, dtype=dtype, device="meta")
+            return torch.empty_strided(shape, stride, dtype=dtype, device="meta")
         with self.mode:
-            return torch.empty(shape, dtype=dtype, device=device)
+            return torch.empty_strided(shape, stride, dtype=dtype, device=device)
 
     def __call__(self, buf):
         if buf.fake is not None:
@@ -222,11 +208,7 @@ class FakeMaker:
         if self.table is None:
             self._scan()
         conv = lambda e: _to_symint(sympy.sympify(e), self.table)  # noqa: E731
-        shape, stride = [conv(s) for s in buf.shape], [conv(s) for s in buf.stride]
-        if self.mode is None:
-            return torch.empty_strided(shape, stride, dtype=buf.dtype, device="meta")
-        with self.mode:
-            return torch.empty_strided(shape, stride, dtype=buf.dtype, device=buf.device)
+        return self.empty([conv(s) for s in buf.shape], buf.dtype, buf.device, [conv(s) for s in buf.stride])
 
 
 def _to_symint(e, table):
@@ -234,20 +216,11 @@ def _to_symint(e, table):
         return int(e)
     if e in table:
         return table[e]
-    if e.is_Add:
-        out = 0
-        for t in e.args:
-            out = out + _to_symint(t, table)
-        return out
-    if e.is_Mul:
-        out = 1
-        for t in e.args:
-            out = out * _to_symint(t, table)
-        return out
-    if e.is_Pow and e.exp.is_Integer:
-        out = 1
-        for _ in range(int(e.exp)):
-            out = out * _to_symint(e.base, table)
+    if e.is_Add or e.is_Mul or (e.is_Pow and e.exp.is_Integer):
+        terms = [e.base] * int(e.exp) if e.is_Pow else e.args
+        out = 0 if e.is_Add else 1
+        for t in terms:
+            out = out + _to_symint(t, table) if e.is_Add else out * _to_symint(t, table)
         return out
     raise Unsupported(f"size {e} has no SymInt in the graph")
 

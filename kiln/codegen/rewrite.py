@@ -1,10 +1,7 @@
-"""The FX surgery of code generation: ``rewrite(gm, code)`` puts ``generate``'s kernels into the graph.
-
-In place: each kernel becomes one ``call_function`` node whose target is its ``KernelRef`` (plain data
-until ``kiln.runtime`` binds it) or, for a kernel the emitter declined, its ATen fallback, followed by
-``operator.getitem`` nodes when it has several outputs. The philox seeds the kernels take are drawn
-first (``seed_nodes``), the ATen nodes the kernels compute go, and the graph is ordered again, as it was
-where possible (``_stable_toposort``). Returns the number of kernel nodes.
+"""The FX surgery of code generation: ``rewrite(gm, code)`` puts ``generate``'s kernels into the graph, in
+place: one node per kernel (its ``KernelRef``, or a declined kernel's ATen fallback) and ``getitem`` nodes
+for several outputs, after the philox seed draws (``seed_nodes``); the replaced ATen nodes go and the graph
+is ordered again, as it was where possible (``_stable_toposort``).
 """
 from __future__ import annotations
 
@@ -25,8 +22,7 @@ SEEDS = "kiln_seeds"       # node.meta key: a node drawing philox seeds (``seed_
 
 
 def rewrite(gm: torch.fx.GraphModule, code) -> int:
-    """Replace the nodes ``code`` (a ``generate.Code``) computes by its kernels, in place; returns the
-    number of kernel nodes, counted in ``counters['codegen']['kernels']``."""
+    """Replace the nodes ``code`` computes by its kernels, in place; returns the number of kernel nodes."""
     position = dict(code.position)
     kernels = seed_nodes(gm.graph, code.kernels, position)
     n = _rewrite(gm, code.lowering, kernels, position)
@@ -37,8 +33,7 @@ def rewrite(gm: torch.fx.GraphModule, code) -> int:
 
 
 def random_nodes(graph) -> list:
-    """The graph's ATen calls that draw random numbers (torch's ``nondeterministic_seeded`` tag), kiln's own
-    seed draws aside."""
+    """The graph's ATen calls that draw random numbers, kiln's own seed draws aside."""
     return [n for n in graph.nodes if n.op == "call_function" and not n.meta.get(SEEDS)
             and torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())]
 
@@ -60,11 +55,9 @@ def _device(plan):
 
 
 def seed_nodes(graph, kernels, position) -> list:
-    """``kernels`` with the philox seeds each kernel's ``call`` takes appended to its size-symbol nodes: one
-    ``randint`` per device draws every seed of a graph call on that device, as an [n, 2] int64 tensor whose
-    rows (16-byte aligned, so launch sites keep their fast path) are the kernels' seeds. The draw uses torch's
-    generator of that device (``torch.manual_seed`` repeats it; CUDA graphs capture it), costs one launch per
-    graph call and no host synchronization. The new nodes come first (``position`` -1)."""
+    """``kernels`` with their philox seeds appended to their size-symbol nodes: one ``randint`` per device
+    draws every seed of a graph call as an [n, 2] int64 tensor (rows 16-byte aligned: launch sites keep
+    their fast path), with torch's generator (``manual_seed`` repeats it, CUDA graphs capture it)."""
     wanted = {}
     for k in kernels:
         if k.source.seeds:
@@ -140,10 +133,8 @@ def _rewrite(gm, lw, kernels, position):
 
 
 def _reads_before_writes(nodes) -> dict:
-    """{node: [writers]}: a node that writes a graph input (AOTAutograd's ``copy_`` of a mutated input)
-    runs after every other node reading that input, since they all mean its value before the write. A
-    fused kernel is placed by its stored buffers and may read the input for a value computed earlier in
-    the graph (fuzz seed 11 #2718: ``a0 - a1`` read ``a1`` after the copy)."""
+    """{node: [writers]}: a node writing a graph input (AOTAutograd's ``copy_``) runs after every other node
+    reading that input (a fused kernel, placed by its stores, may read it late: fuzz seed 11 #2718)."""
     after = {}
     for w in nodes:
         for ph in written_placeholders_of(w):
@@ -160,8 +151,7 @@ def _reads_before_writes(nodes) -> dict:
 
 
 def _stable_toposort(graph, position, priority):
-    """Reorder nodes topologically, keeping the original order where possible; writes to graph inputs
-    come after their reads (``_reads_before_writes``)."""
+    """Reorder nodes topologically, keeping the original order where possible, writes after reads."""
     nodes = list(graph.nodes)
     rank = {n: priority.get(n, position.get(n, len(position))) for n in nodes}
     indeg = {n: len(set(n.all_input_nodes)) for n in nodes}

@@ -1,13 +1,7 @@
-"""Code generation targets: one ``Target`` per generator (ATen, Triton, C++), resolved once per graph.
-
-``resolve(opts, example_inputs)`` picks one ('auto': Triton when an input lives on CUDA and Triton
-imports, else C++ when a compiler builds and loads a test library, else ATen; the reason logged). The
-pipeline then asks the target, never ``opts.codegen``: its decompositions, its graph passes (``joint``,
-``prepare``, and those ``fuse`` runs), its kernels (``fuse``: generated as data by ``codegen.generate`` and
-put into the graph by ``codegen.rewrite``; nothing built or loaded), how the runtime builds and loads them
-once the wrapper is written (``load``: C++ units built, Triton kernels precompiled, kernel references
-bound), its flags (interpreter, autotuning, CUDA graphs, oneDNN convolutions under freezing) and its share
-of the compile cache's key. A new generator (a C-level launcher, a C++ wrapper) is a new subclass.
+"""Code generation targets: one ``Target`` per generator (ATen, Triton, C++), resolved once per graph
+(``resolve``). The pipeline asks the target, never ``opts.codegen``: its decompositions, graph passes,
+kernels (``fuse``: data, nothing built), how the runtime builds and loads them (``load``), its flags and
+its share of the compile cache's key. A new generator is a new subclass.
 """
 from __future__ import annotations
 
@@ -38,8 +32,7 @@ from kiln.runtime.load import load, load_aten
 @dataclass(frozen=True, eq=False)
 class Fused:
     """What ``Target.fuse`` made of a graph: its number of kernel nodes, the graph as it was when some
-    kernel has no ATen fallback of its own (``fallback``: the compiled graph runs it if such a kernel
-    fails), the C++ units to build (the compile cache stores them) and the kernel plans (to show them)."""
+    kernel has no ATen fallback of its own (``fallback``), the C++ units to build and the kernel plans."""
     kernels: int = 0
     fallback: Optional[fx.GraphModule] = None
     units: tuple = ()
@@ -83,13 +76,11 @@ class Target:
         return Fused()
 
     def build(self, gm: fx.GraphModule, fused: Fused, kind: str = "inference", trace=None) -> bool:
-        """Make ``fused``'s kernels ready to run (``gm``: the fused graph, its kernel nodes unbound); False
-        when they cannot run."""
+        """Make ``fused``'s kernels ready to run (``gm``: the fused graph); False when they cannot run."""
         return True
 
     def load(self, gm, wrapper, fused: Fused, kind: str, trace):
-        """The compiled graph (``runtime.load.Compiled``) of ``wrapper``: its kernels built, then bound; the
-        graph as it was before fusion (ATen) when they could not be built."""
+        """The compiled graph of ``wrapper``, its kernels built then bound (else the unfused graph)."""
         built = self.build(gm, fused, kind, trace)
         compiled = load(wrapper, fused.fallback) if built else load_aten(wrapper, fused.fallback)
         compiled.units = fused.units
@@ -141,8 +132,7 @@ class _Fusing(Target):
 
 
 class TritonTarget(_Fusing):
-    """Triton kernels: compiled for CUDA, or run in Triton's CPU interpreter (CPU tensors, unless
-    ``emit_for='cuda'``: the offline tools write GPU kernels on a machine without one)."""
+    """Triton kernels: compiled for CUDA, or run in Triton's CPU interpreter (unless ``emit_for='cuda'``)."""
     name = "triton"
     mkldnn = False
 
@@ -176,8 +166,7 @@ class TritonTarget(_Fusing):
         return True
 
     def flags(self, plan, opts: Options = None) -> Flags:
-        """What ``plan``'s kernel is written for: the interpreter for CPU tensors (unless
-        ``emit_for='cuda'``), autotuned launches under ``max_autotune`` on a GPU."""
+        """What ``plan``'s kernel is written for: the interpreter for CPU tensors, autotuning on a GPU."""
         opts = opts or self.opts
         device = (plan.copy if isinstance(plan, ScatterPlan) else plan).device
         interpret = device.type != "cuda" and opts.emit_for != "cuda"
@@ -186,17 +175,15 @@ class TritonTarget(_Fusing):
 
     def interpreted(self, plan, graph_on_cuda: bool) -> bool:
         """Whether ``plan``'s kernel would run in Triton's interpreter inside a graph with CUDA values (a
-        Python number written into a tensor is a CPU 0-dim constant): milliseconds a launch there,
-        microseconds as ATen, which runs such plans; the interpreter serves graphs on the CPU throughout."""
+        CPU 0-dim constant): milliseconds a launch there, microseconds as ATen, which runs such plans."""
         return graph_on_cuda and self.flags(plan).interpret
 
     def writes(self, plan, graph_on_cuda: bool) -> bool:
-        """Whether the emitter writes ``plan`` (else its ATen nodes run): not an interpreted kernel in a
-        graph on CUDA, nor an interpreted atomic add of bf16 values (numpy has no bf16)."""
+        """Whether the emitter writes ``plan`` (else its ATen nodes run): not an ``interpreted`` kernel, nor
+        an interpreted atomic add of bf16 values (numpy has no bf16)."""
         add = isinstance(plan, ScatterPlan) and plan.write.scatter.mode == "add"
-        if add and plan.write.scatter.buffer.dtype == torch.bfloat16 and self.flags(plan).interpret:
-            return False
-        return not self.interpreted(plan, graph_on_cuda)
+        bf16_add = add and plan.write.scatter.buffer.dtype == torch.bfloat16 and self.flags(plan).interpret
+        return not (bf16_add or self.interpreted(plan, graph_on_cuda))
 
     def emit(self, plans, opts, on_cuda):
         return [write_module(p, self.flags(p, opts)) if self.writes(p, on_cuda) else declined(p)
@@ -217,8 +204,7 @@ class CppTarget(_Fusing):
         return sources, unit
 
     def build(self, gm, fused, kind="inference", trace=None):
-        """Build (or find built) and load each unit, its source shown first (KILN_DEBUG=4, the dump). A
-        failed build is warned about once (``cpp_build``): the graph then runs as ATen."""
+        """Build (or find built) and load each unit, its source shown first; False when one fails."""
         for unit in fused.units:
             log(4, f"{kind} C++ kernels:\n{unit.source}", artifact="output_code")
             if trace is not None:
@@ -248,9 +234,7 @@ def triton_available() -> str:
 
 
 def resolve(opts: Options, example_inputs) -> Target:
-    """The target of a graph with ``example_inputs`` under ``opts``. 'auto' picks Triton when inputs live
-    on CUDA and Triton is usable, else (CPU inputs) C++ kernels when a working C++ compiler is found
-    (``cpp_build.unusable``); otherwise ATen kernels, with the reason logged."""
+    """The target of a graph ('auto': Triton for CUDA inputs, C++ for CPU ones, when usable, else ATen)."""
     name = opts.codegen
     if name == "auto":
         cuda = any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in example_inputs)

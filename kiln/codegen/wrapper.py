@@ -1,12 +1,9 @@
 """The Python wrapper emitter: an FX GraphModule becomes the source of a plain Python function.
 
-The generated ``call(args)`` takes AOTAutograd's boxed argument list, clears it so inputs can be freed
-early, calls each node's target (ATen ops, kernels made by the fusing emitters, Python operators on
-SymInts), deletes every buffer right after its last use, and returns the outputs. Targets and
-non-literal constants are bound once as module globals, so a call does no graph walking at all.
-Static views become one ``reinterpret`` call each where ``views.ViewPlan`` says their layout is safe.
-
-Each line carries the node's shape, dtype and strides as a comment, so the wrapper reads like the graph.
+``call(args)`` takes AOTAutograd's boxed argument list (cleared, so inputs can be freed), calls each node's
+target (bound once as module globals), deletes every buffer after its last use and returns the outputs.
+Static views become one ``reinterpret`` call where ``views.ViewPlan`` allows. Each line carries the node's
+shape, dtype and strides as a comment.
 """
 from __future__ import annotations
 
@@ -33,8 +30,7 @@ _PY_OPS = {
 
 
 def broadcast_in_dim(a, shape, broadcast_dimensions):
-    """``prims.broadcast_in_dim`` as views: prims run their Python reference at every call (about
-    60 us each on an H100 host, GPT-2's backward has 25), unsqueeze + expand does not."""
+    """``prims.broadcast_in_dim`` as views (the prim runs its Python reference, about 60 us a call)."""
     for d in range(len(shape)):
         if d not in broadcast_dimensions:
             a = a.unsqueeze(d)
@@ -75,7 +71,6 @@ class _Emitter:
         self.local_names = {self._fresh(n.name) for n in gm.graph.nodes}
         self.last_use: dict = {}   # value -> the node that reads it last (set by ``emit``)
 
-    # -- naming ---------------------------------------------------------------------------------
     def bind(self, obj, hint: str) -> str:
         """Bind ``obj`` as a module global and return its name (one name per object)."""
         key = id(obj)
@@ -107,7 +102,6 @@ class _Emitter:
         name = getattr(target, "name", None)   # a higher-order op's ``name`` is a method
         return self.bind(target, name if isinstance(name, str) else getattr(target, "__name__", None) or "fn")
 
-    # -- literals -------------------------------------------------------------------------------
     def lit(self, a) -> str:
         if isinstance(a, fx.Node):
             return self.names[a]
@@ -116,11 +110,7 @@ class _Emitter:
             return f"[{inner}]" if isinstance(a, list) else (f"({inner},)" if len(a) == 1 else f"({inner})")
         if isinstance(a, dict):
             return "{" + ", ".join(f"{k!r}: {self.lit(v)}" for k, v in a.items()) + "}"
-        if a is None or isinstance(a, (bool, str)):
-            return repr(a)
-        if isinstance(a, int):
-            return repr(a)
-        if isinstance(a, float) and math.isfinite(a):
+        if a is None or isinstance(a, (bool, str, int)) or (isinstance(a, float) and math.isfinite(a)):
             return repr(a)
         if isinstance(a, slice):
             return f"slice({self.lit(a.start)}, {self.lit(a.stop)}, {self.lit(a.step)})"
@@ -130,7 +120,6 @@ class _Emitter:
             return self.bind(a, f"dev_{a.type}{a.index if a.index is not None else ''}")
         return self.bind(a, type(a).__name__.lower())
 
-    # -- emission -------------------------------------------------------------------------------
     def emit(self) -> Wrapper:
         g = self.gm.graph
         nodes = list(g.nodes)
@@ -156,8 +145,7 @@ class _Emitter:
 
         body: list[str] = []
         placeholders = [n for n in nodes if n.op == "placeholder"]
-        for i, n in enumerate(placeholders):
-            self.names[n] = self._fresh(n.name)
+        self.names.update((n, self._fresh(n.name)) for n in placeholders)
         if placeholders:
             lhs = ", ".join(self.names[n] for n in placeholders)
             body.append(f"{lhs}, = args" if len(placeholders) == 1 else f"{lhs} = args")
@@ -194,10 +182,9 @@ class _Emitter:
                 body.append("del " + ", ".join(dead))
         if shared:
             body[start:] = ["    " + b for b in body[start:]]
-        header = (f"# kiln wrapper: {self.w.name} ({len(nodes)} nodes)\n"
-                  f"# globals: targets, constants and kernels bound at load time\n")
-        src = header + "def call(args):\n" + "\n".join("    " + b for b in body) + "\n"
-        self.w.source = src
+        self.w.source = (f"# kiln wrapper: {self.w.name} ({len(nodes)} nodes)\n"
+                         f"# globals: targets, constants and kernels bound at load time\n"
+                         "def call(args):\n" + "\n".join("    " + b for b in body) + "\n")
         return self.w
 
     def _fresh(self, base: str) -> str:
@@ -216,12 +203,10 @@ class _Emitter:
                 obj = getattr(obj, part)
             return f"{name} = {self.bind(obj, n.target)}{comment}"
         if n.op == "call_method":
-            args = [self.lit(a) for a in n.args[1:]] + [f"{k}={self.lit(v)}" for k, v in n.kwargs.items()]
-            return f"{name} = {self.lit(n.args[0])}.{n.target}({', '.join(args)}){comment}"
+            return f"{name} = {self.lit(n.args[0])}.{n.target}({', '.join(self._args(n, 1))}){comment}"
         if n.op == "call_module":
             mod = self.gm.get_submodule(n.target)
-            args = [self.lit(a) for a in n.args] + [f"{k}={self.lit(v)}" for k, v in n.kwargs.items()]
-            return f"{name} = {self.bind(mod, n.target)}({', '.join(args)}){comment}"
+            return f"{name} = {self.bind(mod, n.target)}({', '.join(self._args(n))}){comment}"
         # a graph output stays an ATen view: autograd may save it, and only a real view shares its
         # base's version counter (an in-place change of the base before backward must be detected)
         split_kept = n.target is operator.getitem and n.args[0] not in self.skipped   # plain split[i]
@@ -242,11 +227,14 @@ class _Emitter:
         fmt = _PY_OPS.get(n.target)
         if fmt is not None and not n.kwargs:
             return fmt.format(*[self.lit(a) for a in n.args])
-        args = [self.lit(a) for a in n.args] + [f"{k}={self.lit(v)}" for k, v in n.kwargs.items()]
+        args = self._args(n)
         into = self._into(n)
         if into is not None:
             args.append(f"into={self.lit(into)}")
         return f"{self.target_name(n.target)}({', '.join(args)})"
+
+    def _args(self, n: fx.Node, skip: int = 0) -> list:
+        return [self.lit(a) for a in n.args[skip:]] + [f"{k}={self.lit(v)}" for k, v in n.kwargs.items()]
 
     def _into(self, n: fx.Node):
         """An argument of kernel node ``n`` whose memory the kernel may write its output into
@@ -273,11 +261,9 @@ def _fresh_result(target) -> bool:
 
 
 def _copy_runs(nodes) -> dict:
-    """{copy node: run} for runs of two or more consecutive ``copy_`` nodes that write graph inputs
-    (AOTAutograd's input mutations: BatchNorm statistics, an optimizer's state): the first node of
-    a run maps to the list of its copies, the others to an empty list. A run's copies write distinct
-    inputs that no copy of the run reads, from values of the same shape, dtype and device, so
-    ``torch._foreach_copy_`` does them at once (a few multi-tensor launches in place of one each)."""
+    """{copy node: run} for runs of two or more consecutive ``copy_`` nodes writing distinct graph inputs
+    (AOTAutograd's input mutations) that no copy of the run reads, from values of the same shape, dtype
+    and device: the first maps to the run (one ``torch._foreach_copy_``), the others to []."""
     out, run = {}, []
 
     def close():
@@ -307,8 +293,7 @@ def _copy_runs(nodes) -> dict:
 
 
 def _kernel_devices(nodes) -> dict:
-    """{kernel node: CUDA device index} for the compiled (not interpreted) kernels of a graph, whose
-    modules allocate on and launch to the current device."""
+    """{kernel node: CUDA device index} for a graph's compiled kernels (they use the current device)."""
     out = {}
     for n in nodes:
         if n.op != "call_function" or not is_kernel(n.target) or getattr(n.target, "interpret", True):
@@ -322,8 +307,5 @@ def _kernel_devices(nodes) -> dict:
 
 
 def emit_wrapper(gm: fx.GraphModule, name: str, trusted=frozenset(), opts=None) -> Wrapper:
-    """Emit the Python wrapper source for ``gm`` (boxed calling convention: ``call(args_list)``).
-    ``trusted``: placeholder names whose strides at run time are their examples' (a backward's saved
-    values that the forward produced with known layouts; see ``Wrapper.known_outputs``). With
-    ``opts.tuning.reuse_inputs`` off, every kernel output gets a new buffer (for comparison)."""
+    """The Python wrapper of ``gm``. ``trusted``: placeholders whose run-time strides are their examples'."""
     return _Emitter(gm, name, trusted, opts.tuning.reuse_inputs if opts is not None else True).emit()

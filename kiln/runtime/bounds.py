@@ -1,23 +1,11 @@
 """The errors of out-of-range indirect indices, as eager raises them (``codegen/ir/bounds.py`` checks them).
 
-A generated C++ kernel with checks returns the number of its first failed check (0: none) and writes the
-offending index, after wrapping, into a cell its launcher passes (``error_cell``); an interpreted Triton
-kernel writes a flag and the raw index per check into a small tensor. Either launcher then calls
-``fail``/``check_tensor`` with its checks' descriptions, which raise eager's exception and message:
-
-    kind        eager ops                          exception     message (the index, dim and size vary)
-    index       x[i], index_put, index_fill        IndexError    index 10 is out of bounds for dimension 0 with size 5
-    gather      gather                             RuntimeError  (as index)
-    scatter     scatter(_add), index_add (>= 2-D)  RuntimeError  (as index)
-    index_copy  index_copy                         IndexError    index_copy_(): (as index)
-    self        embedding, index_select,           IndexError    index out of range in self
-                index_add (1-D)
-    dim1        index_select over dim 1            RuntimeError  INDICES element is out of DATA bounds, id=9 axis_dim=3
-    nll         nll_loss, cross_entropy            IndexError    Target 7 is out of bounds.
-    take        take                               IndexError    out of range: tried to access index 15 on a tensor
-                                                                 of 15 elements.
-
-A compiled (GPU) Triton kernel asserts on the device instead, as eager's CUDA kernels do.
+A C++ kernel with checks returns the number of its first failed check and writes the wrapped index into a
+cell its launcher passes (``error_cell``); an interpreted Triton kernel writes a flag and the raw index per
+check into a small tensor. The launcher then calls ``fail``/``check_tensor``, which raise eager's exception
+and message per kind of op (``MESSAGES``: index for x[i], index_put, index_fill; gather; scatter and
+index_add >= 2-D; self for embedding, index_select, 1-D index_add; dim1 for index_select over dim 1; nll
+for nll_loss, cross_entropy; index_copy; take). A compiled Triton kernel asserts on the device instead.
 """
 from __future__ import annotations
 
@@ -44,15 +32,13 @@ def error(kind: str, value: int, dim: int, size: int) -> Exception:
 
 
 def error_cell():
-    """(cell, its address): where a C++ kernel writes the index that failed its check. One per launcher
-    module: two threads failing in one kernel at once may report each other's index in the message."""
+    """(cell, its address): where a C++ kernel writes the index that failed its check (one per module)."""
     cell = (ctypes.c_int64 * 1)()
     return cell, ctypes.addressof(cell)
 
 
 def fail(code: int, cell, checks) -> None:
-    """Raise for C++ check ``code`` (1-based) of ``checks`` (per check: kind, dim, size, wraps), its
-    wrapped index in ``cell``."""
+    """Raise for C++ check ``code`` (1-based) of ``checks``, its wrapped index in ``cell``."""
     kind, dim, size, wraps = checks[code - 1]
     value = int(cell[0])
     if wraps and value < 0:   # wrapped as value + size: the index as written
@@ -61,12 +47,9 @@ def fail(code: int, cell, checks) -> None:
 
 
 def check_tensor(err, checks) -> None:
-    """Raise for the first check of ``checks`` an interpreted Triton kernel flagged in ``err`` (int64,
-    per check a flag then the raw index)."""
+    """Raise for the first check an interpreted Triton kernel flagged in ``err`` (a flag, the raw index)."""
     flags = err.tolist()
     for k, (kind, dim, size, _) in enumerate(checks):
         if flags[2 * k]:
             raise error(kind, flags[2 * k + 1], dim, size)
 
-
-__all__ = ["MESSAGES", "error", "error_cell", "fail", "check_tensor"]

@@ -1,24 +1,10 @@
 """Build, cache and load the C++ emitter's translation units; the functions its launchers call.
 
-``build(unit, opts)`` compiles a ``Unit`` (``codegen.text.source``) with the system compiler (``Options.cpp_compiler``: 'auto'
-is $CXX, else g++, else clang++) and ``Options.cpp_flags`` into a shared library in the ``cpp/`` folder of
-kiln's private kernel directory (``kernels.cache_dir``), named by a hash of the source, the compiler's
-version, the flags and this host's CPU flags (``-march=native`` builds for the build host: a cache
-directory shared with another machine never hands it a library for another ISA). A library is written
-under a temporary name and renamed into place, so processes building the same one race harmlessly; its
-MAC under the directory's key (``private.sign``) goes beside it (``.so.mac``), and a library whose MAC
-does not verify is never loaded: it is built again (logged, ``counters['codegen']['cpp_unauthenticated']``).
-With glibc's vector math library present,
-math calls in ``omp simd`` loops use its vector variants (``KILN_LIBMVEC``).
-
-A C++ target that cannot build degrades loudly, not fatally: a missing compiler is not a mistake in what the
-user asked for (a machine without g++ is normal), and flags are checked by the compiler, so kiln runs ATen
-kernels instead, after one warning per process and cause (``RuntimeWarning``) naming the option or the
-missing program, the compiler's first error line and what kiln does instead. ``unusable`` (``codegen='auto'``:
-no compiler, or one that cannot build a test library with ``cpp_flags``) warns so; in ``build``
-(``codegen='cpp'``) a missing compiler or a failed build raises ``CppBuildError`` after that warning, and the
-caller (``codegen.target.CppTarget``) leaves the graph to ATen. ``function(name, ...)`` is how a kernel's launcher finds
-its function among the loaded libraries.
+``build(unit, opts)`` compiles a ``Unit`` with ``cpp_compiler`` ('auto': $CXX, g++, clang++) and
+``cpp_flags`` into ``cpp/`` of kiln's private kernel directory, named by a hash of the source, compiler
+version, flags and host CPU flags; a library whose MAC (``.so.mac``) does not verify is built again, never
+loaded. A C++ target that cannot build degrades loudly, not fatally: one ``RuntimeWarning`` per cause,
+then ``CppBuildError`` (or ``unusable``'s reason) and the graph runs ATen kernels.
 """
 from __future__ import annotations
 
@@ -33,7 +19,6 @@ import subprocess
 import tempfile
 import threading
 import time
-import warnings
 
 from kiln.codegen.text.source import VECTOR_MATH
 from kiln.debug import counters, log
@@ -45,7 +30,6 @@ from kiln.runtime.kernels import subdir
 _LOCK = threading.Lock()
 _LIBRARIES: dict = {}   # key -> CDLL
 _OWNER: dict = {}       # function name -> CDLL holding it
-_WARNED: set = set()
 HOW = "set cpp_compiler (KILN_CPP_COMPILER, or $CXX) to a working C++ compiler, or codegen='aten' (KILN_CODEGEN=aten)"
 
 
@@ -96,10 +80,10 @@ def has_libmvec() -> bool:
     return all(hasattr(lib, w) for w in wanted)
 
 
-def command(cxx: str, opts: Options) -> list:
-    """The compile command's flags (without files)."""
-    flags = shlex.split(opts.cpp_flags) + ["-shared", "-fPIC"]
-    return flags + (["-DKILN_LIBMVEC"] if has_libmvec() else [])
+def _flags(opts: Options) -> tuple:
+    """The compile command's flags (without files) and libraries."""
+    mvec = has_libmvec()
+    return shlex.split(opts.cpp_flags) + ["-shared", "-fPIC"] + ["-DKILN_LIBMVEC"] * mvec, ["-lmvec"] * mvec
 
 
 PROBE = """#include <cmath>
@@ -121,14 +105,14 @@ def missing(opts: Options) -> str:
 
 def unusable(opts: Options) -> str:
     """Why ``codegen='auto'`` cannot pick C++ kernels here ('' when it can): no compiler, or one that
-    cannot build and load a small OpenMP library with ``opts.cpp_flags``. The answer is kept per
-    process and, once a probe succeeded, on disk (by compiler version, flags and CPU). The first time a
-    reason is found in a process it is also a warning, saying that the CPU's graphs run ATen kernels."""
+    cannot build and load a small OpenMP library with ``opts.cpp_flags`` (a success is kept on disk);
+    warned once per reason."""
     cxx = find_compiler(opts)
     why = _probe(cxx, opts.cpp_flags) if cxx else missing(opts)
     if why:
-        _warn(f"kiln: C++ kernels unavailable: {why}. Graphs on the CPU run ATen kernels instead (codegen='auto'). "
-              f"Fix: {HOW if not cxx else 'correct cpp_flags (KILN_CPP_FLAGS) or cpp_compiler'}", stacklevel=3)
+        fix = HOW if not cxx else 'correct cpp_flags (KILN_CPP_FLAGS) or cpp_compiler'
+        private.warn_once(f"kiln: C++ kernels unavailable: {why}. Graphs on the CPU run ATen kernels instead "
+                          f"(codegen='auto'). Fix: {fix}", 4, RuntimeWarning)
     return why
 
 
@@ -145,17 +129,12 @@ def _probe(cxx: str, flags: str) -> str:
     if os.path.exists(os.path.join(directory, marker)):
         return ""
     with tempfile.TemporaryDirectory(prefix=private.PREFIX, dir=directory) as tmp:
-        src, out = os.path.join(tmp, "probe.cpp"), os.path.join(tmp, "probe.so")
-        with open(src, "w") as f:
-            f.write(PROBE)
         try:
-            res = subprocess.run([cxx, *opts_flags, src, "-o", out], capture_output=True, text=True, timeout=120)
+            out, error = _run(cxx, opts_flags, [], PROBE, tmp, "probe", 120)
         except (OSError, subprocess.SubprocessError) as e:
             return f"{cxx} did not run: {e}"
-        if res.returncode != 0:
-            first = next((ln for ln in res.stderr.splitlines() if "error" in ln), res.stderr.strip()[:300])
-            first = first.replace(src, "probe.cpp").strip()
-            return f"{cxx} with cpp_flags={flags!r} cannot build a test library: {first}"
+        if error:
+            return f"{cxx} with cpp_flags={flags!r} cannot build a test library: {error[1]}"
         try:
             ctypes.CDLL(out)
         except OSError as e:
@@ -164,35 +143,36 @@ def _probe(cxx: str, flags: str) -> str:
     return ""
 
 
-def _warn(message: str, stacklevel: int = 2) -> None:
-    """``message`` as a RuntimeWarning, once per process."""
-    with _LOCK:
-        if message in _WARNED:
-            return
-        _WARNED.add(message)
-    warnings.warn(message, RuntimeWarning, stacklevel=stacklevel + 1)
+def _run(cxx, flags, libs, source, tmp, stem, timeout):
+    """(library path, None or (exit status, first error line)) of compiling ``source`` in folder ``tmp``."""
+    src, out = os.path.join(tmp, stem + ".cpp"), os.path.join(tmp, stem + ".so")
+    with open(src, "w") as f:
+        f.write(source)
+    res = subprocess.run([cxx, *flags, src, "-o", out, *libs], capture_output=True, text=True,
+                         timeout=timeout)
+    if res.returncode == 0:
+        return out, None
+    first = next((ln for ln in res.stderr.splitlines() if "error" in ln), res.stderr.strip()[:300])
+    return out, (res.returncode, first.replace(src, stem + ".cpp").strip())   # one cause, not one per folder
 
 
 def _fail(cause: str, where: str = "", fix: str = "") -> CppBuildError:
-    """The error of a failed build, after one warning per ``cause`` (``where``, the unit's kept source,
-    is logged only: a warning per unit would repeat one cause for every graph)."""
+    """The error of a failed build, after one warning per ``cause`` (``where`` is logged only)."""
     counters["codegen"]["cpp_build_failed"] += 1
-    _warn(f"kiln: cannot build C++ kernels: {cause}. The graph's kernels run as ATen instead. "
-          f"Fix: {fix or HOW}", stacklevel=3)
+    private.warn_once(f"kiln: cannot build C++ kernels: {cause}. The graph's kernels run as ATen instead. "
+                      f"Fix: {fix or HOW}", 4, RuntimeWarning)
     log(1, f"codegen: C++ build failed ({cause}{where}); the graph runs ATen kernels")
     return CppBuildError(cause + where)
 
 
 def build(unit, opts: Options = None, binary=None) -> str:
-    """Compile (or find in the cache) and load ``unit`` (a ``codegen.text.source.Unit``); returns the library's path.
-    ``binary``: ``(file name, bytes)`` of the library a build with the same key made (the compile
-    cache keeps them), written in place of a compile when its name is this build's."""
+    """Compile (or find in the cache) and load ``unit``; returns the library's path. ``binary``: ``(file
+    name, bytes)`` of a library the compile cache kept, used in place of a compile when its name matches."""
     opts = opts or active()
     cxx = find_compiler(opts)
     if not cxx:
         raise _fail(missing(opts))
-    flags = command(cxx, opts)
-    libs = ["-lmvec"] if has_libmvec() else []
+    flags, libs = _flags(opts)
     key = _key(unit, cxx, flags, libs)
     with _LOCK:
         lib = _LIBRARIES.get(key)
@@ -228,9 +208,7 @@ def _key(unit, cxx: str, flags, libs) -> str:
 def library_path(unit, opts: Options = None) -> str:
     """Where ``build`` keeps (or would keep) the library of ``unit``."""
     opts = opts or active()
-    cxx = find_compiler(opts)
-    key = _key(unit, cxx, command(cxx, opts), ["-lmvec"] if has_libmvec() else [])
-    return os.path.join(subdir("cpp"), f"kiln_{key}.so")
+    return os.path.join(subdir("cpp"), f"kiln_{_key(unit, find_compiler(opts), *_flags(opts))}.so")
 
 
 def _root(path: str) -> str:
@@ -267,19 +245,14 @@ def _install(data: bytes, path: str) -> None:
 def _compile(cxx, flags, libs, source, directory, path, opts_flags: str):
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix=private.PREFIX, dir=directory) as tmp:
-        src = os.path.join(tmp, "unit.cpp")
-        with open(src, "w") as f:
-            f.write(source)
-        out = os.path.join(tmp, "unit.so")
         try:
-            res = subprocess.run([cxx, *flags, src, "-o", out, *libs], capture_output=True, text=True, timeout=600)
-        except (OSError, subprocess.TimeoutExpired) as e:
+            out, error = _run(cxx, flags, libs, source, tmp, "unit", 600)
+        except (OSError, subprocess.SubprocessError) as e:
             raise _fail(f"{cxx} did not run: {e}") from None
-        if res.returncode != 0:
+        if error:
             kept = private.write(directory, os.path.basename(path)[:-3] + ".failed.cpp", source)
-            first = next((ln for ln in res.stderr.splitlines() if "error" in ln), res.stderr.strip()[:300])
-            first = first.replace(src, "unit.cpp").strip()   # not the temporary folder's name: one cause
-            raise _fail(f"{os.path.basename(cxx)} exited with {res.returncode}: {first} ({cxx}, cpp_flags={opts_flags!r})",
+            raise _fail(f"{os.path.basename(cxx)} exited with {error[0]}: {error[1]} "
+                        f"({cxx}, cpp_flags={opts_flags!r})",
                         f" (source: {kept})", "correct cpp_flags (KILN_CPP_FLAGS) or cpp_compiler, or "
                         "codegen='aten' (KILN_CODEGEN=aten)")
         private.write(directory, os.path.basename(path)[:-3] + ".cpp", source)
@@ -291,9 +264,8 @@ def _compile(cxx, flags, libs, source, directory, path, opts_flags: str):
 
 
 def function(name: str, n_pointers: int, n_sizes: int, checked: bool = False):
-    """The C function ``name`` of a library ``build`` loaded, taking ``n_pointers`` pointers then
-    ``n_sizes`` int64 sizes; ``checked``: a function checking indirect indices, which takes the address of an
-    int64 error cell last and returns an int (0, or the number of a failed check: ``kiln.runtime.bounds.fail``)."""
+    """The C function ``name`` of a loaded library: ``n_pointers`` pointers, ``n_sizes`` int64 sizes and, when
+    ``checked``, an error cell's address, returning 0 or the number of a failed check (``bounds.fail``)."""
     with _LOCK:
         lib = _OWNER.get(name)
     if lib is None:

@@ -1,31 +1,12 @@
 """``mode="reduce-overhead"``: replay a compiled graph as one CUDA graph.
 
-A compiled wrapper launches hundreds of kernels from Python; a CUDA graph replays them all with one
-host call. All graphs on a device share one ``Pool``, a private CUDA memory pool, so a backward's
-temporaries reuse its forward's, and a tensor one graph hands to another (a forward's activations to
-its backward, the logits of a model to the loss graph after a graph break) is read in place.
-
-Lifecycle of a ``Graphed`` function: the first call runs the wrapper normally (kernels compile, lazy
-CUDA state is created); the second call captures the wrapper into a CUDA graph and replays it; later
-calls replay. Inputs:
-- *direct* inputs are read in place at their captured address: parameters and buffers (AOTAutograd's
-  ``static_input_indices``) and tensors that live in this pool (saved activations a captured forward
-  handed to the backward). If one moves, the call runs the wrapper normally instead.
-- every other tensor input is copied into a static buffer before each replay, and copied back after it
-  when the graph mutates that input.
-Outputs:
-- every output is handed out as an alias of the graph's static memory. Before each replay, kiln checks
-  that no alias this replay could overwrite is still alive (its own earlier outputs, and the outputs
-  of graphs captured after it, which may sit in its temporaries); if one is (``retain_graph=True``,
-  gradients accumulated without ``zero_grad``, a user keeping last step's output), the call runs the
-  wrapper normally: slower, never wrong. When the live alias is a user-visible output (the forward's
-  first ``n_user`` outputs, any inference output), that graph clones its user outputs from then on.
-
-Random ops are captured: a graph draws its kernels' philox seeds with one ``randint`` on the device, which
-torch's CUDA generator advances at every replay. Graphs are not captured when they take non-tensor or CPU
-inputs (dynamic shapes), or when capture fails; the
-reason is logged (KILN_DEBUG=1) and the wrapper runs normally. The static memory of a captured graph
-(its outputs) stays reserved for the life of the compiled function.
+All graphs on a device share one private memory ``Pool``, so a backward's temporaries reuse its forward's
+and a tensor one graph hands to another is read in place. A ``Graphed`` function runs the wrapper at its
+first call, captures it at its second and replays from then on. Parameters, buffers and pool tensors are
+read in place (if one moves, the call runs the wrapper); other inputs are copied into static buffers.
+Outputs alias the graph's static memory: a replay that could overwrite a live alias runs the wrapper
+instead (slower, never wrong). Non-tensor or CPU inputs, or a failed capture, leave the wrapper running
+normally, the reason logged (KILN_DEBUG=1).
 """
 from __future__ import annotations
 
@@ -40,8 +21,7 @@ _use_count = torch._C._storage_Use_Count
 
 
 class Pool:
-    """The CUDA memory pool of one device and the graphs captured in it, in capture order (weakly:
-    a graph dies with its compiled function)."""
+    """The CUDA memory pool of one device and the graphs captured in it, in capture order (weakly)."""
 
     def __init__(self):
         self.handle = None
@@ -74,9 +54,7 @@ _POOLS: dict = {}
 def device_pool(index: Optional[int] = None) -> Pool:
     """The shared pool of CUDA device ``index`` (default: the current device)."""
     index = torch.cuda.current_device() if index is None else index
-    if index not in _POOLS:
-        _POOLS[index] = Pool()
-    return _POOLS[index]
+    return _POOLS.setdefault(index, Pool())
 
 
 def refusal(example_inputs) -> Optional[str]:
@@ -104,7 +82,6 @@ class Graphed:
         self.disabled: Optional[str] = None
         self.out_ptrs: set = set()
 
-    # -- helpers ------------------------------------------------------------------------------
     def _eager(self, args, why: Optional[str] = None):
         if why:
             counters["cudagraph"]["eager_runs"] += 1
@@ -119,15 +96,10 @@ class Graphed:
 
     def __call__(self, args):
         self.calls += 1
-        if self.disabled:
+        if self.disabled or (self.graph is None and self.calls == 1):   # the first: kernels compile
             return self.compiled(args)
-        if self.graph is not None:
-            return self._replay(args)
-        if self.calls == 1:   # warm-up: kernels compile, lazy CUDA state is made
-            return self.compiled(args)
-        return self._capture(args)
+        return self._replay(args) if self.graph is not None else self._capture(args)
 
-    # -- capture ------------------------------------------------------------------------------
     def _capture(self, args):
         why = refusal(args)
         if why:
@@ -142,7 +114,8 @@ class Graphed:
             else:
                 copies[i] = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
                 copies[i].copy_(x)
-        if self._aliasing_mutation(args):
+        ptrs = [x.untyped_storage().data_ptr() for x in args if isinstance(x, torch.Tensor)]
+        if self.mutated and len(set(ptrs)) != len(ptrs):
             self._disable("a mutated input shares memory with another input")
             return self.compiled(args)
         inputs = [copies.get(i, x) for i, x in enumerate(args)]
@@ -177,19 +150,10 @@ class Graphed:
             user.copy_(buf)
         return self._outputs()
 
-    def _aliasing_mutation(self, args) -> bool:
-        if not self.mutated:
-            return False
-        ptrs = [x.untyped_storage().data_ptr() for x in args if isinstance(x, torch.Tensor)]
-        return len(set(ptrs)) != len(ptrs)
-
     def _record_outputs(self, outs, user_ptrs: set):
-        """Remember each output as (kind, storage, offset, size, stride, dtype) and drop the tensors.
-
-        Outputs in the caller's memory (parameters, pool tensors of another graph) are handed out
-        as aliases but never checked for liveness: replay does not write there except as the
-        program's own mutation. Every other output storage is ours (graph memory or an input copy)
-        and is checked against the use count it has while only kiln holds it."""
+        """Remember each output as (kind, storage, offset, size, stride, dtype) and drop the tensors. Outputs
+        in the caller's memory are not checked for liveness (replay writes there only as the program's
+        mutation); every other storage is checked against its use count while only kiln holds it."""
         self.specs, self.storages = [], {}
         for j, o in enumerate(outs):
             if not isinstance(o, torch.Tensor):
@@ -221,7 +185,6 @@ class Graphed:
             out.append(t.clone() if kind == "user" and self.clone_user else t)
         return out[0] if self.single else out
 
-    # -- replay -------------------------------------------------------------------------------
     def _alive(self) -> Optional[str]:
         """An alias this replay would overwrite is still held by someone."""
         graphs = self.pool.graphs
@@ -255,8 +218,7 @@ class Graphed:
 
 
 def _recover(stream) -> None:
-    """When ``capture_end`` raises, ``torch.cuda.graph`` leaves its capture stream current and the CUDA generator
-    capturing (later random ops fail): restore the stream, and end a clean capture to reset the generator."""
+    """After a failed capture: restore the stream, and end a clean capture to reset the CUDA generator."""
     torch.cuda.set_stream(stream)
     torch.cuda.synchronize(stream.device)
     try:
@@ -269,9 +231,8 @@ def _recover(stream) -> None:
 
 def wrap(compiled, example_inputs, *, kind: str, n_user: int, mutated: set, pool: Optional[Pool] = None,
          positions=None):
-    """``compiled`` as a ``Graphed`` function, or unchanged (with the reason logged) if it cannot be.
-    ``positions``: the AOTAutograd input position of each input of ``compiled`` when it takes only some
-    (freezing drops the frozen ones), so that AOTAutograd's static inputs are found among them."""
+    """``compiled`` as a ``Graphed`` function, or unchanged (the reason logged) if it cannot be.
+    ``positions``: each input's AOTAutograd position when it takes only some (freezing drops some)."""
     why = refusal(example_inputs)
     if why:
         counters["cudagraph"]["refused"] += 1

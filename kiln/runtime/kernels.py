@@ -1,19 +1,10 @@
 """Loaded kernels: what a fused graph's kernel references (``codegen.text.source.KernelRef``) are bound to.
 
-A ``Kernel`` has a ``name`` (unique per source text), its ``source`` (a Python module holding the
-``@triton.jit`` kernel, or the C++ function's launcher, and a ``call``) and ``__call__(*tensors, *sizes)``.
-Kernels are cached by name: twelve identical layers share one object and compile once. A reference binds
-to a ``KernelCall`` (``bind``): the shared kernel plus its call site's ATen fallback. If the kernel raises on its
-first call (Triton's ``CompilationError``, ``OutOfResources``, a module that does not import, ...)
-kiln logs the reason, counts ``counters['codegen']['runtime_fallback']``, marks the kernel failed and
-runs the fallback from then on, at every call site of that kernel. Errors after a kernel has run once
-propagate.
-
-Triton decides between compiling and interpreting when ``@triton.jit`` runs, i.e. when a module
-is executed: ``triton.jit`` reads ``triton.knobs.runtime.interpret`` (the ``TRITON_INTERPRET``
-environment variable unless set in code) at decoration time. kiln therefore executes a kernel
-module for CPU tensors with ``TRITON_INTERPRET=1`` set just for that import, and a CUDA module
-with it unset, whatever the process environment says; other Triton users are unaffected.
+A ``Kernel`` (cached by name, so identical layers share one and compile once) loads its module on first
+call. A reference binds to a ``KernelCall``: the kernel plus its call site's ATen fallback, which runs
+from then on, at every call site, when the kernel fails on its first call (logged, counted in
+``counters['codegen']['runtime_fallback']``). ``@triton.jit`` decides between compiling and interpreting
+when a module executes (``TRITON_INTERPRET``), so each module is executed with it set just for that import.
 """
 from __future__ import annotations
 
@@ -36,25 +27,22 @@ class KernelLoadError(RuntimeError):
 
 
 def cache_dir() -> str:
-    """kiln's kernel directory: ``$KILN_KERNEL_DIR``, else ``kernels/`` in the user's cache directory
-    (``private.user_dir``), made with mode 0700 and checked (``private.directory``). One that is refused
-    (another user's, writable by others, read-only) is not used at all: kernels go to a private
-    temporary directory of this process, after one warning naming KILN_KERNEL_DIR and the fix."""
-    path = os.environ.get("KILN_KERNEL_DIR") or private.user_dir("kernels")
-    try:
-        return private.directory(path, "KILN_KERNEL_DIR")
-    except (OSError, private.DirRefused) as e:
-        return private.fallback("kernel directory", e, "KILN_KERNEL_DIR")
+    """``$KILN_KERNEL_DIR``, else ``kernels/`` in the user's cache directory, made 0700 and checked; a
+    refused one is not used at all: kernels go to a private temporary directory, after one warning."""
+    return _checked(os.environ.get("KILN_KERNEL_DIR") or private.user_dir("kernels"))
 
 
 def subdir(name: str) -> str:
     """Folder ``name`` of the kernel directory (made 0700, checked as the directory is)."""
-    root = cache_dir()
+    return _checked(cache_dir(), name)
+
+
+def _checked(path: str, name: str = "") -> str:
     try:
-        return private.directory(os.path.join(root, name), "KILN_KERNEL_DIR")
+        return private.directory(os.path.join(path, name), "KILN_KERNEL_DIR")
     except (OSError, private.DirRefused) as e:
-        return private.directory(os.path.join(private.fallback("kernel directory", e, "KILN_KERNEL_DIR"), name),
-                                 "KILN_KERNEL_DIR")
+        fallback = private.fallback("kernel directory", e, "KILN_KERNEL_DIR")
+        return private.directory(os.path.join(fallback, name), "KILN_KERNEL_DIR") if name else fallback
 
 
 @contextlib.contextmanager
@@ -101,10 +89,7 @@ class Kernel:
 
 
 def module_file(name: str, source: str, directory=None, overwrite: bool = False) -> str:
-    """The path of kernel module ``name`` (``@triton.jit`` reads its source back from the file). A file
-    already there is used only when it holds ``source`` exactly (a file is authenticated by its whole
-    text, which kiln generated or read from an authenticated cache entry): one left truncated by a
-    crash, or changed by anyone, is written again (``private.write``: a new file renamed over it)."""
+    """The path of kernel module ``name``, (re)written unless it holds ``source`` exactly."""
     directory = directory or cache_dir()
     path = os.path.join(directory, f"{name}.py")
     if overwrite or not _holds(path, source):
@@ -120,11 +105,9 @@ def _holds(path: str, source: str) -> bool:
 
 
 def import_file(modname: str, path: str, interpret: bool, source=None):
-    """A new module object executed from ``path`` (not registered in ``sys.modules``), with
-    ``@triton.jit`` building interpreter (True) or compiled (False) kernels (None: a module without
-    Triton kernels, the C++ emitter's launchers). ``source``: the text to run (the file's, checked by
-    ``module_file``), so that what runs is what was checked even if the file changes meanwhile; without
-    it, the file's text, read without following a link. No bytecode cache is written or read."""
+    """A new module (not in ``sys.modules``) executed from ``path``, ``@triton.jit`` building interpreter
+    (True) or compiled (False) kernels (None: no Triton kernels). ``source``: the text checked by
+    ``module_file`` (what runs is what was checked), else the file's, read without following a link."""
     spec = importlib.util.spec_from_file_location(modname, path)
     mod = importlib.util.module_from_spec(spec)
     text = private.read(path).decode() if source is None else source
@@ -149,9 +132,7 @@ def on_reset(fn) -> None:
 
 
 def reset() -> None:
-    """Forget every kernel this process loaded or compiled (the next compile is cold): the module
-    cache, the launch caches and the set of precompiled kernels. Compiled functions that exist keep
-    their kernels."""
+    """Forget every kernel this process loaded or compiled (compiled functions keep theirs)."""
     with _LOCK:
         _CACHE.clear()
     for fn in _RESETS:
@@ -168,21 +149,18 @@ def kernel_named(name: str, source: str, interpret: bool) -> Kernel:
 
 
 def bind(ref) -> "KernelCall":
-    """What a kernel reference (``codegen.text.source.KernelRef``) calls: its cached ``Kernel`` with the
-    reference's ATen fallback (``codegen.fallback.Fallback`` or None) for this call site."""
+    """What a kernel reference calls: its cached ``Kernel`` with the call site's ATen fallback (or None)."""
     return KernelCall(kernel_named(ref.name, ref.source, ref.interpret), ref.fallback)
 
 
 class KernelFailed(RuntimeError):
-    """A generated kernel failed on its first call at a call site with no ATen fallback of its own (its
-    outputs are buffers no graph node computes, or it needs a value it is not passed). The compiled graph
-    (``runtime.load.Compiled``) then runs its whole ATen graph instead; the cause is chained."""
+    """A generated kernel failed on its first call at a call site with no ATen fallback of its own; the
+    compiled graph (``runtime.load.Compiled``) then runs its whole ATen graph instead."""
 
 
 class KernelCall:
-    """The FX target of one kernel node: calls ``kernel``, or ``fallback`` once the kernel failed
-    on its first call (``KernelFailed`` when this site has none). Attributes of the kernel (``name``,
-    ``source``...) read through."""
+    """The FX target of one kernel node: ``kernel``, or ``fallback`` once the kernel failed on its first
+    call (``KernelFailed`` when this site has none). The kernel's attributes read through."""
 
     def __init__(self, kernel, fallback):
         self.kernel, self.fallback = kernel, fallback
@@ -194,8 +172,6 @@ class KernelCall:
         return getattr(self.kernel, attr)
 
     def __call__(self, *args, **kwargs):
-        """``kwargs``: ``into`` (a buffer the kernel may write its output into), which the fallback,
-        computing new tensors, does without."""
         k = self.kernel
         if k.ran:   # the loaded module's call, without Kernel.__call__ (a C++ kernel's launch is a few us)
             return k._call(*args, **kwargs)

@@ -1,8 +1,5 @@
-"""Launching kernels: autotuning, the launch fast path and the run-time helpers that generated kernel
-modules call (``run``, ``launch``, ``restride``, ``empty_cuda``, ``semaphore``). The text of
-those modules comes from ``kiln/codegen/to_triton``, the configurations of their launches from
-``kiln/codegen/text/blocks.py``.
-"""
+"""Launching kernels: autotuning, the launch fast path and the helpers generated kernel modules call
+(``run``, ``launch``, ``restride``, ``empty_cuda``, ``semaphore``)."""
 from __future__ import annotations
 
 import threading
@@ -28,8 +25,7 @@ def run(kernel, args, xnumel, rnumel, cfg, meta):
     if meta.get("autotune") and not meta.get("interpret"):
         cfg = _autotune(kernel, args, xnumel, rnumel, meta)
     elif cfg is None:
-        cfg = config(kind, xnumel, rnumel, meta["persistent"], meta["inner"], meta.get("interpret"),
-                     meta.get("narrow", False), Blocks(*meta["blocks"]))
+        cfg = default_config(meta, xnumel, rnumel, meta.get("interpret"))
     xb, rb, warps = cfg
     grid = grid_of(xnumel, xb, meta)
     consts = (xb,) if kind == "pointwise" else (xb, rb)
@@ -40,22 +36,21 @@ def run(kernel, args, xnumel, rnumel, cfg, meta):
         _launch(kernel, grid, args, consts, warps)
 
 
+def default_config(meta, xnumel, rnumel, interpret):
+    """The heuristic configuration of a launch chosen at run time, from the tuning its module carries."""
+    return config(meta["kind"], xnumel, int(rnumel), meta["persistent"], meta["inner"], interpret,
+                  meta.get("narrow", False), Blocks(*meta["blocks"]))
+
+
 def _jit_launch(kernel, grid, args, consts, warps):
-    """Launch through Triton's JIT entry point (binds, specializes, compiles when new), with the compile
-    options a module set on its kernel (``kiln_options``: device asserts for bounds checks)."""
-    opts = getattr(kernel, "kiln_options", None) or {}
-    if len(consts) == 1:
-        return kernel[grid](*args, XBLOCK=consts[0], num_warps=warps, **opts)
-    return kernel[grid](*args, XBLOCK=consts[0], RBLOCK=consts[1], num_warps=warps, **opts)
+    """Launch through Triton's JIT, with the compile options a module set on its kernel (``kiln_options``)."""
+    blocks = dict(zip(("XBLOCK", "RBLOCK"), consts))
+    return kernel[grid](*args, **blocks, num_warps=warps, **(getattr(kernel, "kiln_options", None) or {}))
 
 
-# -- the fast path ------------------------------------------------------------------------------
-# Triton's ``kernel[grid](...)`` re-binds and re-specializes every argument on every launch (tens
-# of microseconds of Python). A launch site repeats the same kernel, grid and block sizes, so kiln
-# keeps the compiled kernel Triton returned and calls its C launcher directly, as long as the
-# arguments specialize the same way: tensor dtypes and 16-byte alignment, integers equal to 1,
-# divisible by 16, or wider than 32 bits. The site lives on the kernel object (a dict keyed by
-# Triton's JITFunction would run its Python ``__hash__`` at every launch).
+# -- the fast path: Triton's ``kernel[grid](...)`` re-specializes every argument at every launch (tens of
+# microseconds); kiln keeps the compiled kernel and calls its C launcher while the arguments specialize
+# the same way (dtypes, 16-byte alignment, integers equal to 1, divisible by 16 or wider than 32 bits).
 _COMPILED: dict = {}
 _STREAM = []
 on_reset(_COMPILED.clear)
@@ -71,8 +66,7 @@ def _triton_stream():
     return stream(device())
 
 
-# the current device and its raw stream, as Triton's driver reads them, without torch.cuda's Python
-# (``current_device`` runs ``_lazy_init`` on every call); Triton's own functions where torch has no CUDA
+# the current device and its raw stream without torch.cuda's Python; Triton's where torch has no CUDA
 _device = getattr(torch._C, "_cuda_getDevice", None) or (lambda: _STREAM[0][0]() if _STREAM else 0)
 _stream_of = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (lambda dev: _triton_stream())
 
@@ -94,23 +88,18 @@ def _spec(args):
 
 
 class Sites:
-    """The launch-site fast path over a driver given as functions: ``device()`` and
-    ``stream_of(device)`` (the current device and its raw stream), ``hooks_on()`` (a Triton launch hook
-    is installed), ``general(kernel, grid, args, consts, warps)`` (a launch through Triton's JIT,
-    returning the compiled kernel) and ``c_launcher_ok()``. ``launch`` uses the real ones; tests make
-    their own ``Sites`` with stand-ins."""
+    """The launch-site fast path over a driver given as functions (``device()``, ``stream_of(device)``,
+    ``hooks_on()``, ``general(kernel, grid, args, consts, warps)`` returning the compiled kernel,
+    ``c_launcher_ok()``); tests make their own with stand-ins."""
 
     def __init__(self, device, stream_of, hooks_on, general, c_launcher_ok):
         self.device, self.stream_of, self.hooks_on = device, stream_of, hooks_on
         self.general, self.c_launcher_ok = general, c_launcher_ok
 
     def launch(self, kernel, args, grid, consts, warps):
-        """A launch whose grid and block sizes were fixed when the module was generated.
-
-        The common case costs one attribute read, one ``data_ptr`` per tensor and the C launcher: a
-        site remembers the kernel compiled for 16-byte aligned tensors and integers that Triton does
-        not specialize (not 1, not a multiple of 16, 32-bit), on one device; any
-        other arguments, another device, or an installed launch hook take the general path."""
+        """A launch whose grid and block sizes were fixed when the module was generated: a site keeps the
+        kernel compiled for 16-byte aligned tensors and unspecialized integers on one device; other
+        arguments, another device or an installed launch hook take the general path."""
         site = getattr(kernel, "_kiln_site", None)
         if site is not None:
             dev, fn, head, pm, nt = site
@@ -134,8 +123,7 @@ class Sites:
 
     def launcher(self, ck):
         """(fn, head, packed_metadata) such that ``fn(gx, 1, 1, stream, *head, pm, None, None, None, *args)``
-        launches ``ck``: Triton's C launcher itself when the kernel needs no scratch memory (the
-        Python ``CudaLauncher.__call__`` around it only allocates scratch), else its ``run``."""
+        launches ``ck``: Triton's C launcher itself when the kernel needs no scratch memory, else ``run``."""
         run = ck.run
         c_launch = getattr(run, "launch", None)
         if c_launch is not None and self.c_launcher_ok() and not getattr(run, "global_scratch_size", 1) \
@@ -159,14 +147,11 @@ def _generic_ints(args, nt) -> bool:
 _RUNTIME: list = []
 
 
-def _runtime():
-    import triton
-    _RUNTIME.append(getattr(getattr(triton, "knobs", None), "runtime", None))
-    return _RUNTIME[0]
-
-
 def _hooks_on() -> bool:
-    rt = _RUNTIME[0] if _RUNTIME else _runtime()
+    if not _RUNTIME:
+        import triton
+        _RUNTIME.append(getattr(getattr(triton, "knobs", None), "runtime", None))
+    rt = _RUNTIME[0]
     if rt is None:
         return True
     return _hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook)
@@ -214,8 +199,7 @@ def _autotune(kernel, args, xnumel, rnumel, meta):
         except Exception:  # a config that does not compile (too many registers) is skipped
             continue
         timings.append((ms, cfg))
-    best = min(timings)[1] if timings else config(kind, xnumel, rnumel, meta["persistent"], meta["inner"], False,
-                                                  meta.get("narrow", False), blocks)
+    best = min(timings)[1] if timings else default_config(meta, xnumel, rnumel, False)
     log(4, f"autotune {getattr(kernel, '__name__', kernel)} xnumel={xnumel} rnumel={rnumel}: {best}")
     _TUNED[key] = best
     return best
@@ -239,8 +223,7 @@ def cuda_here() -> torch.device:
 
 
 def semaphore(cache: dict, device) -> torch.Tensor:
-    """A kernel's zeroed int32 counter for ``device`` and, on CUDA, the current stream (made once; the
-    kernel sets it back to 0; launches on two streams at once count on two counters)."""
+    """A kernel's zeroed int32 counter for ``device`` and the current stream (the kernel resets it)."""
     key = (device, _stream_of(device.index)) if device.type == "cuda" else device
     s = cache.get(key)
     if s is None:

@@ -16,11 +16,8 @@ _SOURCE_SINKS: list = []
 
 class Compiled:
     """A loaded wrapper: ``compiled(args_list)`` runs it (boxed, so AOTAutograd can free inputs).
-
-    ``fallback``: the graph's ATen nodes (a GraphModule) when some kernel has no ATen fallback of its
-    own: if such a kernel fails on the first call (``KernelFailed``), the call reruns the whole graph in
-    ATen from its inputs, and every later call does too (kernels run before anything writes to an input:
-    a graph's input mutations come at its end)."""
+    ``fallback``: the graph's ATen nodes, run from its inputs (now and from then on) when a kernel without
+    an ATen fallback of its own fails on the first call (input mutations come at a graph's end)."""
 
     def __init__(self, wrapper: Wrapper, fn, fallback=None):
         # An instance attribute: Dynamo's disable() wrapper copies __dict__, not class attributes.
@@ -55,9 +52,7 @@ class Compiled:
 
 
 def direct_kernel_calls(namespace: dict) -> int:
-    """After a wrapper's first call: bind each kernel that ran to its module's ``call`` in place of
-    the ``KernelCall`` around it (whose only job, the ATen fallback of a first call that fails,
-    is done), two Python frames less per launch. Returns how many were rebound."""
+    """After a first call: bind each kernel that ran to its module's ``call``; returns how many."""
     n = 0
     for name, obj in list(namespace.items()):
         if isinstance(obj, KernelCall) and obj.kernel.ran and obj.kernel._call is not None:
@@ -76,41 +71,31 @@ def _boxed(gm):
 
 
 def load(wrapper: Wrapper, fallback=None) -> Compiled:
-    """Compile the wrapper source into a function; tracebacks show the generated lines. ``fallback``:
-    see ``Compiled``."""
+    """Compile the wrapper source into a function; tracebacks show the generated lines."""
     digest = hashlib.sha256(wrapper.source.encode()).hexdigest()[:12]
     filename = f"<kiln {wrapper.name} {digest}>"
     linecache.cache[filename] = (len(wrapper.source), None, wrapper.source.splitlines(True), filename)
     namespace = {k: bind(v) if isinstance(v, KernelRef) else v for k, v in wrapper.globals.items()}
     exec(compile(wrapper.source, filename, "exec"), namespace)
-    record(wrapper)
+    for sink in list(_SOURCE_SINKS):   # the active ``collect_sources`` scopes
+        sink.extend([k.source for k in wrapper.kernels] + [wrapper.source])
     return Compiled(wrapper, namespace["call"], fallback)
 
 
 def load_aten(wrapper: Wrapper, gm) -> Compiled:
-    """A compiled graph running ``gm`` (the graph as it was before fusion) in place of ``wrapper``, whose
-    kernels could not be built."""
+    """A compiled graph running ``gm`` (unfused) in place of ``wrapper``, whose kernels failed to build."""
     compiled = Compiled(wrapper, _boxed(gm))
     compiled._direct = True
     return compiled
 
 
 def bind_graph(gm) -> int:
-    """Bind the kernel references of fused GraphModule ``gm`` in place, so that it runs as a module (tests,
-    tools; compiled graphs run their wrappers); returns how many nodes were bound."""
+    """Bind the kernel references of fused GraphModule ``gm`` in place (tests, tools); returns how many."""
     nodes = [n for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.target, KernelRef)]
     for n in nodes:
         n.target = bind(n.target)
     gm.recompile()
     return len(nodes)
-
-
-def record(wrapper: Wrapper) -> None:
-    """Hand the wrapper and its kernels' sources to every active collector."""
-    for sink in list(_SOURCE_SINKS):
-        for k in wrapper.kernels:
-            sink.append(k.source)
-        sink.append(wrapper.source)
 
 
 class collect_sources:

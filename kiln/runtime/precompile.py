@@ -1,25 +1,10 @@
 """Compile a graph's Triton kernels in worker processes before their first launch (CUDA only).
 
-Without this, each kernel compiles when it first launches, one after another in the main process
-(Triton's frontend, MLIR passes and ``ptxas``: a few hundred ms each; GPT-2's two graphs have about
-70 distinct kernels). ``warm(gm, opts)`` runs right after fusion: it replays each new kernel module's
-launcher on the graph's fake inputs to record its launches (``record_launches``: argument dtypes,
-integer sizes, block sizes, warps), then calls ``JITFunction.warmup`` for each launch in a pool of
-spawned processes, which know the GPU target but open no CUDA context (``target_only_driver``). Warm-up compiles without launching and stores the result in Triton's on-disk
-cache under the key the JIT computes for the real launch (same module text, argument types, 16-byte
-aligned pointers as real tensors are, same integer specialization and options), so the first real
-launch loads it from disk instead of compiling.
-
-Three details decide whether the first launch really finds the workers' result (each was seen to
-fail on an H100): the workers key the cache with the parent's ptxas version (``key_state``: Triton
-computes it once per process, and Inductor repoints ``TRITON_PTXAS_PATH`` after that); they also
-build each kernel's host launcher, a C module Triton otherwise compiles with gcc at the first
-launch (``build_launcher``); and the pool starts while AOTAutograd traces (``start``), since
-spawning it costs seconds.
-
-It is an optimization only: a kernel that is not warmed (a failure, a timeout, an unusual alignment)
-compiles at its first launch as before. Workers: option ``compile_workers`` (-1: half the CPU cores,
-up to 8, when CUDA is available; 0: off). Launches with symbolic sizes are not warmed.
+Without this, each kernel compiles at its first launch, one after another (a few hundred ms each).
+``warm(gm, opts)`` records each new kernel's launches on the graph's fake inputs, then has a pool of
+spawned processes without a CUDA context ``JITFunction.warmup`` each into Triton's on-disk cache, keyed
+with the parent's ptxas version (``key_state``), host launchers built too. An optimization only: a kernel
+not warmed compiles at its first launch. Option ``compile_workers`` (-1: half the cores, up to 8; 0: off).
 """
 from __future__ import annotations
 
@@ -29,11 +14,11 @@ import os
 import sys
 import threading
 import time
+import types
 
 import torch
 import torch.fx as fx
 
-from kiln.codegen.text.blocks import Blocks, config
 from kiln.codegen.text.source import KernelRef
 from kiln.debug import counters, log
 from kiln.runtime import launch
@@ -65,8 +50,7 @@ def _arg(a):
 
 
 def tasks(gm: fx.GraphModule) -> list:
-    """``(path, module name, kernel name, args, constexprs, warps)`` per launch of the new kernels (the
-    graph's ``KernelRef`` nodes, before the runtime binds them)."""
+    """``(path, module name, kernel name, args, constexprs, warps)`` per launch of the graph's new kernels."""
     out = []
     for node in gm.graph.nodes:
         k = node.target
@@ -99,20 +83,21 @@ def record_launches(mod, example_args):
     launches = []
 
     def fake_run(fn, args, xnumel, rnumel, cfg, meta):
-        xnumel = int(xnumel)
-        if cfg is None:
-            cfg = config(meta["kind"], max(xnumel, 1), int(rnumel), meta["persistent"], meta["inner"], False,
-                         meta.get("narrow", False), Blocks(*meta["blocks"]))
+        cfg = cfg or launch.default_config(meta, max(int(xnumel), 1), rnumel, False)
         launches.append((fn, args, cfg, meta))
 
     def fake_launch(fn, args, grid, consts, warps):   # a launch fixed at generation time
         launches.append((fn, args, (consts[0], consts[-1] if len(consts) > 1 else 1, warps), {}))
 
+    def fake_empty(size, stride, dtype):   # torch's C++ helper would allocate real CUDA memory
+        return torch.empty_strided(size, stride, dtype=dtype, device="cuda")
+
     # ``mod`` is a private copy of the module: only its own ``launch`` name is replaced, so kernels
     # launching meanwhile on other threads (a backward compiling while another runs) are untouched
-    mod.launch = _Recorder(run=fake_run, launch=fake_launch, empty_cuda=_fake_empty,
-                           cuda_here=lambda: torch.device("cuda", 0),
-                           semaphore=lambda cache, device: torch.zeros(1, dtype=torch.int32, device=device))
+    mod.launch = types.SimpleNamespace(**{
+        **vars(launch), "run": fake_run, "launch": fake_launch, "empty_cuda": fake_empty,
+        "cuda_here": lambda: torch.device("cuda", 0),
+        "semaphore": lambda cache, device: torch.zeros(1, dtype=torch.int32, device=device)})
     mode = next((a.fake_mode for a in example_args if hasattr(a, "fake_mode")), None)
     if mode is None:   # a kernel without tensor inputs still allocates CUDA outputs
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -122,25 +107,9 @@ def record_launches(mod, example_args):
     return launches
 
 
-def _fake_empty(size, stride, dtype):
-    """``launch.empty_cuda`` under fake mode (torch's C++ helper would allocate real CUDA memory)."""
-    return torch.empty_strided(size, stride, dtype=dtype, device="cuda")
-
-
-class _Recorder:
-    """``kiln.runtime.launch`` with the functions ``record_launches`` passes replaced."""
-
-    def __init__(self, **overrides):
-        self.__dict__.update(overrides)
-
-    def __getattr__(self, name):
-        return getattr(launch, name)
-
-
 def target_only_driver(target):
-    """A Triton driver that knows the GPU target and nothing else: enough for ``JITFunction.warmup``
-    (device 0, stream 0, ``target``), so workers compile without opening a CUDA context (which costs
-    hundreds of MB of GPU memory per process)."""
+    """A Triton driver knowing the GPU target only: enough for ``JITFunction.warmup``, without a CUDA
+    context (hundreds of MB of GPU memory per worker)."""
     from triton.backends.nvidia.driver import CudaDriver
 
     class TargetOnly(CudaDriver):
@@ -169,11 +138,8 @@ def _current_target():
 
 
 def key_state(target) -> dict:
-    """The parts of Triton's cache key that live in the parent process's memory, not in its
-    environment: the ptxas version string, which Triton computes once per process and keeps (a
-    library may later point ``TRITON_PTXAS_PATH`` at another ptxas, as Inductor does at its first
-    compile: the parent keeps keying with the old version while a worker would read the new one),
-    and a libdevice path set through ``triton.knobs``."""
+    """The parts of Triton's cache key held in the parent's memory: the ptxas version, computed once per
+    process (Inductor repoints ``TRITON_PTXAS_PATH`` later), and a libdevice path set in ``triton.knobs``."""
     import triton
     from triton.backends.nvidia import compiler as nvc
     return {"ptxas_version": nvc.get_ptxas_version(target[1]),
@@ -181,28 +147,20 @@ def key_state(target) -> dict:
 
 
 def worker_view(target) -> dict:
-    """``key_state`` as a process sees it, with its ``TRITON_PTXAS_PATH`` (run in a worker to compare
-    with the parent's: ``_pool(n).submit(worker_view, target).result()``)."""
+    """``key_state`` and ``TRITON_PTXAS_PATH`` as a process sees them (a worker's, for comparison)."""
     return {**key_state(target), "TRITON_PTXAS_PATH": os.environ.get("TRITON_PTXAS_PATH")}
 
 
-def _adopt(state) -> None:
-    """Worker: key (and link) as the parent process does (``key_state``)."""
-    import triton
-    from triton.backends.nvidia import compiler as nvc
-    version = state.get("ptxas_version")
-    if version is not None:
-        nvc.get_ptxas_version = lambda arch=80: version
-    if state.get("libdevice_path"):
-        triton.knobs.nvidia.libdevice_path = state["libdevice_path"]
-
-
 def _warm(task, env, target=None, state=None) -> bool:
-    """Worker: compile one launch into Triton's cache (no launch)."""
+    """Worker: compile one launch into Triton's cache (no launch), keyed and linked as the parent does."""
     path, modname, fn_name, args, consts, warps = task
     os.environ.update(env)
-    if state:
-        _adopt(state)
+    if state and state.get("ptxas_version") is not None:
+        from triton.backends.nvidia import compiler as nvc
+        nvc.get_ptxas_version = lambda arch=80, version=state["ptxas_version"]: version
+    if state and state.get("libdevice_path"):
+        import triton
+        triton.knobs.nvidia.libdevice_path = state["libdevice_path"]
     if target is not None:
         from triton.backends.compiler import GPUTarget
         from triton.runtime.driver import driver
@@ -216,10 +174,8 @@ def _warm(task, env, target=None, state=None) -> bool:
 
 
 def build_launcher(compiled) -> bool:
-    """Build the host-side launcher of a compiled kernel: a small C extension that Triton generates
-    per argument signature and compiles with the system C compiler (about a second each) when the
-    kernel is first launched, cached on disk by its source. Built here, the runtime's first launch
-    only loads it. Needs the CUDA driver library on the machine (not a CUDA context)."""
+    """Build a compiled kernel's host launcher (a C extension Triton otherwise compiles, about a second,
+    at the first launch; cached on disk). Needs the CUDA driver library, not a CUDA context."""
     try:
         from triton.backends.nvidia.driver import CudaLauncher
         CudaLauncher(compiled.src, compiled.metadata)
@@ -237,9 +193,7 @@ def _ready() -> bool:
 
 
 def start(opts) -> None:
-    """Start the worker pool in the background (no waiting) when precompiling is on: spawning the
-    workers and importing torch and Triton in them takes seconds, which then overlap the tracing
-    and graph passes that come before the first fused graph."""
+    """Start the worker pool in the background (spawning takes seconds, which then overlap tracing)."""
     n = n_workers(opts)
     if n <= 0 or _POOL:
         return
@@ -254,9 +208,7 @@ def start(opts) -> None:
 
 @contextlib.contextmanager
 def _hidden_main():
-    """Start workers without re-running the user's script: a spawned process imports the parent's
-    ``__main__`` (a training script without an ``if __name__ == "__main__"`` guard would train again
-    in every worker), unless the main module shows neither a file nor a spec while workers start."""
+    """Start workers without re-running the user's script (``__main__`` hides its file and spec meanwhile)."""
     main = sys.modules.get("__main__")
     saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if main is not None and k in main.__dict__}
     try:

@@ -1,12 +1,10 @@
 """kiln's private directories and the files in them.
 
-Everything kiln writes lives in directories ``directory`` checked: the user's cache directory
-(``~/.cache/kiln``: ``kernels/``, ``graphs/``) or one an option names. One kiln makes gets mode 0700; one
-that exists must be this user's, writable by nobody else, in a parent others cannot rename it out of (one
-writable by all needs the sticky bit, as /tmp has) and take a new file; else ``DirRefused`` says why and how
-to fix it. Files are written under a fresh random name (created exclusively, so never through a link) and
-renamed into place; a built library or a cache entry is loaded only when its HMAC under the directory's key
-(``secret``) verifies, so a file someone else wrote is never run.
+Everything kiln writes lives in directories ``directory`` checked: made with mode 0700, or existing and
+this user's, writable by nobody else, in a parent others cannot rename it out of (sticky when writable by
+all) and taking a new file; else ``DirRefused`` says why and how to fix it. Files are written under a fresh
+random name (created exclusively) and renamed into place; a built library or a cache entry is loaded only
+when its HMAC under the directory's key (``secret``) verifies, so a file someone else wrote is never run.
 """
 from __future__ import annotations
 
@@ -105,15 +103,14 @@ def fallback(what: str, error: Exception, how: str) -> str:
         return _TEMP[0]
 
 
-def warn_once(message: str, stacklevel: int = 3) -> None:
+def warn_once(message: str, stacklevel: int = 3, category=UserWarning) -> None:
     with _LOCK:
         if message in _WARNED:
             return
         _WARNED.add(message)
-    warnings.warn(message, stacklevel=stacklevel)
+    warnings.warn(message, category, stacklevel=stacklevel)
 
 
-# -- files ------------------------------------------------------------------------------------------------
 def write(directory_: str, name: str, data, sync: bool = False) -> str:
     """Write ``data`` (bytes or str) to ``directory_/name`` atomically: a new ``kiln_*.tmp`` file (made
     exclusively, mode 0600) renamed over ``name`` (a link there is replaced, never followed)."""
@@ -161,7 +158,6 @@ def remove_stale(directory_: str, age_s: float = 3600.0) -> int:
     return n
 
 
-# -- authentication ---------------------------------------------------------------------------------------
 def secret(root: str) -> bytes:
     """``root``'s key (``kiln_secret.key``), made on first use: 32 random bytes in a file of mode 0600
     put in place by a hard link (or an exclusive create), so that concurrent first users agree."""

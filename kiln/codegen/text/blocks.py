@@ -1,10 +1,5 @@
-"""Launch configurations of Triton kernels: block sizes, warps and grids (a leaf: the Triton emitter and
-the runtime's launcher both read it).
-
-A kernel whose sizes are static gets its configuration when its module is written (constants in the
-launch line); one with dynamic sizes, or autotuned, at each launch (``kiln.runtime.launch.run``), from
-the ``Blocks`` written into its module. Under ``max_autotune`` the candidates around the heuristic's
-choice are timed.
+"""Launch configurations of Triton kernels: block sizes, warps and grids, read by the Triton emitter (static
+sizes: constants of the module) and by ``kiln.runtime.launch`` (dynamic sizes, autotuning).
 """
 from __future__ import annotations
 
@@ -33,9 +28,7 @@ class Blocks(NamedTuple):
 
 
 def config(kind, xnumel, rnumel, persistent, inner, interpret, narrow, blocks: Blocks):
-    """(XBLOCK, RBLOCK, num_warps) from a small heuristic, XBLOCK at most ``blocks.xblock_max``.
-    ``narrow``: the kernel reads or writes 2-byte elements (a pointwise thread then takes 8 of them:
-    16-byte accesses)."""
+    """(XBLOCK, RBLOCK, num_warps) from a small heuristic (``narrow``: 2-byte elements)."""
     xb, rb, warps = _config(kind, xnumel, rnumel, persistent, inner, interpret, narrow, blocks)
     return min(xb, blocks.xblock_max), rb, warps
 
@@ -87,8 +80,7 @@ def candidates(kind, xnumel, rnumel, persistent, inner, narrow, blocks: Blocks):
 
 
 def grid_of(xnumel: int, xblock: int, meta) -> tuple:
-    """The launch grid: one program for a kernel that walks all rows itself (``outer``), one per chunk
-    of rows for folded column partials (``programs``), else one per block of XBLOCK rows."""
+    """The launch grid: one program (``outer``), ``programs`` (column partials), or one per XBLOCK rows."""
     if meta.get("programs"):
         return (meta["programs"],)
     return (1,) if meta.get("outer") else ((xnumel + xblock - 1) // xblock,)

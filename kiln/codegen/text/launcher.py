@@ -1,10 +1,6 @@
-"""A kernel module's launcher, the same for every emitter: ``call(*inputs, *sizes, *seeds)``.
-
-It binds each size symbol its kernels take from an input's shape where one has it as a dimension (the
-others are arguments, ``scalars``), restrides inputs whose static strides differ from the graph's,
-allocates the outputs, launches (the emitter's lines) and returns the outputs. The input dtypes are in the
-module's header: equal text is then an equal kernel for every argument (a launch site reuses what it
-compiled without checking again).
+"""A kernel module's launcher, the same for every emitter: ``call(*inputs, *sizes, *seeds)`` binds sizes from
+input shapes, restrides inputs, allocates outputs and launches. The header names the input dtypes, so
+equal text is an equal kernel for every argument.
 """
 from __future__ import annotations
 
@@ -26,9 +22,8 @@ def size_symbols(k) -> set:
 
 
 def bind_sizes(kernels, inputs, buffers):
-    """(Python name per size symbol, lines binding them, symbols passed as ``call`` arguments): every
-    size symbol of ``kernels`` is read from an input's shape when one has it as a dimension, else
-    passed to ``call`` as an extra argument (``scalars``). Each kernel takes every symbol."""
+    """(Python name per size symbol, lines binding them from input shapes, symbols no input has as a
+    dimension: ``call``'s extra arguments). Each kernel takes every symbol."""
     names, lines, scalars = {}, [], []
     syms = set().union(*[size_symbols(k) for k in kernels])
     for s in sorted(syms, key=str):
@@ -59,8 +54,7 @@ def sizes(xs, names) -> str:
 
 
 def contiguous(shape, stride) -> bool:
-    """Whether static ``stride`` is the contiguous layout of ``shape`` (dims of size 1 aside, as
-    ``Tensor.is_contiguous`` and the runtime's ``restride`` both ignore them)."""
+    """Whether static ``stride`` is the contiguous layout of ``shape`` (dims of size 1 aside)."""
     expected = 1
     for size, st in reversed(list(zip(shape, stride))):
         if int(size) != 1 and int(st) != expected:
@@ -70,8 +64,7 @@ def contiguous(shape, stride) -> bool:
 
 
 def restrides(inputs, buffers, fn: str, test_contiguous: bool = False) -> list:
-    """Lines giving each input of a static layout the strides its kernel was written for (``fn``: the
-    runtime's restride); ``test_contiguous``: a contiguous layout is tested with ``is_contiguous``."""
+    """Lines restriding each input of a static layout with ``fn`` (``test_contiguous``: if not contiguous)."""
     out = []
     for i, b in enumerate(inputs):
         buf = buffers[b]
@@ -88,13 +81,11 @@ def returns(locs) -> str:
 
 
 def check_list(checks, names) -> str:
-    """The bounds checks a launcher hands the runtime when one failed: ``(kind, dim, size, wraps)`` each
-    (``checks``: (size expression, ``ir.bounds.CheckInfo``) pairs)."""
+    """The bounds checks a launcher hands the runtime: ``(kind, dim, size, wraps)`` per (size, CheckInfo)."""
     return ", ".join(f"({info.kind!r}, {info.dim}, {py(size, names)}, {info.wraps})" for size, info in checks)
 
 
 def call(inputs, names, scalars, seeds, body, extra=()) -> list:
-    """The ``call`` function: its arguments (inputs, size scalars, seeds, ``extra``), then ``body`` (lines,
-    each of which may hold several)."""
+    """The ``call`` function: its arguments (inputs, size scalars, seeds, ``extra``), then ``body``."""
     args = [f"in{i}" for i in range(len(inputs))] + [names[s] for s in scalars] + list(seeds) + list(extra)
     return ["", "", f"def call({', '.join(args)}):"] + ["    " + ln for b in body for ln in b.split("\n")]

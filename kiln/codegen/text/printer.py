@@ -8,9 +8,8 @@ from kiln.codegen.ir.loops import Unsupported
 
 
 def source(e, leaf, integer=str, div: str = "//", what: str = "index") -> str:
-    """``e`` (a sympy index expression) as source: ``leaf(symbol)`` names a symbol, ``integer(n)`` writes
-    a constant, ``div`` is floor division of the non-negative operands indices have ('//' in Python, '/'
-    in C: both languages give * / % one precedence, left to right). Unprintable: ``Unsupported``."""
+    """``e`` (a sympy index expression) as source: ``leaf(symbol)`` names a symbol, ``integer(n)`` writes a
+    constant, ``div`` divides non-negative operands ('//' or '/'). Unprintable: ``Unsupported``."""
     p = lambda x: source(x, leaf, integer, div, what)  # noqa: E731
     if e.is_Integer:
         return integer(int(e))

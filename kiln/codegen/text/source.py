@@ -1,11 +1,6 @@
-"""Kernel sources as values: what an emitter returns, how a kernel is named, what a graph node calls.
-
-An emitter turns a plan into a ``KernelSource`` (a module's text with its kernel named ``PLACEHOLDER``);
-``named`` names it by a hash of that text (equal text, equal kernel: twelve identical layers share one)
-and makes the ``KernelRef`` a fused graph's node calls: plain data (name, text, flags, the call site's
-ATen fallback) until ``kiln.runtime`` binds it to a loaded kernel. The C++ emitter also returns the
-graph's translation unit (``Unit``), which the runtime builds, and the wrapper emitter a ``Wrapper``
-(``codegen/wrapper.py``), which the runtime loads.
+"""Kernel sources as values: an emitter's ``KernelSource`` (its kernel named ``PLACEHOLDER``), named by a
+hash of its text (``named``) into the ``KernelRef`` a graph node calls (data until ``kiln.runtime`` binds
+it); a C++ ``Unit`` and the wrapper's ``Wrapper``, which the runtime builds and loads.
 """
 from __future__ import annotations
 
@@ -17,20 +12,16 @@ from kiln.codegen.schedule.plan import ScatterPlan
 
 PLACEHOLDER = "__KILN_KERNEL__"   # a kernel's name in an emitter's text, until ``named`` names it
 
-# libm functions a C++ unit declares ``omp declare simd`` when glibc's vector math library has them all
-# (the emitter's preamble and the runtime's build both read this list)
+# libm functions a C++ unit declares ``omp declare simd`` when glibc's libmvec has them all
 VECTOR_MATH = ("exp", "log", "sin", "cos", "tan", "asin", "acos", "atan", "sinh", "cosh", "tanh", "asinh",
                "acosh", "atanh", "erf", "erfc", "exp2", "expm1", "log10", "log1p", "log2")
 
 
 @dataclass(frozen=True)
 class KernelSource:
-    """What an emitter makes of a plan: a module's ``text`` (its kernel named by a placeholder), the
-    buffers its ``call`` takes (``inputs``, in order) and returns (``outputs``), the size symbols passed
-    as extra arguments (``scalars``), the kind of kernel, the inputs its output may be written into
-    (``reuse``, positions), whether it runs in Triton's interpreter, and how many philox seeds its ``call``
-    takes after the scalars (``seeds``: one-element int64 tensors the graph draws on the device). A plan
-    the emitter declines has no text: its ATen nodes run instead (``declined``)."""
+    """What an emitter makes of a plan: a module's ``text``, the buffers ``call`` takes and returns, its extra
+    size arguments (``scalars``), the inputs its output may be written into (``reuse``) and how many philox
+    seed tensors ``call`` takes last (``seeds``). A declined plan has no text (``declined``)."""
     text: str
     inputs: tuple
     outputs: tuple
@@ -50,10 +41,7 @@ class Unit:
 
 @dataclass(frozen=True, eq=False)
 class KernelRef:
-    """The target of a fused graph's kernel node: kernel ``name``, its module ``source``, whether it runs in
-    Triton's interpreter, the inputs its output may be written into (``reuse``) and the call site's ATen
-    ``fallback`` (``codegen.fallback``; None: the graph's). Data until ``kiln.runtime.load`` binds it to a
-    loaded kernel."""
+    """A fused graph's kernel node target, with its call site's ATen ``fallback``; data until bound."""
     name: str
     source: str
     interpret: bool
@@ -80,15 +68,13 @@ class Wrapper:
     known_outputs: list = field(default_factory=list)  # per output: strides at run time = example's
 
 
-_PREFIX = {"reduction": "red", "scatter": "scatter", "flex": "flex", "flex_decode": "flex", "flex_backward": "flex",
-           "flex_cpp": "flex"}
+_PREFIX = {"reduction": "red", "scatter": "scatter"}
 
 
 def named(src: KernelSource, fallback=None) -> KernelRef:
-    """``src`` named by a hash of its text: ``kiln_pw_``, ``kiln_red_``, ``kiln_scatter_`` or ``kiln_flex_`` and 12
-    hex digits."""
+    """``src`` named by a hash of its text: ``kiln_pw_``, ``kiln_red_``... and 12 hex digits."""
     digest = hashlib.sha256(src.text.encode()).hexdigest()[:12]
-    name = f"kiln_{_PREFIX.get(src.kind, 'pw')}_{digest}"
+    name = f"kiln_{'flex' if src.kind.startswith('flex') else _PREFIX.get(src.kind, 'pw')}_{digest}"
     return KernelRef(name, src.text.replace(PLACEHOLDER, name), src.interpret, src.reuse, fallback)
 
 

@@ -11,17 +11,15 @@ from kiln.debug import counters
 
 
 class ExprWriter:
-    """Per kernel: ``inputs`` (buffer -> pointer parameter), ``sizes`` (size symbol -> parameter),
-    ``seeds`` (random op slot -> seed variable), ``red_vars`` (reduction -> its result's variable),
-    ``out_args`` (stored buffer -> pointer parameter), ``checks`` (bounds-checked Expr -> the emitter's
-    record). A subclass names its loop symbols (``LOOP_NAMES``) and writes integers and floor division
-    its language's way."""
+    """Per kernel: its parameters (``inputs``, ``sizes``, ``out_args``), seed variables, reduction results and
+    bounds checks. A subclass names its loop symbols (``LOOP_NAMES``) and writes integers and division."""
     LOOP_NAMES: dict = {}
     DIV = "//"
     WHAT = "index"
 
     def __init__(self, plan: KernelPlan, tuning):
         self.plan, self.tuning = plan, tuning
+        self.xnumel, self.rnumel, self.ranges = plan.xnumel, plan.rnumel, plan.ranges
         self.red = plan.reduction
         self.level = plan.levels
         self.inputs, self.sizes, self.seeds, self.red_vars = {}, {}, {}, {}
@@ -51,8 +49,7 @@ class ExprWriter:
         return str(n)
 
     def pexpr(self, e, sub=None) -> str:
-        """An index (or size) expression as source over the kernel's loop variables (``sub``: names of
-        indirect symbols)."""
+        """An index expression as source (``sub``: names of indirect symbols)."""
         sub = sub or {}
 
         def leaf(s):
@@ -62,8 +59,7 @@ class ExprWriter:
         return source(sympy.sympify(e), leaf, self.integer, self.DIV, self.WHAT)
 
     def proven(self, e):
-        """``(raw, size, info, how)`` of an indirect index (``ir.bounds.checked``): ``how`` is 'in' where
-        it is proven in range, 'wrap' where its wrapped value is, else None (a check to write)."""
+        """``(raw, size, info, how)``: ``how`` 'in' or 'wrap' where proven in range, else None (a check)."""
         raw, size, info = parts(e)
         how = proof(e, self.plan.ranges, self.plan.buffers, self.proofs)
         if how is not None:

@@ -1,9 +1,5 @@
-"""C++ emitter: the expressions of a kernel plan as C++ statements.
-
-``ExprWriter`` writes one Expr at a time into a ``Scope`` (the lines of one loop depth): a value goes to
-the depth its ``Level`` says (per element inside a row's loop, per row outside it, after all rows in the
-epilogue), and identical expressions are computed once per scope (the IR is hash-consed). Loads under a
-``masked`` condition read only where it holds. ``rows.py`` walks the plan around these expressions.
+"""C++ emitter: the expressions of a kernel plan as C++ statements, each at the loop depth its ``Level``
+says and computed once per scope (the IR is hash-consed); ``rows.py`` walks the plan around them.
 """
 from __future__ import annotations
 
@@ -39,29 +35,19 @@ def render(lines, indent: str, out: list) -> list:
 
 
 def decides(plan: KernelPlan) -> bool:
-    """Whether the result of a ``VECTOR_MATH`` function (``exp``, also inside ``sigmoid``) decides
-    something discrete in ``plan`` (``ops.DISCRETE``: a comparison, a rounding, an integer cast, a
-    ``where``'s condition, a max or min, also as a reduction). Such a kernel calls glibc's scalar
-    functions in every lane: libmvec's vector variants (SSE, AVX2, AVX-512) and the scalar function (a
-    loop's remainder, a loop the compiler leaves scalar) differ in the last bits, so
-    ``eq(sigmoid(x), amax(sigmoid(x)))`` with ``sigmoid`` computed in two loops (or two kernels: each
-    such kernel uses the scalar function) was false at some maxima (max's backward then lost its
-    gradient: fuzz seed 10, program 287). ``tuning.cpp_vector_math=False`` makes every kernel scalar."""
+    """Whether the result of a ``VECTOR_MATH`` function decides something discrete in ``plan``
+    (``ops.DISCRETE``, a ``where``'s condition, a max or min reduction). Such a kernel calls glibc's scalar
+    functions in every lane: libmvec's differ in the last bits, so ``eq(sigmoid(x), amax(sigmoid(x)))``
+    computed in two loops was false at some maxima (fuzz seed 10, program 287)."""
     members = {m.name: m for m in plan.members}
     memo: dict = {}
 
     def math_in(e) -> bool:
         if e not in memo:
             memo[e] = False
-            found = False
-            for n in e.walk():
-                if n.dtype.is_floating_point and calls_vector_math(n.op):
-                    found = True
-                elif n.op == "red" and n.args[0] in members:
-                    found = math_in(members[n.args[0]].value)
-                if found:
-                    break
-            memo[e] = found
+            memo[e] = any((n.dtype.is_floating_point and calls_vector_math(n.op)) or (
+                n.op == "red" and n.args[0] in members and math_in(members[n.args[0]].value))
+                for n in e.walk())
         return memo[e]
 
     for m in plan.members:
@@ -79,37 +65,28 @@ def decides(plan: KernelPlan) -> bool:
     return False
 
 
+# loads as values (2-byte floats widened) and values as memory (rounded to nearest even), where not a cast
+LOADS = {torch.bfloat16: "kiln_bf16_load({})", torch.float16: "((float){})", torch.bool: "({} != 0)"}
+STORES = {torch.bfloat16: "kiln_bf16_store({})", torch.float16: "((_Float16)({}))"}
+
+
 def load_code(ptr: str, idx: str, dtype) -> str:
-    """A load of element ``idx`` of ``ptr`` as a value (2-byte floats widened)."""
-    if dtype == torch.bfloat16:
-        return f"kiln_bf16_load({ptr}[{idx}])"
-    if dtype == torch.float16:
-        return f"((float){ptr}[{idx}])"
-    if dtype == torch.bool:
-        return f"({ptr}[{idx}] != 0)"
-    return f"{ptr}[{idx}]"
+    return LOADS.get(dtype, "{}").format(f"{ptr}[{idx}]")
 
 
 def store_code(value: str, dtype) -> str:
-    """A value as the memory of ``dtype`` (2-byte floats rounded to nearest even)."""
-    if dtype == torch.bfloat16:
-        return f"kiln_bf16_store({value})"
-    if dtype == torch.float16:
-        return f"((_Float16)({value}))"
-    return f"(({MEMORY[dtype]})({value}))"
+    return STORES.get(dtype, f"(({MEMORY[dtype]})({{}}))").format(value)
 
 
 class ExprWriter(writer.ExprWriter):
-    """The expression half of ``rows.CppKernel``: its state, and how one Expr and one index are written.
-    ``split``: a pointwise kernel's (outer, inner) sizes when its ``xindex`` runs as ``xo * inner + xi``;
-    ``checks``: bounds-checked Expr -> (its variable, size code, CheckInfo) (``_checked``)."""
+    """The expression half of ``rows.CppKernel``. ``checks``: Expr -> (its variable, size code, CheckInfo)."""
     LOOP_NAMES = {XINDEX: "x", RINDEX: "r", XPID: "xpid", XO: XO.name, XI: XI.name, R0: R0.name, R1: R1.name}
     DIV, WHAT = "/", "cpp index"
 
     def __init__(self, plan: KernelPlan, tuning: Tuning):
         super().__init__(plan, tuning)
         self.idx_t = "int64_t" if plan.wide_index else "int32_t"
-        self.subst, self.ranges = {}, plan.ranges
+        self.subst = {}
         # a reduction row's values kept for later loops over it: Expr -> (array, pass that writes it)
         self.row_cache, self.pass_no = {}, -1
         # glibc's scalar math functions in every lane (see ``decides``)
@@ -146,8 +123,7 @@ class ExprWriter(writer.ExprWriter):
         return hit
 
     def _keep_bits(self, cond: str) -> str:
-        """A 32-bit mask, all ones where ``cond`` (a variable of the outer position) holds, for ``kiln_pick_f``:
-        g++ vectorizes no loop holding selects on several such conditions."""
+        """A 32-bit mask, all ones where ``cond`` (of the outer position) holds, for ``kiln_pick_f``."""
         key = ("keep", cond)
         hit = self.xo_scope.find(key)
         if hit is None:
@@ -157,10 +133,9 @@ class ExprWriter(writer.ExprWriter):
         return hit
 
     def _row_pointer(self, buf: str, expr, cond: str):
-        """For a load at ``base(xo) + s * xi`` (``s`` a positive constant: 2 in a stride-2 window) under
-        ``cond`` (a variable of the outer position): (a pointer, set once per outer position, to the row it
-        reads where ``cond`` holds and to a row of zeros where not, ``s``), so that the inner loop loads
-        unconditionally. None where that does not apply."""
+        """For a load at ``base(xo) + s * xi`` (``s`` a positive constant) under ``cond`` (of the outer
+        position): (a pointer, set per outer position, to the row read where ``cond`` holds and to zeros
+        where not, ``s``), so the inner loop loads unconditionally; else None."""
         e = sympy.expand(self._split_index(expr))
         base, step = e.subs(XI, 0), e.coeff(XI, 1)
         dtype = self.plan.buffers[buf].dtype
@@ -173,19 +148,13 @@ class ExprWriter(writer.ExprWriter):
                                    f"(const {mem}*)kiln_zero_bytes;")
         return name, int(step)
 
-    # -- expressions ----------------------------------------------------------------------------
     def emit(self, e: Expr, scope: Scope, mask=None, row: Scope = None, post: Scope = None) -> str:
-        """A variable or literal holding ``e``; its statement goes into ``scope`` (element values),
-        ``row`` (values that do not vary along rindex) or ``post`` (values known after all rows)."""
+        """A variable or literal holding ``e``, its statement in ``scope``, ``row`` or ``post`` by level."""
         lv = self.level(e)
         if mask is not None:
             lv = max(lv, mask[1])
-        if lv is Level.AFTER or (post is not None and scope is post):
-            target = post
-        elif lv is Level.ELEMENT or row is None:
-            target = scope
-        else:
-            target = row
+        after = lv is Level.AFTER or (post is not None and scope is post)
+        target = post if after else (scope if lv is Level.ELEMENT or row is None else row)
         if target is None:
             raise Unsupported("cpp: a value known only after all rows is used inside them")
         if self.xo_scope is not None and target is scope and (mask is None or mask[0] in self.xo_vars) \
@@ -284,11 +253,9 @@ class ExprWriter(writer.ExprWriter):
         return t.format(*args, f="f" if VALUE[dt] == "float" else "", t=VALUE[dt])
 
     def _checked(self, e, scope, mask, sub) -> str:
-        """An indirect index (``ir.bounds.checked``): the raw value where it is proven in range, else the
-        wrapped value clamped to ``size - 1`` as unsigned (a negative index is huge), its largest value kept in
-        the check's variable ``kiln_mK``, a ``max`` reduction of every loop (``rows.CppKernel.define``), which
-        the function compares with the size after its loops. Masked-off lanes count as 0. An unsigned min and
-        max a lane: the loop still vectorizes."""
+        """An indirect index: the raw value where proven in range, else the wrapped value clamped to
+        ``size - 1`` as unsigned, its largest value kept in ``kiln_mK`` (a ``max`` reduction of every loop),
+        which the function compares with the size after its loops (the loop still vectorizes)."""
         raw, size, info, how = self.proven(e)
         r = sub(raw)
         if how == "in":
@@ -308,9 +275,8 @@ class ExprWriter(writer.ExprWriter):
         return f"(int64_t)((uint64_t){var} < {last} ? (uint64_t){var} : {last})"
 
     def _row_index_compare(self, e, row):
-        """``r == t`` (or ``!=``) with ``t`` a 64-bit integer the same along the row, compared in the loop's
-        own index type: ``t`` is narrowed once per row, to -1 when no ``r`` can equal it, so the vectorized
-        loop compares 16 lanes of 32 bits, not 8 of 64 (cross-entropy's backward over a vocabulary)."""
+        """``r == t`` (or ``!=``) with ``t`` a 64-bit integer the same along the row, compared in 32 bits:
+        ``t`` is narrowed once per row, to -1 when no ``r`` can equal it (16 lanes a vector, not 8)."""
         n, t = sympy.sympify(self.plan.rnumel), row_index_other(e)
         if self.idx_t != "int32_t" or not n.is_Integer or self.split is not None or t is None \
                 or t.dtype not in (torch.int64, torch.int32) or self.level(t) is Level.ELEMENT:
@@ -326,10 +292,8 @@ class ExprWriter(writer.ExprWriter):
 
     @staticmethod
     def _nan_extremum(a, sub):
-        """``where((x > y) | isnan(x), x, y)`` (a running maximum that keeps NaN: the max-pool
-        decomposition's) as ``kiln_max_nan(y, x)``, and ``<`` as ``kiln_min_nan``: the same values, but g++
-        vectorizes no loop holding several ``|`` of bool temporaries feeding selects (a ResNet-18 max-pool
-        kernel ran scalar). None for any other ``where``."""
+        """``where((x > y) | isnan(x), x, y)`` (max-pool's running maximum) as ``kiln_max_nan(y, x)``, ``<``
+        as ``kiln_min_nan`` (g++ vectorizes no loop with several ``|`` of bools feeding selects); or None."""
         c, x, y = a
         if c.op not in ("bitwise_or", "logical_or") or not x.dtype.is_floating_point:
             return None
@@ -340,10 +304,8 @@ class ExprWriter(writer.ExprWriter):
         return None
 
     def _masked_exp(self, e):
-        """``exp(where(m, a, k) - c)`` with ``k`` a constant and ``c`` known per row (a masked softmax's
-        ``exp(where(mask, score, -inf) - max)``) as ``where(m, exp(a - c), exp(k - c))``, the same values:
-        the second exponential is computed once per row, and no lane of the vector one sees -inf, for which
-        libmvec's expf takes its special-case path (about 10x slower per vector); else None."""
+        """``exp(where(m, a, k) - c)`` with ``k`` a constant and ``c`` known per row (a masked softmax) as
+        ``where(m, exp(a - c), exp(k - c))``: no vector lane sees -inf (libmvec's slow path); else None."""
         if e.op != "exp" or e.args[0].op != "sub" or self.level(e) is not Level.ELEMENT:
             return None
         w, c = e.args[0].args
@@ -355,7 +317,6 @@ class ExprWriter(writer.ExprWriter):
         t, f = (ops.unary("exp", ops.binary("sub", v, c)) for v in (t, f))
         return ops.where(cond, t, f)
 
-    # -- indices ----------------------------------------------------------------------------------
     def index(self, expr, binds, sub) -> str:
         """C++ for index ``expr`` (``binds``: its indirect symbols' Exprs)."""
         values = {s: f"(({self.idx_t}){sub(v)})" for s, v in binds}
@@ -390,8 +351,7 @@ _ANDS = ("logical_and", "bitwise_and")
 
 
 def assume(e: Expr, facts: dict, memo=None) -> Expr:
-    """``e`` with each boolean Expr of ``facts`` replaced by its value, simplified where that decides an
-    ``and``, a ``where`` or a ``masked`` (so a load under ``inside & row_ok`` becomes one under ``row_ok``)."""
+    """``e`` with each boolean Expr of ``facts`` replaced by its value, its ``and``/``where`` simplified."""
     memo = {} if memo is None else memo
     hit = memo.get(e)
     if hit is not None:

@@ -1,12 +1,6 @@
-"""A graph's C++ translation unit and the Python launcher of each of its kernels.
-
-``write_unit(plans, tuning)`` writes every plan's kernel as an ``extern "C"`` function (raw pointers,
-int64 sizes; named by a hash of its text, so equal kernels share a name) into one translation unit, and
-for each plan a ``KernelSource`` whose text is a small Python module: its ``call`` binds sizes from
-its inputs, restrides inputs whose strides differ from the graph's, allocates the outputs and calls the
-function(s) through ``kiln.runtime.cpp_build`` (which built and loaded the unit). A plan the emitter
-cannot write (a scatter, an op without a template) gets a source with no text: the
-caller runs that kernel's ATen nodes instead, and the reason is logged.
+"""A graph's C++ translation unit (an ``extern "C"`` function per kernel, named by a hash of its text) and
+each kernel's Python launcher, which calls it through ``kiln.runtime.cpp_build``. A plan the emitter cannot
+write gets a source with no text (its ATen nodes run; the reason logged).
 """
 from __future__ import annotations
 
@@ -84,8 +78,7 @@ def _write_plan(plan, tuning: Tuning, functions: dict) -> KernelSource:
 
 
 def _checked(call: str, k, names) -> list:
-    """The launcher lines of kernel call ``call``: with bounds checks, the call passes the error cell and
-    a failed check raises eager's error (``kiln.runtime.bounds``)."""
+    """The launcher lines of ``call`` (with bounds checks: the error cell passed, eager's error raised)."""
     if not k.checks:
         return [call]
     checks = launcher.check_list(((parts(e)[1], info) for e, (_, _, info) in k.checks.items()), names)

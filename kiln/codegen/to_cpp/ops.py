@@ -1,13 +1,9 @@
 """How each loop-IR op is written in C++ (a scalar expression the compiler vectorizes in ``omp simd`` loops).
 
-Values of 2-byte floats live in ``float`` (a load widens, a cast rounds to nearest even and widens back,
-a store narrows), as eager computes them. Float ops keep eager's NaN and signed-zero rules: no fast-math,
-``maximum``/``minimum`` propagate NaN and keep the first operand on ties. ``PREAMBLE`` holds the helpers
-every translation unit starts with; with ``KILN_LIBMVEC`` defined (the build found glibc's vector math
-library) the math functions are declared ``omp declare simd``, so loops calling them vectorize; the
-``kiln_s_`` aliases of the same functions have no vector variant (a kernel where a math result decides a
-comparison calls those: ``emit.decides``).
-An op without a template raises ``Unsupported``: the kernel is declined and runs as ATen.
+2-byte floats compute in ``float`` (a cast rounds to nearest even), as eager does; float ops keep eager's
+NaN and signed-zero rules. ``PREAMBLE`` starts every unit: with ``KILN_LIBMVEC`` the math functions are
+declared ``omp declare simd``; their ``kiln_s_`` aliases have none (``emit.decides``). An op without a
+template raises ``Unsupported``: the kernel runs as ATen.
 """
 from __future__ import annotations
 
@@ -23,8 +19,7 @@ from kiln.codegen.text.source import VECTOR_MATH   # math functions glibc's libm
 VALUE = {torch.float32: "float", torch.float64: "double", torch.float16: "float", torch.bfloat16: "float",
          torch.int64: "int64_t", torch.int32: "int32_t", torch.int16: "int16_t", torch.int8: "int8_t",
          torch.uint8: "uint8_t", torch.bool: "bool"}
-# bool tensors as bytes: a loop loading ``bool`` vectorized badly (g++ 12; a masked attention softmax row ran 3.8x
-# slower than with ``uint8_t`` loads compared with 0); a stored bool is 0 or 1, as torch's
+# bool tensors as bytes (g++ 12 vectorized ``bool`` loads badly: a masked softmax row ran 3.8x slower)
 MEMORY = {**VALUE, torch.float16: "_Float16", torch.bfloat16: "uint16_t", torch.bool: "uint8_t"}
 
 
@@ -34,9 +29,8 @@ SCALAR_MATH = ("fabs", "sqrt", "floor", "ceil", "trunc", "nearbyint", "lgamma")
 BINARY_MATH = ("fmod", "pow", "atan2", "hypot", "copysign")
 
 
-# ops whose result jumps when their operand moves by one ulp (a comparison, a rounding, a cast to an integer
-# or bool: ``decides``; a ``where``'s condition too), and max/min, which pass on one operand's exact bits
-# (that a later ``eq`` with the value computed again compares against)
+# ops whose result jumps when an operand moves by one ulp (``decides``), and max/min, which pass on one
+# operand's exact bits (that a later ``eq`` with the value computed again compares against)
 DISCRETE = frozenset({"eq", "ne", "lt", "le", "gt", "ge", "maximum", "minimum", "floor", "ceil", "trunc", "round",
                       "sign", "floordiv", "truncdiv", "remainder", "fmod", "isnan", "isinf", "signbit",
                       "logical_not", "logical_and", "logical_or", "logical_xor"})

@@ -1,16 +1,9 @@
 """How a C++ kernel walks its rows, following the plan (``CppKernel``).
 
-A pointwise kernel runs ``xindex`` as ``xo * inner + xi``: OpenMP threads share (xo, block of xi) pairs
-and each block is an ``omp simd`` loop over a contiguous ``xi`` (``inner``: the domain's innermost dim,
-so a broadcast or strided load indexes with ``xi`` directly, no division per element). A reduction
-kernel gives each thread whole rows; each row runs one loop over ``rindex`` per dependency stage of its
-reductions (a layer norm's mean before its variance before its output), each an ``omp simd`` loop with
-per-lane partials (``reduction`` clauses) where its reductions allow. A softmax's max and sum of
-exponentials take two loops, not the plan's online pass: on a CPU the row is still in cache for the
-second loop, and the online form costs an extra exponential per element. Reductions over all rows
-(outer) accumulate per chunk of rows, the partials combined in chunk order after the rows (the result
-does not depend on the number of threads); folded column partials accumulate per program's chunk of
-rows, column by column, in an array of the row's length.
+A pointwise kernel runs ``xindex`` as ``xo * inner + xi``, each block of ``xi`` an ``omp simd`` loop. A
+reduction kernel gives each thread whole rows, one ``omp simd`` loop over ``rindex`` per dependency stage
+(a softmax takes two loops, not the online pass: the row is still in cache). Outer reductions accumulate
+per chunk of rows, combined in chunk order (independent of the thread count).
 """
 from __future__ import annotations
 
@@ -32,21 +25,12 @@ SIMD_REDUCE = {"sum": "+", "prod": "*", "max": "max", "min": "min"}
 
 
 class CppKernel(ExprWriter):
-    """One ``extern "C"`` function written from a plan: ``write()`` walks the plan, ``define(name, names)``
-    renders the function (``names``: the size symbols every kernel of the module takes)."""
+    """One ``extern "C"`` function written from a plan: ``write()`` walks it, ``define`` renders it."""
 
     def __init__(self, plan: KernelPlan, tuning: Tuning):
         super().__init__(plan, tuning)
         self.body = []   # the function's lines after the size bindings (strings and blocks)
         self.split = None   # K when a row runs as r = r0 * K + r1 (``row_split``)
-
-    @property
-    def xnumel(self):
-        return self.plan.xnumel
-
-    @property
-    def rnumel(self):
-        return self.plan.rnumel
 
     def write(self) -> "CppKernel":
         plan = self.plan
@@ -61,8 +45,7 @@ class CppKernel(ExprWriter):
         return self
 
     def _parallel(self, extra: str = "") -> str:
-        """The loop's OpenMP pragma. A static size below ``cpp_parallel_min`` gets none: entering a
-        parallel region, even one whose ``if`` is false, costs about 2 us."""
+        """The loop's OpenMP pragma; none below ``cpp_parallel_min`` (entering a region costs about 2 us)."""
         static = sympy.sympify(self.plan.xnumel * self.plan.rnumel)
         if static.is_Integer:
             if int(static) < self.tuning.cpp_parallel_min:
@@ -71,7 +54,6 @@ class CppKernel(ExprWriter):
         work = f"(int64_t)({self.pexpr(self.plan.xnumel)}) * (int64_t)({self.pexpr(self.plan.rnumel)})"
         return f"#pragma omp parallel for{extra} schedule(static) if({work} >= {self.tuning.cpp_parallel_min})"
 
-    # -- pointwise ------------------------------------------------------------------------------------
     def _pointwise(self):
         plan = self.plan
         outer, inner = pointwise_split(plan, self.tuning.cpp_min_inner)
@@ -108,9 +90,8 @@ class CppKernel(ExprWriter):
         self.body.append((head, position, ["}"]))
 
     def _interior(self, stored):
-        """(lo, hi, checks): the xi range ``[lo, hi)`` where every bounds check ``a * xi + b >= k`` (or <,
-        >, <=) of a stored value holds, when that range is most of the row and not all of it (a padded
-        window's loads: a max-pool's edges), and those checks. None otherwise."""
+        """(lo, hi, checks): the xi range where every check ``a * xi + b >= k`` (or <, >, <=) of a stored
+        value holds, when that is most of the row but not all of it (a max-pool's edges); else None."""
         n, least = sympy.sympify(self.xi_n), self.tuning.cpp_interior_min
         if not least or not n.is_Integer or int(n) < 2 * least:
             return None
@@ -145,7 +126,6 @@ class CppKernel(ExprWriter):
         k2 = k if e.op == "le" else k - 1
         return (0, (k2 - b) // a + 1) if a > 0 else (-((b - k2) // a), 1 << 62)
 
-    # -- reductions -----------------------------------------------------------------------------------
     def _reduction(self):
         plan = self.plan
         t = self.idx_t
@@ -183,9 +163,8 @@ class CppKernel(ExprWriter):
             self.body.append(([self._parallel(), f"for ({t} x = 0; x < xnumel; x++) {{"], row, ["}"]))
 
     def _pass(self, p, cols):
-        """One loop over a row's elements: its reductions (per-lane partials where they allow), its
-        element stores and the folded column partials it accumulates."""
-        plan, row, t = self.plan, self.row, self.idx_t
+        """One loop over a row's elements: its reductions, element stores and folded column partials."""
+        plan, row = self.plan, self.row
         loop = Scope(row)
         clauses, finals, simd = [], [], True
         for name in (p.reduce if p is not None else ()):
@@ -238,9 +217,7 @@ class CppKernel(ExprWriter):
             self.red_vars[m.name] = var
 
     def _columns(self, passes, row_stores):
-        """A reduction over a non-innermost dim (a bias gradient): each thread takes blocks of
-        ``tuning.cpp_col_block`` adjacent columns (``x``) and walks their rows (``r``) once per pass,
-        the inner ``omp simd`` loop running along contiguous columns with one accumulator per column."""
+        """A reduction over a non-innermost dim (a bias gradient): blocks of columns, simd along them."""
         plan, t, xb = self.plan, self.idx_t, self.tuning.cpp_col_block
         self.row = None   # every value is computed in the inner loop over columns
         body = Scope()
@@ -290,10 +267,7 @@ class CppKernel(ExprWriter):
 
     def _one_hot(self, m):
         """A float sum over a row whose elements differ only by ``r == t`` (``t`` the same along the row:
-        cross-entropy's backward sums its one-hot gradient row, 30522 elements a row in a BERT step) as
-        C++ without a loop: ``0 + hit + miss * (n - hits)``, ``hits`` 1 where ``0 <= t < n``. Equal to the
-        loop's sum where ``miss`` is a zero (a select's 0 times anything finite) or not finite; None where
-        the pattern does not apply."""
+        cross-entropy's one-hot gradient) without a loop: ``0 + hit + miss * (n - hits)``; else None."""
         out, n = None, sympy.sympify(self.plan.rnumel)
         if self.split is None and n.is_Integer:
             for c in m.value.walk():
@@ -317,8 +291,7 @@ class CppKernel(ExprWriter):
         return v if m.value.dtype == m.acc else f"(({VALUE[m.acc]}){v})"
 
     def _colpart_rows(self, cols, row):
-        """Folded column partials: one program (thread task) per chunk of rows, each accumulating its
-        rows column by column, then storing its partial per column at (program, column)."""
+        """Folded column partials: one task per chunk of rows, storing its partial at (program, column)."""
         plan, t = self.plan, self.idx_t
         if not plan.rnumel.is_Integer:
             raise Unsupported("cpp: folded column partials over a dynamic row length")
@@ -332,13 +305,11 @@ class CppKernel(ExprWriter):
             end.append(f"for ({t} r = 0; r < rnumel; r++) {self.out_args[m.name]}[{self.pexpr(m.index)}] = "
                        f"{store_code(f'{m.name}_col[r]', dt)};")
         rows = ([f"for ({t} xo = 0; xo < {chunk}; xo++) {{", f"  const {t} x = xpid * {chunk} + xo;"], row, ["}"])
-        body = Scope()
-        body.lines = start + [rows] + end
-        self.body.append(([self._parallel(), f"for ({t} xpid = 0; xpid < {programs}; xpid++) {{"], body, ["}"]))
+        self.body.append(([self._parallel(), f"for ({t} xpid = 0; xpid < {programs}; xpid++) {{"],
+                          _scope_of(start + [rows] + end), ["}"]))
 
     def _outer_rows(self, outers, row, post):
-        """Reductions over all rows: per chunk of rows a partial, combined in chunk order after the rows,
-        then the scalar results (``post``)."""
+        """Reductions over all rows: a partial per chunk of rows, combined in chunk order, then ``post``."""
         t, n = self.idx_t, self.tuning.cpp_outer_chunks
         start, end, combine_lines, final = [], [], [], []
         for m in outers:
@@ -363,8 +334,7 @@ class CppKernel(ExprWriter):
                 self._store(m, m.result, post, None, post)
         rows = ([f"const {t} x0 = ({t})((int64_t)c * xnumel / nch), x1 = ({t})((int64_t)(c + 1) * xnumel / nch);",
                  f"for ({t} x = x0; x < x1; x++) {{"], row, ["}"])
-        body = Scope()
-        body.lines = start + [rows] + end
+        body = _scope_of(start + [rows] + end)
         # nch is opaque: with xnumel <= n each chunk is one row, and g++ 12, proving the row loop runs once,
         # left the row's exp loop scalar (cross-entropy's forward over 64 rows: 94 us, eager's 18)
         self.body += [f"{t} nch = xnumel < {n} ? xnumel : {n};", "KILN_OPAQUE(nch);"] + combine_lines
@@ -372,11 +342,8 @@ class CppKernel(ExprWriter):
         self.body += final + [post]
 
     def _keep_row_values(self, passes, row):
-        """Values calling a vector math function (``exp``...) or dividing floats that two loops over a row
-        compute (a softmax's exponentials: summed, then divided by the sum; its backward's ``exp(x - m) / s``)
-        are computed once: the first loop keeps them in a per-row array (a static row of at most
-        ``tuning.cpp_row_cache`` elements, in L1 or L2), later loops read them back. An exponential or a
-        division costs more than a load from cache on a CPU."""
+        """Costly values (vector math, float division) that two loops over a static row of at most
+        ``tuning.cpp_row_cache`` elements compute: the first keeps them in an array, later ones read it."""
         n = sympy.sympify(self.plan.rnumel)
         limit = self.tuning.cpp_row_cache
         if not n.is_Integer or int(n) > limit:
@@ -402,7 +369,6 @@ class CppKernel(ExprWriter):
             row.lines.append(f"{VALUE[e.dtype]} {arr}[{int(n)}];")
             self.row_cache[e] = (arr, first[e])
 
-    # -- a row as nested loops -------------------------------------------------------------------------
     def _use_row_split(self):
         """Index the row's elements as ``r = r0 * K + r1`` where ``row_split`` finds a K."""
         found = row_split(self.plan, self.tuning.cpp_row_split)
@@ -410,8 +376,7 @@ class CppKernel(ExprWriter):
             self.split, self.subst, self.ranges = found
 
     def _r_loop(self, pragma):
-        """(head lines, tail lines) of a loop over a row's elements, ``pragma`` on the vectorized loop:
-        ``r`` alone, or ``r0`` over K-element pieces around a vectorized ``r1`` (``split``)."""
+        """(head lines, tail lines) of a loop over a row: ``r``, or ``r0`` around a vectorized ``r1``."""
         t = self.idx_t
         if self.split is None:
             return ([pragma] if pragma else []) + [f"for ({t} r = 0; r < rnumel; r++) {{"], ["}"]
@@ -419,10 +384,8 @@ class CppKernel(ExprWriter):
         return ([f"for ({t} r0 = 0; r0 < rnumel / {k}; r0++) {{"] + ([pragma] if pragma else []) +
                 [f"for ({t} r1 = 0; r1 < {k}; r1++) {{", f"const {t} r = r0 * {k} + r1; (void)r;"], ["}", "}"])
 
-    # -- stores -----------------------------------------------------------------------------------------
     def _store(self, m, value, scope, row, post):
-        """Store member ``m``'s ``value`` at its index; a per-row value stored at every element of its row
-        gets a loop of its own."""
+        """Store ``value`` at ``m``'s index (a per-row value stored along its row gets a loop of its own)."""
         value = ops.cast(value, m.buffer.dtype)
         v = self.emit(value, scope, None, row, post)
         idx = m.index if m.index is not None else sympy.Integer(0)
@@ -433,7 +396,6 @@ class CppKernel(ExprWriter):
         else:
             scope.lines.append(code)
 
-    # -- the function ---------------------------------------------------------------------------------
     def params(self, names) -> list:
         ins = [f"const {MEMORY[self.plan.buffers[b].dtype]}* __restrict__ {p}" for b, p in self.inputs.items()]
         outs = [f"{MEMORY[b.dtype]}* __restrict__ {self.out_args[b.name]}" for b in self.plan.stored]
@@ -442,9 +404,7 @@ class CppKernel(ExprWriter):
         return ins + outs + seeds + sizes + ["int64_t* kiln_err"] * bool(self.checks)
 
     def define(self, name: str, names) -> str:
-        """The function's text (``names``: size symbol -> parameter name, every kernel of the module's). With
-        bounds checks of indirect indices (``emit.ExprWriter._checked``) it returns an int: 0, or K + 1 when
-        check K failed, the failing index (wrapped) then in ``kiln_err[0]``."""
+        """The function's text; with bounds checks it returns K + 1 when check K fails (see ``kiln_err``)."""
         t = self.idx_t
         checks = list(self.checks.values())
         lines = [f'extern "C" {"int" if checks else "void"} {name}({", ".join(self.params(names))}) {{',
@@ -465,8 +425,7 @@ class CppKernel(ExprWriter):
 
 
 def _divides(exprs, subst, ranges, inner) -> bool:
-    """Whether an index of ``exprs`` still divides ``inner`` (a loop variable) once ``subst`` writes the
-    flat index through it."""
+    """Whether an index of ``exprs`` still divides loop variable ``inner`` once ``subst`` is applied."""
     return any(inner in a.free_symbols for e in exprs
                for a in simplify(e.xreplace(subst), ranges).atoms(FloorDiv, ModIdx))
 
@@ -486,10 +445,8 @@ def _index_exprs(plan) -> list:
 
 
 def pointwise_split(plan, min_inner: int):
-    """``(outer, inner)``: a pointwise kernel runs ``xindex = xo * inner + xi``, ``inner`` the longest
-    run of trailing dims that every index reads without a division (an NCHW BatchNorm's per-channel
-    loads: ``inner`` = H * W, the channel a function of ``xo`` alone, loaded once per run), else the
-    innermost dim; the whole domain when that is shorter than ``min_inner``."""
+    """``(outer, inner)`` of ``xindex = xo * inner + xi``: ``inner`` the longest run of trailing dims every
+    index reads without a division, else the innermost dim; the whole domain below ``min_inner``."""
     xs = [s for s, _ in plan.dims]
     if len(xs) < 2:
         return sympy.Integer(1), plan.xnumel
@@ -507,11 +464,8 @@ def pointwise_split(plan, min_inner: int):
 
 
 def row_split(plan, minimum: int):
-    """``(K, substitution, ranges)`` when every index reads ``rindex`` only through ``r // K`` and
-    ``r % K`` (a static row of whole K-element pieces, K >= ``minimum``: an NCHW BatchNorm's row is the
-    batch times the pixels), so that ``r = r0 * K + r1`` leaves no division in any index and the
-    inner loop over ``r1`` reads contiguous memory (the compiler vectorizes it: a ``r / K`` and
-    ``r % K`` per element it did not); else None."""
+    """``(K, substitution, ranges)`` when every index reads ``rindex`` only through ``r // K`` and ``r % K``
+    (K >= ``minimum`` dividing a static row), so ``r = r0 * K + r1`` leaves no division; else None."""
     n = sympy.sympify(plan.rnumel)
     if minimum <= 0 or not n.is_Integer:
         return None
@@ -536,8 +490,7 @@ def row_split(plan, minimum: int):
 
 
 def _reducing(lines, clause: str) -> tuple:
-    """(``lines`` with ``clause`` added to the OpenMP pragma of every loop whose body updates a bounds check's
-    variable ``kiln_mK``, whether any of ``lines`` does)."""
+    """(``lines``, ``clause`` added to the pragma of every loop updating a ``kiln_mK``, whether any does)."""
     out, hit = [], False
     for ln in lines:
         if isinstance(ln, tuple):

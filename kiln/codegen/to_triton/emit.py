@@ -1,12 +1,6 @@
-"""Triton emitter: the expressions of a kernel plan as Triton source.
-
-``TritonKernel(plan, flags)`` writes the body of one ``@triton.jit`` function from a ``KernelPlan``.
-Pointwise kernels use 1-D tiles over ``xindex``. Reduction kernels use 2-D ``[XBLOCK, RBLOCK]``
-tiles: straight-line code when the plan's rows are persistent, else one loop over ``rindex`` per
-pass of the plan. A value goes to the loop depth its ``Level`` says (values that do not vary along
-``rindex`` are hoisted out of the loops); identical expressions are computed once per scope (the IR
-is hash-consed). This module writes expressions; ``rows.py`` walks the plan around them and
-``module.py`` writes the module (the launcher) around the function.
+"""Triton emitter: the expressions of a kernel plan as Triton source (1-D ``[XBLOCK]`` tiles for pointwise
+kernels, 2-D ``[XBLOCK, RBLOCK]`` for reductions), each at the loop depth its ``Level`` says and computed
+once per scope; ``rows.py`` walks the plan around them, ``module.py`` writes the module.
 """
 from __future__ import annotations
 
@@ -27,29 +21,25 @@ from kiln.options import Tuning
 
 @dataclass(frozen=True)
 class Flags:
-    """What a Triton kernel is written for: Triton's CPU interpreter (no libdevice) or a GPU, with or
-    without autotuned launches, under ``tuning`` (``codegen.target.TritonTarget.flags`` decides)."""
+    """What a Triton kernel is written for: the CPU interpreter or a GPU, autotuned or not, its tuning."""
     interpret: bool
     autotune: bool
     tuning: Tuning
 
 
 def past_l1(interpret: bool) -> str:
-    """Extra ``tl.load`` arguments for reading other programs' stores of this launch (L1 is not
-    coherent across SMs); nothing under the interpreter."""
+    """Extra ``tl.load`` arguments reading other programs' stores of this launch (L1 is not coherent)."""
     return "" if interpret else ", cache_modifier='.cg'"
 
 
 class ExprWriter(writer.ExprWriter):
-    """The expression half of ``rows.TritonKernel``: its state and how one Expr is written. ``checks``:
-    bounds-checked Expr -> its number (``_checked``)."""
+    """The expression half of ``rows.TritonKernel``. ``checks``: bounds-checked Expr -> its number."""
     LOOP_NAMES = {XINDEX: XINDEX.name, RINDEX: RINDEX.name, XPID: XPID.name}
 
     def __init__(self, plan: KernelPlan, flags: Flags):
         super().__init__(plan, flags.tuning)
         self.flags, self.interpret, self.autotune = flags, flags.interpret, flags.autotune
-        self.dims, self.xnumel, self.rnumel, self.ranges = plan.dims, plan.xnumel, plan.rnumel, plan.ranges
-        self.persistent = plan.persistent
+        self.dims, self.persistent = plan.dims, plan.persistent
         # a chained tail reads its head's stores of this launch: past L1
         self.load_suffix = past_l1(self.interpret) if plan.chained else ""
         self.helpers, self.libdevice = set(), False
@@ -58,17 +48,13 @@ class ExprWriter(writer.ExprWriter):
         self.pre = []
         self.pass_index = None   # the plan's row pass being written (looped kernels)
 
-    # -- expression emission ------------------------------------------------------------
     def emit(self, e: Expr, scope: Scope, mask=None) -> str:
-        """Source for ``e`` (a variable or literal); code goes into ``scope`` or, for values
-        that do not vary along rindex, into the outermost scope."""
+        """Source for ``e`` (a variable or literal), in ``scope`` or, when the same along rindex, ``top``."""
         lv = self.level(e)
         if mask is not None:
             lv = max(lv, mask[1])
-        if lv is Level.AFTER or scope is self.post:
-            target = self.post
-        else:
-            target = scope if lv is Level.ELEMENT else self.top
+        after = lv is Level.AFTER or scope is self.post
+        target = self.post if after else (scope if lv is Level.ELEMENT else self.top)
         key = (e, mask and mask[0])
         hit = target.find(key)
         if hit is not None:
@@ -114,29 +100,20 @@ class ExprWriter(writer.ExprWriter):
         return "[XBLOCK, RBLOCK]" if lv is Level.ELEMENT else "[XBLOCK, 1]"
 
     def _block(self, v, value, shape: str) -> str:
-        """``v`` (the code of ``value``) as a block of ``shape``: broadcast when its rank is the
-        block's, else (a literal, a one-element value in a 2-D kernel) filled in by a select, since
-        ``tl.broadcast_to`` does not add dimensions."""
+        """``v`` (``value``'s code) as a block of ``shape`` (a select where broadcasting would add dims)."""
         x = self._tensor(v, value)
         if shape.count(",") and self.level(value) is Level.CONST:
             return f"tl.where(tl.full({shape}, True, tl.int1), {x}, {x})"
         return f"tl.broadcast_to({x}, {shape})"
 
     def _mask(self, lv, mask):
-        base = "xmask" if lv is not Level.ELEMENT else "xmask & rmask"
-        if lv is Level.CONST:
-            base = None
-        if mask is not None:
-            return mask[0] if base is None else f"{base} & {mask[0]}"
-        return base
+        base = None if lv is Level.CONST else ("xmask & rmask" if lv is Level.ELEMENT else "xmask")
+        return " & ".join(m for m in (base, mask and mask[0]) if m) or None
 
     def _eviction(self, name: str) -> str:
-        """The L2 policy of a row loop's load of ``name``: a buffer that a later pass reads again is
-        loaded ``evict_last`` (its rows stay in L2 for that pass), and its last read ``evict_first``
-        (streamed through without pushing the others out). Without them, a softmax backward's second
-        pass over 8192-element fp32 rows missed L2 (an H200 profile: 0.27 ms against 0.18 for
-        inductor's). A buffer read in one pass only keeps the default policy: the next kernel may read
-        it from L2 (``tuning.evict_single_pass`` marks those evict_first too)."""
+        """The L2 policy of a row loop's load of ``name``: ``evict_last`` where a later pass reads it again,
+        ``evict_first`` at its last read (a softmax backward's second pass missed L2 without: 0.27 ms against
+        0.18 on an H200); the default for a buffer read in one pass (unless ``tuning.evict_single_pass``)."""
         i = self.pass_index
         if not self.tuning.evict_policies or i is None:
             return ""
@@ -158,17 +135,13 @@ class ExprWriter(writer.ExprWriter):
             idx = self.index(a[1], a[2], scope, mask)
             m = self._mask(lv, mask)
             if m and self.level(e) is Level.CONST:
-                # a scalar address under a block mask (a constant-index load inside a masked region,
-                # even one whose condition is a one-element block): Triton rejects a block mask on a
-                # scalar pointer, so make the address a block (tl.full, not tl.zeros: a jit function of
-                # Triton's standard library, which an interpreted kernel cannot call unless Triton itself
-                # was imported in interpreter mode)
+                # a scalar address under a block mask, which Triton rejects: make the address a block
+                # (tl.full, not tl.zeros: a jit function an interpreted kernel cannot call)
                 shape = self._shape(lv)
                 idx = f"({idx}) + tl.full({shape}, 0, tl.int32)"
             elif self.interpret and self.level(e) is Level.CONST:
                 # a one-element block, not a scalar: Triton 3.6's interpreter gives a comparison of scalars
-                # its operands' dtype, so a scalar condition broadcast into a block holds floats (and
-                # ``cond | block_cond`` raises)
+                # its operands' dtype (``cond | block_cond`` then raises)
                 idx = f"({idx}) + tl.full([1], 0, tl.int32)"
             sfx = self.load_suffix
             if lv is Level.ELEMENT and self.red and not self.persistent and not sfx:
@@ -223,12 +196,9 @@ class ExprWriter(writer.ExprWriter):
         return t.format(*args, d=TL_DTYPE.get(e.dtype, ""))
 
     def _checked(self, e, scope, mask, lv) -> str:
-        """An indirect index (``ir.bounds.checked``): the raw value where it is proven in range, else the
-        wrapped value where it is in ``[0, size)`` and 0 where not (no access leaves the tensor). A compiled
-        kernel asserts it in range (``tl.device_assert``: the module launches it with ``debug``, as eager's
-        CUDA kernels assert); an interpreted one, whose asserts Triton 3.6 drops, writes a flag and the raw
-        index of check K to ``err_ptr[2K]`` and ``err_ptr[2K + 1]``, which its launcher reads
-        (``kiln.runtime.bounds.check_tensor``)."""
+        """An indirect index: the raw value where proven in range, else the wrapped value where in
+        ``[0, size)`` and 0 where not. A compiled kernel asserts it (``tl.device_assert``); an interpreted
+        one writes a flag and the raw index of check K to ``err_ptr[2K]``, ``err_ptr[2K + 1]``."""
         raw, size, info, how = self.proven(e)
         r = self._tensor(self.emit(raw, scope, mask), raw)
         if how == "in":
@@ -252,14 +222,12 @@ class ExprWriter(writer.ExprWriter):
             scope.lines.append(f"tl.device_assert({cond}, 'index out of bounds: 0 <= index < {size}')")
         return f"tl.where({ok}, {wv}, 0)"
 
-    # -- reductions ---------------------------------------------------------------------
     def reduce(self, kind, x, dtype, axis=1) -> str:
         """``reduce_code`` for a reduction over ``dtype`` values, its helpers registered."""
         code = reduce_code(kind, x, self.interpret, axis, dtype.is_floating_point)
         self.helpers.update(helpers_in(code))
         return code
 
-    # -- indices --------------------------------------------------------------------------
     def index(self, expr, binds, scope, mask):
         sub = {s: self.emit(v, scope, mask) for s, v in binds}
         return self.pexpr(simplify(expr, self.ranges), sub)

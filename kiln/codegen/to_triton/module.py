@@ -1,10 +1,5 @@
-"""Kernel module text: the ``@triton.jit`` functions of a plan and the launcher around them.
-
-A generated module holds the kernel (named ``PLACEHOLDER`` until ``text.source.named`` names it by a hash
-of the text) and ``call(*inputs, *scalars)`` (``text.launcher``), which binds dynamic sizes from its
-inputs, allocates outputs with the graph's strides and launches through ``kiln.runtime.launch``. Everything
-a launch depends on is in the text, so equal text means an equal kernel. ``write_module`` is the emitter's
-entry point.
+"""Kernel module text (``write_module``): the ``@triton.jit`` functions of a plan and the launcher around
+them, which launches through ``kiln.runtime.launch``. Everything a launch depends on is in the text.
 """
 from __future__ import annotations
 
@@ -25,9 +20,8 @@ from kiln.codegen.to_triton.rows import TritonKernel
 
 
 def mask_lines(var, index, numel, shape, static, even):
-    """``var = index < numel``, or, with ``even`` (``tuning.even_masks``), a constant-true mask when
-    ``numel`` is static and the block (XBLOCK for ``xmask``, else RBLOCK) divides it: written as a
-    compile-time branch on the block size, Triton drops it from loads, stores and selects."""
+    """``var = index < numel``, or with ``even`` and a static ``numel`` a compile-time branch to a
+    constant-true mask when the block divides it (Triton then drops it)."""
     plain = f"{var} = {index} < {numel}"
     if not (static and even):
         return [plain]
@@ -57,9 +51,24 @@ def _static(k):
     return k.xnumel.is_Integer and not k.interpret, k.rnumel.is_Integer and not k.interpret
 
 
-def kernel_def(k: TritonKernel, name, names, extra_params=(), tail_lines=()):
-    """The ``@triton.jit`` function text of written kernel ``k`` (``names``: the module's size names;
-    ``extra_params``/``tail_lines``: a chained tail's, see ``_chain``)."""
+def _signature(k, names, ins=None, outs=None, extra=(), err="err") -> list:
+    """(parameter, launcher argument) pairs of kernel ``k`` before its block sizes (``ins``/``outs``: buffer
+    name -> launcher local; ``extra``: a chained tail's pairs; ``err``: the error buffer's local)."""
+    ins, outs = ins or {}, outs or {}
+    pairs = [(k.inputs[b], ins.get(b)) for b in k.inputs] + [(k.out_args[b.name], outs.get(b.name))
+                                                             for b in k.plan.stored]
+    pairs += [(p[4], f"part{i}") for i, p in enumerate(k.partials)]
+    pairs += [("sem_ptr", "sem")] * (k.plan.programs is Programs.LAST) + list(extra)
+    pairs += [(f"{s}_ptr", s) for s in k.seeds.values()]   # philox seeds: one device int64 each
+    pairs += [("err_ptr", err)] * error_buffer(k) + [(names[s], names[s]) for s in sorted(names, key=str)]
+    static_x, static_r = _static(k)
+    ann = ": tl.constexpr" if k.interpret else ""   # the interpreter loops to constexpr numels only
+    return pairs + [("xnumel" + ann, "xnumel")] * (not static_x) + [("rnumel" + ann, "rnumel")] * bool(
+        k.red and not static_r)
+
+
+def kernel_def(k: TritonKernel, name, names, extra=(), tail_lines=()):
+    """The ``@triton.jit`` function of ``k`` (``extra``/``tail_lines``: a chained tail's)."""
     plan = k.plan
     even = k.tuning.even_masks
     static_x, static_r = _static(k)
@@ -67,25 +76,11 @@ def kernel_def(k: TritonKernel, name, names, extra_params=(), tail_lines=()):
     # empty one must keep its real mask (all false): a constant-true mask would let loads run past it
     known_x, known_r = _nonempty(k.xnumel), _nonempty(k.rnumel)
     last = plan.programs is Programs.LAST
-    params = [k.inputs[b] for b in k.inputs] + [k.out_args[b.name] for b in plan.stored]
-    params += [p[4] for p in k.partials] + (["sem_ptr"] if last else []) + list(extra_params)
-    params += [f"{s}_ptr" for s in k.seeds.values()]   # philox seeds: one device int64 each
-    params += ["err_ptr"] * error_buffer(k)
-    params += [names[s] for s in sorted(names, key=str)]
-    # Triton's interpreter cannot loop to a runtime int: numels are constexpr there
-    ann = ": tl.constexpr" if k.interpret else ""
-    if not static_x:
-        params.append("xnumel" + ann)
-    if k.red and not static_r:
-        params.append("rnumel" + ann)
-    params.append("XBLOCK: tl.constexpr")
-    if k.red:
-        params.append("RBLOCK: tl.constexpr")
+    params = [p for p, _ in _signature(k, names, extra=extra)] + ["XBLOCK: tl.constexpr"]
+    params += ["RBLOCK: tl.constexpr"] * bool(k.red)
     body = [f"{s} = tl.load({s}_ptr)" for s in k.seeds.values()]
-    if static_x:
-        body.append(f"xnumel = {int(k.xnumel)}")
-    if k.red and static_r:
-        body.append(f"rnumel = {int(k.rnumel)}")
+    body += ([f"xnumel = {int(k.xnumel)}"] if static_x else []) + (
+        [f"rnumel = {int(k.rnumel)}"] if k.red and static_r else [])
     ind = ""
     if k.red:
         cast = ".to(tl.int64)" if plan.wide_index else ""
@@ -98,19 +93,17 @@ def kernel_def(k: TritonKernel, name, names, extra_params=(), tail_lines=()):
     xmask = mask_lines("xmask", "xindex", "xnumel", xshape, known_x, even)
     if plan.programs is Programs.CHUNKS:   # folded column partials: each program walks its chunk of rows
         chunk = plan.chunks[1]
-        body += [f"xpid = {pid}"] + k.pre + [f"for xoffset in range(0, {chunk}, XBLOCK):"]
-        body.append(f"    xindex = xpid * {chunk} + xoffset + {xrange}")
+        body += [f"xpid = {pid}"] + k.pre + [f"for xoffset in range(0, {chunk}, XBLOCK):",
+                                              f"    xindex = xpid * {chunk} + xoffset + {xrange}"]
         # rows past the chunk's end belong to the next program (chunks divide the rows exactly)
         xmask = mask_lines("xmask", f"(xoffset + {xrange})", str(chunk), xshape, True, even)
         ind = "    "
     elif plan.programs is Programs.ONE:   # one program walks all rows
         body += k.pre if plan.outer else []   # ... accumulating the outer reductions
-        body.append("for xoffset in range(0, xnumel, XBLOCK):")
+        body += ["for xoffset in range(0, xnumel, XBLOCK):", f"    xindex = xoffset + {xrange}"]
         ind = "    "
-        body.append(ind + f"xindex = xoffset + {xrange}")
     else:
-        body.append(f"xoffset = {pid} * XBLOCK")
-        body.append(f"xindex = xoffset + {xrange}")
+        body += [f"xoffset = {pid} * XBLOCK", f"xindex = xoffset + {xrange}"]
     body += [ind + ln for ln in xmask]
     if last:
         body += k.pre
@@ -127,13 +120,9 @@ def kernel_def(k: TritonKernel, name, names, extra_params=(), tail_lines=()):
 
 
 def _last_program(k):
-    """The end of a row kernel whose outer reductions span many programs: each program stores its
-    partial result of every outer reduction (``part_ptrN[pid]``) and counts itself done on ``sem_ptr``;
-    the last to arrive reads all partials in program order (a fixed order: the result does not depend
-    on timing), computes the scalar epilogue and sets the counter back to 0 for the next launch.
-    The barrier makes the program's stores visible before its count; the partials are loaded past L1
-    (``.cg``), where another SM's writes are not seen. ``sem_ptr`` is one counter per kernel module,
-    device and stream (``semaphore``)."""
+    """The end of a kernel whose outer reductions span many programs: each stores its partials and counts
+    itself done on ``sem_ptr``; the last reads all partials in program order (past L1), computes the scalar
+    epilogue and resets the counter."""
     out = []
     block = k.tuning.parts_block
     for var, kind, dt, acc, part in k.partials:
@@ -156,8 +145,7 @@ def _last_program(k):
     return out
 
 
-# The gate of a kernel's last program (``_last_program``, ``_chain``): make this program's stores
-# visible, count it done, and let only the last one in; that one sets the counter back to 0 at its end.
+# The gate of a kernel's last program: stores made visible, the program counted, only the last let in.
 LAST_PROGRAM_IF = ["tl.debug_barrier()",
                    "n_programs = (xnumel + XBLOCK - 1) // XBLOCK",
                    "if tl.atomic_add(sem_ptr, 1) == n_programs - 1:"]
@@ -165,27 +153,15 @@ LAST_PROGRAM_RESET = "    tl.atomic_xchg(sem_ptr, 0)"
 
 
 def last_program_if(plan: KernelPlan) -> list:
-    """``LAST_PROGRAM_IF`` for ``plan`` (a kernel of folded column partials has one program per chunk of
-    rows)."""
+    """``LAST_PROGRAM_IF`` for ``plan`` (folded column partials: one program per chunk of rows)."""
     if plan.programs is Programs.CHUNKS:
         return [LAST_PROGRAM_IF[0], f"n_programs = {plan.chunks[0]}", LAST_PROGRAM_IF[2]]
     return LAST_PROGRAM_IF
 
 
-def kernel_args(k, ins, outs, names, extra_args=(), err="err"):
-    """Launcher-side argument names for kernel ``k`` (``ins``/``outs``: buffer name -> local; ``err``: its
-    error buffer's, see ``error_buffer``)."""
-    last = k.plan.programs is Programs.LAST
-    args = [ins[b] for b in k.inputs] + [outs[b.name] for b in k.plan.stored]
-    args += [f"part{i}" for i in range(len(k.partials))] + (["sem"] if last else []) + list(extra_args)
-    args += list(k.seeds.values()) + [err] * error_buffer(k)
-    args += [names[s] for s in sorted(names, key=str)]
-    static_x, static_r = _static(k)
-    if not static_x:
-        args.append("xnumel")
-    if k.red and not static_r:
-        args.append("rnumel")
-    return args
+def kernel_args(k, ins, outs, names, extra=(), err="err"):
+    """Launcher-side argument names for kernel ``k`` (``ins``/``outs``: buffer name -> local)."""
+    return [a for _, a in _signature(k, names, ins, outs, extra, err)]
 
 
 def narrow_data(k) -> bool:
@@ -224,8 +200,7 @@ def error_buffer(k) -> bool:
 
 
 def checked_launch(k, launch, err, device, names) -> list:
-    """Launcher lines around ``launch`` (lines) of kernel ``k``: an interpreted kernel with bounds checks gets a
-    zeroed error buffer ``err`` and raises eager's error for a failed check after it ran."""
+    """``launch`` (lines), with an interpreted kernel's bounds checks: error buffer ``err``, eager's error."""
     if not error_buffer(k):
         return launch
     checks = launcher.check_list((parts(e)[1:] for e in k.checks), names)
@@ -234,19 +209,15 @@ def checked_launch(k, launch, err, device, names) -> list:
 
 
 def assert_options(k, name) -> list:
-    """Module lines making compiled kernel ``name`` (``k``, with its chained tail if any) launch with device
-    asserts on (``tl.device_assert`` is dropped otherwise) and Triton's integer overflow checks off (philox
-    multiplies 32-bit integers modulo 2**32), when it has bounds checks; read by ``launch._jit_launch``."""
+    """Module lines making compiled kernel ``name`` with bounds checks launch with device asserts on and
+    integer overflow checks off (philox multiplies modulo 2**32); read by ``launch._jit_launch``."""
     if not any(x is not None and x.checks and not x.interpret for x in k):
         return []
     return [f"{name}.kiln_options = {{'debug': True, 'sanitize_overflow': False}}"]
 
 
 def module(kernels, defs, inputs, buffers, body_fn, into=False, seeds=()):
-    """(module text, scalars): imports, helpers, kernel ``defs`` (each ``def(names)``) and ``call``
-    (body from ``body_fn(names)``; ``into``: ``call`` takes an optional tensor to write its output into;
-    ``seeds``: the names of the one-element int64 tensors holding the kernels' philox seeds, which ``call``
-    takes after the scalars: the graph draws them on the device once per call, ``codegen.rewrite``)."""
+    """(module text, scalars): imports, helpers, kernel ``defs`` and ``call`` (body: ``body_fn(names)``)."""
     names, bind_lines, scalars = launcher.bind_sizes(kernels, inputs, buffers)
     lines = [launcher.header(inputs, buffers), "import torch", "import triton", "import triton.language as tl"]
     if any(k.libdevice for k in kernels):
@@ -263,8 +234,7 @@ def module(kernels, defs, inputs, buffers, body_fn, into=False, seeds=()):
 
 
 def alloc_line(local, buf, names, device):
-    """``local = <new tensor>``; ``device`` None: the current CUDA device, through torch's C++ helper
-    (``empty_cuda``: the wrapper enters the graph's device before it calls kernels)."""
+    """``local = <new tensor>``; ``device`` None: the current CUDA device (the wrapper enters it)."""
     shape, stride = launcher.sizes(buf.shape, names), launcher.sizes(buf.stride, names)
     if device is None:
         return f"{local} = launch.empty_cuda({shape}, {stride}, {buf.dtype})"
@@ -272,17 +242,15 @@ def alloc_line(local, buf, names, device):
 
 
 def device_expr(interpret, has_inputs, device):
-    """The device expression of a module's allocations: None (the current CUDA device) for compiled
-    kernels, which only run on CUDA; the interpreter's kernels allocate on their inputs' device."""
+    """The device of a module's allocations: None (the current CUDA device) for compiled kernels."""
     if not interpret and torch.device(device).type == "cuda":
         return None
     return "in0.device" if has_inputs else f"torch.device({str(device)!r})"
 
 
 def _chain(head: TritonKernel, tail: TritonKernel):
-    """(head's extra parameters, its extra arguments, the tail call its last program makes, the tail's
-    helper name) for a chained pair: the last program of ``head`` runs ``tail``'s body, a
-    ``@triton.jit`` helper (its own names, inlined by Triton), with the head's warps."""
+    """(head's extra (parameter, argument) pairs, its last program's call of the tail, the tail's name): the
+    last program of ``head`` runs ``tail`` as a ``@triton.jit`` helper."""
     plan = tail.plan
     kind = "reduction" if tail.red else "pointwise"
     inner = bool(tail.dims) and tail.dims[-1][1]
@@ -297,11 +265,10 @@ def _chain(head: TritonKernel, tail: TritonKernel):
     call += [] if static_x else [str(int(tail.xnumel))]
     call += [] if static_r or not tail.red else [str(int(tail.rnumel))]
     call += [str(xb)] + ([str(rb)] if tail.red else [])
-    params = [f"tail_ptr{i}" for i in range(len(plan.stored))] + ["sem_ptr"]
-    args = [f"tail{i}" for i in range(len(plan.stored))] + ["sem"]
+    extra = [(f"tail_ptr{i}", f"tail{i}") for i in range(len(plan.stored))] + [("sem_ptr", "sem")]
     name = PLACEHOLDER + "_tail"
     lines = last_program_if(head.plan) + [f"    {name}({', '.join(call)})", LAST_PROGRAM_RESET]
-    return params, args, lines, name
+    return extra, lines, name
 
 
 def write_module(plan, flags: Flags) -> KernelSource:
@@ -322,7 +289,7 @@ def write_module(plan, flags: Flags) -> KernelSource:
     tail_bufs = list(plan.tail.stored) if tail is not None else []
     counter = plan.programs is Programs.LAST or tail is not None
     reuse = [] if tail is not None else [i for i, b in enumerate(inputs) if b in plan.reusable]
-    extra_params, extra_args, tail_lines, tail_name = _chain(k, tail) if tail is not None else ((), (), (), None)
+    extra, tail_lines, tail_name = _chain(k, tail) if tail is not None else ((), (), None)
 
     def body(names):
         out = [alloc_line(outs[b.name], b, names, device) for b in plan.stored]
@@ -335,12 +302,12 @@ def write_module(plan, flags: Flags) -> KernelSource:
             out.append(f"part{i} = torch.empty(({n},), dtype={dt}, device={device or 'launch.cuda_here()'})")
         if counter:
             out.append(f"sem = launch.semaphore(SEMAPHORES, {device or 'launch.cuda_here()'})")
-        out += checked_launch(k, launch_line(k, name, kernel_args(k, ins, outs, names, extra_args), names), "err",
+        out += checked_launch(k, launch_line(k, name, kernel_args(k, ins, outs, names, extra), names), "err",
                               device, names)
         out.append(launcher.returns([outs[b.name] for b in plan.stored] + [f"tail{i}" for i in range(len(tail_bufs))]))
         return out
     defs = [lambda names: kernel_def(tail, tail_name, names)] if tail is not None else []
-    defs += [lambda names: kernel_def(k, name, names, extra_params, tail_lines)]
+    defs += [lambda names: kernel_def(k, name, names, extra, tail_lines)]
     asserts = assert_options([k, tail], name)
     defs += [lambda names: "\n".join(asserts)] * bool(asserts)
     defs += [lambda names: "SEMAPHORES = {}   # device -> this kernel's counter"] if counter else []
@@ -352,9 +319,7 @@ def write_module(plan, flags: Flags) -> KernelSource:
 
 
 def _scatter_module(plan: ScatterPlan, flags: Flags) -> KernelSource:
-    """One module, two kernels: a pointwise copy of the base into the output, then a kernel over the
-    source positions that writes (``tl.store``) or accumulates (``tl.atomic_add``) each value at its
-    computed target index (the scatter kernel reads the output it writes: its out_ptr0 only)."""
+    """One module, two kernels: the base copied into the output, then each value stored (or added)."""
     flags = Flags(flags.interpret, False, flags.tuning)   # scatters are never autotuned
     copy = TritonKernel(plan.copy, flags).write()
     scatter = TritonKernel(plan.write, flags).write()

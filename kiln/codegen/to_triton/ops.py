@@ -1,8 +1,5 @@
-"""How each loop-IR op is written in Triton, for GPUs and for Triton's CPU interpreter.
-
-The interpreter has no libdevice, so ops that need it there are written with ``tl`` primitives
-(or small ``@triton.jit`` helpers in ``HELPERS``). An op without a template raises ``Unsupported``
-while emitting, and the graph stays ATen.
+"""How each loop-IR op is written in Triton, for GPUs and for the CPU interpreter (no libdevice there:
+``tl`` primitives or ``HELPERS``). An op without a template raises ``Unsupported``.
 """
 from __future__ import annotations
 
@@ -60,12 +57,10 @@ BINARY = {
     "lshift": "({0} << {1})", "rshift": "({0} >> {1})",
 }
 FLOAT_BINARY = {
-    # eager's maximum/minimum: NaN if either is, else the first operand unless the second is greater
-    # (less), which also decides the sign of an equal zero
+    # eager's maximum/minimum: NaN if either is, else the first operand unless the second is greater (less)
     "maximum": "tl.where(({0} >= {1}) | ({0} != {0}), {0}, {1})",
     "minimum": "tl.where(({0} <= {1}) | ({0} != {0}), {0}, {1})",
-    # remainder, fmod and floor division as eager computes them: from fmod (exact; a zero result has
-    # the dividend's sign), adjusted toward the divisor's sign / rounded down
+    # remainder, fmod and floor division as eager computes them: from fmod, adjusted / rounded down
     "remainder": ("_kiln_remainder_f(libdevice.fmod({0}, {1}), {1})", "_kiln_remainder_f(_kiln_fmod({0}, {1}), {1})"),
     "fmod": ("libdevice.fmod({0}, {1})", "_kiln_fmod({0}, {1})"),
     "floordiv": ("_kiln_floordiv_f({0}, {1}, libdevice.fmod({0}, {1}))",
@@ -234,8 +229,7 @@ def helpers_in(code: str) -> set:
 
 
 def combine(kind: str, acc: str, v: str, floating: bool = False) -> str:
-    """Triton source folding value ``v`` into accumulator ``acc`` for reduction ``kind``; a max or min
-    of ``floating`` values propagates NaN, as eager's does."""
+    """Triton source folding ``v`` into accumulator ``acc`` (a max or min of floats propagates NaN)."""
     if floating and kind in ("max", "min"):
         return f"tl.{kind}imum({acc}, {v}, tl.PropagateNan.ALL)"
     return {"sum": f"{acc} + {v}", "prod": f"{acc} * {v}",
@@ -243,8 +237,7 @@ def combine(kind: str, acc: str, v: str, floating: bool = False) -> str:
 
 
 def reduce_code(kind: str, x: str, interpret: bool, axis: int = 1, floating: bool = False) -> str:
-    """Triton source reducing 2-D ``x`` over ``axis`` (keeping it), for sum/max/min/prod; a max or min
-    of ``floating`` values propagates NaN (``_kiln_max_nan``)."""
+    """Triton source reducing 2-D ``x`` over ``axis`` (kept; a max or min of floats propagates NaN)."""
     keep = "[:, None]" if axis == 1 else "[None, :]"
     if kind == "prod":
         return f"tl.reduce({x}, {axis}, _kiln_prod){keep}"
@@ -257,10 +250,8 @@ def reduce_code(kind: str, x: str, interpret: bool, axis: int = 1, floating: boo
 
 
 def convert(code: str, src: torch.dtype, dst: torch.dtype, interpret: bool) -> str:
-    """Triton source converting ``code`` (``src`` values) to ``dst``. Triton rounds a float downcast to
-    nearest even (``semantic.cast``'s default, ``cvt.rn`` on GPUs), but Triton 3.6's interpreter truncates
-    fp32 to bf16 and garbles other sources: there, a conversion to bf16 goes through fp32 and rounds by
-    hand (``_kiln_bf16``), so that interpreted kernels give eager's values."""
+    """Triton source converting ``code`` (``src`` values) to ``dst``; Triton 3.6's interpreter truncates to
+    bf16, so there it rounds to nearest even by hand (``_kiln_bf16``)."""
     if interpret and dst == torch.bfloat16 and src != torch.bfloat16:   # (the helper takes any dtype via fp32)
         return f"_kiln_bf16({code})"
     return f"{code}.to({TL_DTYPE[dst]})"

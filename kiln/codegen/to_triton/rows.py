@@ -1,9 +1,6 @@
-"""How a Triton kernel's body walks its rows (``TritonKernel.write``), following the plan.
-
-Persistent rows and pointwise kernels are straight-line code (``_straight``); looped rows get one
-loop over ``rindex`` per pass of the plan (``_looped``), where a softmax's max and sum of exponentials
-share one online pass; outer reductions and folded column partials accumulate across row blocks
-(``_outer``, ``_colparts``); a scatter writes through its computed indices (``_scatter``).
+"""How a Triton kernel's body walks its rows (``TritonKernel.write``), following the plan: straight-line
+code, one loop over ``rindex`` per pass (a softmax's max and sum share one online pass), outer reductions
+and column partials accumulated across row blocks, or a scatter through computed indices.
 """
 from __future__ import annotations
 
@@ -30,17 +27,13 @@ class TritonKernel(ExprWriter):
         if plan.scatter is not None:
             self._scatter()
             return self
-        if plan.looped:
-            self._looped()
-        else:
-            self._straight()
+        (self._looped if plan.looped else self._straight)()
         if plan.outer:
             self._outer()
         if plan.chunks:
             self._colparts()
         return self
 
-    # -- straight-line rows -------------------------------------------------------------------
     def _straight(self):
         """Pointwise kernels and persistent reductions: one scope, no loops."""
         scope = self.top
@@ -55,7 +48,6 @@ class TritonKernel(ExprWriter):
             if m.stored:
                 self._store(m, m.result, scope)
 
-    # -- looped rows ----------------------------------------------------------------------------
     def _looped(self):
         plan = self.plan
         partner = {mx: plan.member(sm) for p in plan.passes for mx, sm in p.online}   # max -> its sum
@@ -90,8 +82,7 @@ class TritonKernel(ExprWriter):
                     self.count += 1
                     self.top.lines.append(f"{acc_sum} = tl.full([XBLOCK, RBLOCK], 0, {TL_DTYPE[dt]})")
                     self._online_step(loop, mask, v, acc, acc_sum, dt)
-                    accs.append((m, acc))
-                    accs.append((partner[name], ("online", acc, acc_sum, name, dt)))
+                    accs += [(m, acc), (partner[name], ("online", acc, acc_sum, name, dt))]
                     continue
                 loop.lines.append(f"{acc} = tl.where({mask}, {combine(kind, acc, v, dt.is_floating_point)}, {acc})")
                 accs.append((m, acc))
@@ -124,26 +115,21 @@ class TritonKernel(ExprWriter):
         loop.lines.append(f"{acc_max} = {new}")
 
     def _online_final(self, m, acc_max, acc_sum, max_var, dt):
-        """The row's sum from the lanes' partial sums, each rescaled to the row's max. A row of
-        -inf gives nan, as ``sum(exp(v - max))`` does."""
+        """The row's sum from the lanes' partial sums rescaled to the row's max (nan for a row of -inf)."""
         exp = template("exp", dt, self.interpret, 1)
         safe, var = self.tmp(), self.tmp("red")
-        self.top.lines.append(f"{safe} = tl.where({max_var} == float('-inf'), 0.0, {max_var})")
         scaled = f"{acc_sum} * {exp.format(f'({acc_max} - {safe})')}"
-        self.top.lines.append(f"{var} = {self.reduce('sum', scaled, dt)}")
-        self.top.lines.append(f"{var} = tl.where({max_var} == float('-inf'), float('nan'), {var})")
+        self.top.lines += [f"{safe} = tl.where({max_var} == float('-inf'), 0.0, {max_var})",
+                           f"{var} = {self.reduce('sum', scaled, dt)}",
+                           f"{var} = tl.where({max_var} == float('-inf'), float('nan'), {var})"]
         self.red_vars[m.name] = var
 
-    # -- reductions ---------------------------------------------------------------------------------
     def _reduce_value(self, m, e, scope):
         v = self._tensor(self.emit(e, scope), e)
-        if e.dtype != m.acc:
-            v = f"{v}.to({TL_DTYPE[m.acc]})"
-        return v
+        return v if e.dtype == m.acc else f"{v}.to({TL_DTYPE[m.acc]})"
 
     def _reduce_final(self, m, acc, scope, index=None):
-        """Reduce the [XBLOCK, RBLOCK] tile ``acc`` to the row result (``index``: the rindex of
-        each lane's value, for argmax/argmin)."""
+        """Reduce tile ``acc`` to the row result (``index``: each lane's rindex, for argmax/argmin)."""
         kind = m.reduce
         var = self.tmp("red")
         if kind in ("argmax", "argmin"):
@@ -160,8 +146,7 @@ class TritonKernel(ExprWriter):
         self.red_vars[m.name] = var
 
     def _accumulate(self, m, e, acc, shape, mask):
-        """Declare accumulator ``acc`` of ``shape`` before the rows (``pre``) and fold reduction
-        ``m``'s element ``e`` into it at each row block (``top``) where ``mask`` holds."""
+        """Declare accumulator ``acc`` before the rows; fold ``m``'s element ``e`` into it per block."""
         kind, dt = m.reduce, m.acc
         self.pre.append(f"{acc} = tl.full({shape}, {neutral(kind, dt)}, {TL_DTYPE[dt]})")
         v = self._reduce_value(m, e, self.top)
@@ -192,9 +177,7 @@ class TritonKernel(ExprWriter):
                 self.post.lines.append(f"tl.store({self.out_args[m.name]} + tl.full([1, 1], 0, tl.int32), {v})")
 
     def _colparts(self):
-        """Folded column partials: each program accumulates its chunk's rows column by column in an
-        [XBLOCK, RBLOCK] tile (one step per block of rows), then reduces the tile's rows and stores
-        the chunk's partial result at (program, column)."""
+        """Folded column partials: each program's chunk of rows reduced in a tile, stored per column."""
         for m in self.plan.members:
             if m.role is not Role.COLPART:
                 continue
@@ -208,7 +191,6 @@ class TritonKernel(ExprWriter):
                 self.helpers.update(helpers_in(v))
                 self.post.lines.append(f"tl.store({self.out_args[m.name]} + ({idx}), {v}, rmask)")
 
-    # -- stores -------------------------------------------------------------------------------------
     def _store(self, m, value, scope):
         value = ops.cast(value, m.buffer.dtype)
         lv = self.level(value)
@@ -227,8 +209,7 @@ class TritonKernel(ExprWriter):
         target.lines.append(f"tl.store({self.out_args[m.name]} + ({icode}), {v}, {self._mask(slv, None)})")
 
     def _scatter(self):
-        """The write-through-index kernel of a scatter: each value stored (or added atomically) at its
-        target index."""
+        """A scatter's kernel: each value stored (or added atomically) at its target index."""
         w = self.plan.scatter
         v = self.emit(w.value, self.top)
         t = self.index(w.target.args[0], w.target.args[2], self.top, None)
