@@ -110,8 +110,9 @@ def _binary(unit):
 
 def unpack(part: dict, opts) -> Compiled:
     """The ``Compiled`` of a stored graph: its C++ units built or loaded, its wrapper executed."""
-    for source, functions, binary in part["units"]:
-        cpp_build.build(Unit(source, functions), opts, binary=binary)
+    units = [Unit(source, functions) for source, functions, _ in part["units"]]
+    for unit, (_, _, binary) in zip(units, part["units"]):
+        cpp_build.build(unit, opts, binary=binary)
     globals_ = dict(part["globals"])
     for name in part["handles"]:
         globals_[name] = globals_[name]._op
@@ -122,4 +123,4 @@ def unpack(part: dict, opts) -> Compiled:
             kernels.append(obj)
     w = Wrapper(name=part["name"], source=part["source"], globals=globals_, kernels=kernels,
                 known_outputs=part["known_outputs"])
-    return load(w, part["fallback"])
+    return load(w, part["fallback"], units)

@@ -82,7 +82,7 @@ class Target:
     def load(self, gm, wrapper, fused: Fused, kind: str, trace):
         """The compiled graph of ``wrapper``, its kernels built then bound (else the unfused graph)."""
         built = self.build(gm, fused, kind, trace)
-        compiled = load(wrapper, fused.fallback) if built else load_aten(wrapper, fused.fallback)
+        compiled = load(wrapper, fused.fallback, fused.units) if built else load_aten(wrapper, fused.fallback)
         compiled.units = fused.units
         return compiled
 

@@ -70,15 +70,16 @@ def _boxed(gm):
     return run
 
 
-def load(wrapper: Wrapper, fallback=None) -> Compiled:
-    """Compile the wrapper source into a function; tracebacks show the generated lines."""
+def load(wrapper: Wrapper, fallback=None, units=()) -> Compiled:
+    """Compile the wrapper source into a function; tracebacks show the generated lines. ``units``: the
+    C++ translation units its kernels were built from (shown to ``collect_sources``)."""
     digest = hashlib.sha256(wrapper.source.encode()).hexdigest()[:12]
     filename = f"<kiln {wrapper.name} {digest}>"
     linecache.cache[filename] = (len(wrapper.source), None, wrapper.source.splitlines(True), filename)
     namespace = {k: bind(v) if isinstance(v, KernelRef) else v for k, v in wrapper.globals.items()}
     exec(compile(wrapper.source, filename, "exec"), namespace)
     for sink in list(_SOURCE_SINKS):   # the active ``collect_sources`` scopes
-        sink.extend([k.source for k in wrapper.kernels] + [wrapper.source])
+        sink.extend([u.source for u in units] + [k.source for k in wrapper.kernels] + [wrapper.source])
     return Compiled(wrapper, namespace["call"], fallback)
 
 

@@ -28,6 +28,19 @@ def test_run_and_get_code_of_a_function_that_already_ran():
         assert torch.equal(out, f(x)) and any("kiln wrapper" in s for s in sources), sources
 
 
+def test_run_and_get_code_returns_the_kernels_of_both_targets(tmp_path):
+    """The C++ unit (its kernels' text, not only the launchers) and the Triton kernels come back, on a
+    compile-cache hit too (the entry's units are shown as it loads them)."""
+    f = lambda x: (x.sin() + 1).sum(-1)  # noqa: E731
+    x = torch.randn(8, 16)
+    for codegen, marker in (("cpp", 'extern "C"'), ("triton", "@triton.jit")):
+        for _ in range(2):   # the second run hits the cache
+            compiled = kiln.compile(f, codegen=codegen, cache=True, cache_dir=str(tmp_path / codegen))
+            out, sources = kiln.run_and_get_code(compiled, x)
+            torch.testing.assert_close(out, f(x))
+            assert any(marker in s and "kiln_" in s for s in sources), (codegen, sources)
+
+
 def test_backward_wrapper_is_collected():
     f = kiln.compile(lambda x: (x.sin() * x).sum())
     x = torch.randn(5, requires_grad=True)
