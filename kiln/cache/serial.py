@@ -94,7 +94,7 @@ def pack(compiled: Compiled, units=()) -> dict:
     return {"name": w.name, "source": w.source, "globals": globals_, "handles": sorted(w.handles),
             "known_outputs": list(w.known_outputs),
             "fallback": None if fallback is None else StoredFallback(dumps(fallback)),
-            "units": [(u.source, tuple(u.functions), _binary(u)) for u in units]}
+            "units": [(u.source, tuple(u.functions), _binary(u), u.prelude) for u in units]}
 
 
 def _binary(unit):
@@ -110,8 +110,8 @@ def _binary(unit):
 
 def unpack(part: dict, opts) -> Compiled:
     """The ``Compiled`` of a stored graph: its C++ units built or loaded, its wrapper executed."""
-    units = [Unit(source, functions) for source, functions, _ in part["units"]]
-    for unit, (_, _, binary) in zip(units, part["units"]):
+    units = [Unit(source, functions, prelude) for source, functions, _, prelude in part["units"]]
+    for unit, (_, _, binary, _) in zip(units, part["units"]):
         cpp_build.build(unit, opts, binary=binary)
     globals_ = dict(part["globals"])
     for name in part["handles"]:

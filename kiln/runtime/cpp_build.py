@@ -20,7 +20,7 @@ import tempfile
 import threading
 import time
 
-from kiln.codegen.text.source import VECTOR_MATH
+from kiln.codegen.text.source import VECTOR_MATH, header_name
 from kiln.debug import counters, log
 from kiln.options import Options, active
 from kiln.runtime import private
@@ -143,11 +143,13 @@ def _probe(cxx: str, flags: str) -> str:
     return ""
 
 
-def _run(cxx, flags, libs, source, tmp, stem, timeout):
-    """(library path, None or (exit status, first error line)) of compiling ``source`` in folder ``tmp``."""
+def _run(cxx, flags, libs, source, tmp, stem, timeout, headers=()):
+    """(library path, None or (exit status, first error line)) of compiling ``source`` in folder ``tmp``
+    (a private folder of this process's own), beside ``headers`` ((name, text) pairs) it includes."""
     src, out = os.path.join(tmp, stem + ".cpp"), os.path.join(tmp, stem + ".so")
-    with open(src, "w") as f:
-        f.write(source)
+    for name, text in ((stem + ".cpp", source), *headers):
+        with open(os.path.join(tmp, name), "w") as f:
+            f.write(text)
     res = subprocess.run([cxx, *flags, src, "-o", out, *libs], capture_output=True, text=True,
                          timeout=timeout)
     if res.returncode == 0:
@@ -187,7 +189,7 @@ def build(unit, opts: Options = None, binary=None) -> str:
             if binary is not None and binary[0] == os.path.basename(path):
                 _install(binary[1], path)
             else:
-                _compile(cxx, flags, libs, unit.source, directory, path, opts.cpp_flags)
+                _compile(cxx, flags, libs, unit, directory, path, opts.cpp_flags)
         try:
             lib = ctypes.CDLL(path)
         except OSError as e:
@@ -242,11 +244,14 @@ def _install(data: bytes, path: str) -> None:
     private.write(directory, name + ".mac", private.sign(_root(path), data))
 
 
-def _compile(cxx, flags, libs, source, directory, path, opts_flags: str):
+def _compile(cxx, flags, libs, unit, directory, path, opts_flags: str):
     start = time.perf_counter()
+    source, headers = unit.source, ((header_name(unit.prelude), unit.prelude),) if unit.prelude else ()
+    for name, text in headers:   # beside the kept sources, so that they read (and build) as written
+        private.write(directory, name, text)
     with tempfile.TemporaryDirectory(prefix=private.PREFIX, dir=directory) as tmp:
         try:
-            out, error = _run(cxx, flags, libs, source, tmp, "unit", 600)
+            out, error = _run(cxx, flags, libs, source, tmp, "unit", 600, headers)
         except (OSError, subprocess.SubprocessError) as e:
             raise _fail(f"{cxx} did not run: {e}") from None
         if error:

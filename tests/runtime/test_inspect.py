@@ -29,8 +29,8 @@ def test_run_and_get_code_of_a_function_that_already_ran():
 
 
 def test_run_and_get_code_returns_the_kernels_of_both_targets(tmp_path):
-    """The C++ unit (its kernels' text, not only the launchers) and the Triton kernels come back, on a
-    compile-cache hit too (the entry's units are shown as it loads them)."""
+    """The C++ unit (its kernels' text, not only the launchers; the shared prelude as a header it includes)
+    and the Triton kernels come back, on a compile-cache hit too (the entry's units shown as it loads them)."""
     f = lambda x: (x.sin() + 1).sum(-1)  # noqa: E731
     x = torch.randn(8, 16)
     for codegen, marker in (("cpp", 'extern "C"'), ("triton", "@triton.jit")):
@@ -39,6 +39,9 @@ def test_run_and_get_code_returns_the_kernels_of_both_targets(tmp_path):
             out, sources = kiln.run_and_get_code(compiled, x)
             torch.testing.assert_close(out, f(x))
             assert any(marker in s and "kiln_" in s for s in sources), (codegen, sources)
+        # the prelude (math, philox, vectors) is a header the unit includes: the unit shows its kernels only
+        unit = next(s for s in sources if 'extern "C"' in s) if codegen == "cpp" else ""
+        assert codegen != "cpp" or (unit.startswith('#include "kiln_prelude_') and "kiln_philox" not in unit)
 
 
 def test_backward_wrapper_is_collected():

@@ -16,7 +16,7 @@ from kiln.codegen.flex.translate import CppDialect, Unsupported, Val
 from kiln.codegen.flex.triton_kernels import LOG2E
 from kiln.codegen.flex.triton_module import KB, MASK_PARAMS, RUNTIME, SIZES, VB, order, stats
 from kiln.codegen.to_cpp.ops import MEMORY, PREAMBLE, literal
-from kiln.codegen.text.source import PLACEHOLDER
+from kiln.codegen.text.source import PLACEHOLDER, Unit
 
 ROWS = 64   # query rows of a thread's tile (a kv block's keys and values are copied once per tile)
 
@@ -225,10 +225,10 @@ def kernel_text(call: FlexCall, name: str) -> tuple:
 
 
 def cpp_forward(call: FlexCall) -> tuple:
-    """(C++ unit source, function name, launcher module text)."""
+    """(C++ ``Unit``, function name, launcher module text)."""
     text, n_ptr, ints, (prep, bargs, bsizes) = kernel_text(call, PLACEHOLDER)
     fname = "kiln_flex_cpp_" + hashlib.sha256(text.encode()).hexdigest()[:16]
-    source = PREAMBLE + "\n" + text.replace(PLACEHOLDER, fname)
+    unit = Unit.of(PREAMBLE, text.replace(PLACEHOLDER, fname), (fname,))
     full = call.masks["full_kv_num"] is not None
     ptrs = ["q", "k", "v", "out", "lse", "mx", "kvn", "kvi"] + (["fkvn", "fkvi"] if full else [])
     args = [f"0 if {p} is None else {p}.data_ptr()" if p in ("lse", "mx") else f"{p}.data_ptr()"
@@ -242,7 +242,7 @@ def cpp_forward(call: FlexCall) -> tuple:
     out = f"out = _strided((B, HQ, QL, {call.dims()[6]}), {order(call.val(call.node)[0])}, q.dtype, q.device)"
     body = [SIZES, out] + prep + stats(call)[:2] + [KB, VB, "if B * HQ * QL:",
                                                    f"    _k({', '.join(args + bargs + sizes + bsizes)})"]
-    return source, fname, "\n".join(lines + ["    " + b for b in body + stats(call)[2:]]) + "\n"
+    return unit, fname, "\n".join(lines + ["    " + b for b in body + stats(call)[2:]]) + "\n"
 
 
 __all__ = ["cpp_forward", "kernel_text"]

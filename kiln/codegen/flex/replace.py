@@ -11,7 +11,7 @@ from kiln.codegen.flex.cpp import cpp_forward
 from kiln.codegen.flex.hop import FlexCall, hop_name, parse
 from kiln.codegen.flex.translate import Unsupported
 from kiln.codegen.flex.triton_module import backward_module, forward_module, operands
-from kiln.codegen.text.source import KernelSource, Unit, named
+from kiln.codegen.text.source import KernelSource, named
 from kiln.debug import counters, log
 
 
@@ -46,8 +46,8 @@ def _source(call: FlexCall, opts, cpp: bool):
         if call.backward:
             raise Unsupported("flex: kiln has no C++ FlexAttention backward (torch refuses FlexAttention's "
                               "backward on the CPU)")
-        source, fname, text = cpp_forward(call)
-        unit, kind, interpret = Unit(source, (fname,)), "flex_cpp", None
+        unit, fname, text = cpp_forward(call)
+        kind, interpret = "flex_cpp", None
     else:
         interpret = call.val(call.q).device.type != "cuda" and opts.emit_for != "cuda"
         if call.dtype == torch.float64:

@@ -34,9 +34,20 @@ class KernelSource:
 
 @dataclass(frozen=True)
 class Unit:
-    """A graph's C++ translation unit: its source and the names of its ``extern "C"`` functions."""
+    """A graph's C++ translation unit: its source, the names of its ``extern "C"`` functions and the
+    ``prelude`` it includes (the shared definitions, a header written beside it at build time)."""
     source: str
     functions: tuple
+    prelude: str = ""
+
+    @staticmethod
+    def of(prelude: str, body: str, functions: tuple) -> "Unit":
+        """A unit whose source includes ``prelude`` by a name derived from its text, then ``body``."""
+        return Unit(f'#include "{header_name(prelude)}"\n\n{body}', functions, prelude)
+
+
+def header_name(prelude: str) -> str:
+    return f"kiln_prelude_{hashlib.sha256(prelude.encode()).hexdigest()[:16]}.h"
 
 
 @dataclass(frozen=True, eq=False)

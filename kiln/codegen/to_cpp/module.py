@@ -27,7 +27,7 @@ def write_unit(plans, tuning: Tuning) -> tuple:
             counters["codegen"]["cpp_declined"] += 1
             log(1, f"codegen: cpp declines a kernel, which runs as ATen ({e})")
             sources.append(declined(plan))
-    return Unit(PREAMBLE + "\n" + "\n\n".join(functions.values()) + "\n", tuple(functions)), sources
+    return Unit.of(PREAMBLE, "\n\n".join(functions.values()) + "\n", tuple(functions)), sources
 
 
 def _write_plan(plan, tuning: Tuning, functions: dict) -> KernelSource:
