@@ -1,6 +1,5 @@
-"""kiln: a small PyTorch compiler. ``torch.compile(model, backend="kiln")`` or ``kiln.compile(model)``.
-
-The public names are ``__all__``; ``__version__`` is kiln's version (as in pyproject.toml).
+"""kiln: a small PyTorch compiler. ``torch.compile(model, backend="kiln")`` or ``kiln.compile(model)``;
+the public names are ``__all__``.
 """
 from __future__ import annotations
 
@@ -29,9 +28,8 @@ def compile(model=None, *, dynamic=None, fullgraph: bool = False, mode=None, **o
 
 
 def run_and_get_code(fn, *args, **kwargs):
-    """Run ``fn(*args)`` and return ``(result, [source of each wrapper and kernel generated meanwhile])``.
-    Dynamo is reset first (as by inductor's ``run_and_get_code``), so compiled functions compile again; the
-    backward compiles at its first ``.backward()``: call that inside ``fn`` to see it."""
+    """``(fn(*args), [source of each wrapper and kernel generated meanwhile])``, Dynamo reset first (as
+    inductor's); the backward compiles at its first ``.backward()``: call that inside ``fn`` to see it."""
     from kiln.runtime.load import collect_sources
     torch._dynamo.reset()
     with collect_sources() as sources:

@@ -9,8 +9,7 @@ USAGE = ("usage: kiln demo | kiln bench [--suite micro|models|user|all] [...] | 
          " | kiln bench-compile [--cases gpt] | kiln options [NAME] | kiln cache info|clear | kiln --version")
 
 
-# The commands of the tools beside the compiler (the kiln_bench package): each module is imported only when
-# its command runs, so kiln itself never imports the tools (tests/test_layers.py checks)
+# The tools' commands (kiln_bench), imported only when run: kiln never imports the tools (test_layers checks)
 TOOLS = {"demo": "kiln_bench.demo", "bench": "kiln_bench.cli", "check-ops": "kiln_bench.opinfo",
          "bench-compile": "kiln_bench.compile_times"}
 
@@ -30,7 +29,6 @@ def tool(cmd: str):
 
 
 def version() -> str:
-    """kiln's version and the versions it runs with."""
     import platform
 
     import torch

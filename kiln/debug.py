@@ -1,9 +1,6 @@
-"""Inspectability: the KILN_DEBUG ladder, counters, KILN_DUMP, the per-region ``Trace``.
-
-Levels: 1 stage names and times, 2 the graph after each stage, 3 remat decisions, 4 generated kernels and
-wrappers, 5 every rule that fired. Messages go through torch's logging (``kiln.logs``); KILN_DEBUG prints
-what torch's settings do not show. A compile the compile cache will store keeps a ``Record`` of all it
-shows, which a hit replays through the same channels (``Trace.replay``).
+"""Inspectability: the KILN_DEBUG ladder (1 stages and times, 2 graphs, 3 remat decisions, 4 kernels, 5
+rules), counters, KILN_DUMP, the per-region ``Trace``. Messages go through torch's logging; a compile the
+cache will store keeps a ``Record`` of all it shows, which a hit replays (``Trace.replay``).
 """
 from __future__ import annotations
 
@@ -78,9 +75,8 @@ def inspecting(trace=None) -> bool:
 
 
 class Record:
-    """What one compile showed, in order, for the compile cache: ``("log", level, message, artifact, origin)``,
-    ``("stage", phase, name, seconds, cpu_ms)``, ``("explain", stage, text)``, ``("dump", file, text,
-    numbered)``, ``("trace", name, payload, encoding)``."""
+    """What one compile showed, in order, for the compile cache: ``("log", ...)``, ``("stage", ...)``,
+    ``("explain", ...)``, ``("dump", ...)``, ``("trace", ...)`` events, as ``Trace.replay`` reads them."""
 
     def __init__(self):
         self.events: list = []
@@ -111,9 +107,8 @@ _OBSERVERS: list = []      # callables (event, data) while ``observe`` scopes ru
 
 @contextlib.contextmanager
 def observe(fn):
-    """Call ``fn(event, data)`` with what the pipeline does in this scope: ``"graph"`` with ``{trace, stage,
-    gm}`` for every graph a stage produces, ``"partition"`` with ``{joint, saved, num_fwd_outputs}`` for every
-    cut of a joint graph (the tools read the pipeline so instead of patching it)."""
+    """Call ``fn(event, data)`` for ``"graph"`` (``{trace, stage, gm}``) and ``"partition"`` (``{joint, saved,
+    num_fwd_outputs}``) in this scope: tools read the pipeline so, never patch it."""
     _OBSERVERS.append(fn)
     try:
         yield fn
@@ -253,8 +248,8 @@ class Trace:
         return run
 
     def report(self) -> None:
-        """Where the forward compile's time went: Dynamo (its frame compile less kiln's backend call),
-        AOTAutograd (its call less kiln's compilers), kiln (the rest), the total (``kiln_stage_times``)."""
+        """Where the forward compile's time went: Dynamo, AOTAutograd (less kiln's compilers), kiln, the
+        total."""
         frames = compat.dynamo_frame_times()
         backend = self.clock["backend"]
         frame = frames[self.frames] if len(frames) > self.frames and frames[self.frames] >= backend else None

@@ -1,12 +1,9 @@
 """kiln in torch's logging (``torch._logging``): the ``kiln`` log, kiln's artifacts, structured-trace entries.
 
-``TORCH_LOGS=kiln`` shows kiln's INFO messages (stages, times, fallbacks), ``+kiln`` the DEBUG ones too
-(graphs, remat decisions, kernel plans, rules). Artifacts: ``output_code`` (wrappers and kernels),
-``kiln_plans``, ``kiln_remat``. torch rejects names it does not know while ``import torch`` reads
-``TORCH_LOGS``, before kiln can add its own (pytorch/pytorch#173759): kiln's artifacts are named in a
-program, ``torch._logging.set_logs(modules={"kiln_plans": True})``. A structured trace (``TORCH_TRACE``)
-gets ``kiln_*`` entries under the compile that made them. While a compile the cache will store runs on a
-thread (``active``), what it logs and traces is added to its record too (``recording``).
+``TORCH_LOGS=kiln`` shows kiln's INFO messages, ``+kiln`` the DEBUG ones too. torch rejects artifact names
+it does not know while ``import torch`` reads ``TORCH_LOGS`` (pytorch/pytorch#173759): kiln's are named in
+a program, ``torch._logging.set_logs(modules={"kiln_plans": True})``. What a compile the cache will store
+logs and traces goes to its record too (``active``, ``recording``).
 """
 from __future__ import annotations
 
@@ -37,8 +34,7 @@ def register() -> bool:
         for name, help in ARTIFACTS.items():
             if not registry.is_artifact(name):
                 tl.register_artifact(name, help, visible=True)
-        # torch set up its handlers before kiln was imported; when TORCH_LOGS names kiln, torch itself is
-        # importing kiln now and sets up the kiln log after this returns
+        # torch set up its handlers before kiln was imported (unless TORCH_LOGS names kiln: it imports it now)
         if fresh and not re.search(r"(^|,)\s*[+-]?kiln(\.|\s*,|\s*$)", os.environ.get("TORCH_LOGS", "")):
             tl._init_logs()
         return True
@@ -68,9 +64,8 @@ def enabled(py_level: int, artifact: str | None = None) -> bool:
 
 
 def tracing() -> bool:
-    """Whether a structured trace is being written (``TORCH_TRACE``, ``TORCH_COMPILE_DEBUG``, a test's handler);
-    not by pytest's capture handlers (they join every non-propagating log), nor torch's lazy handler without
-    a folder (it removes itself on its first record outside Meta's servers)."""
+    """Whether a structured trace is being written; pytest's capture handlers and torch's lazy handler without
+    a folder (it removes itself on its first record outside Meta's servers) do not count."""
     try:
         from torch._logging._internal import trace_log
     except ImportError:
@@ -106,9 +101,8 @@ def compile_id():
 
 
 def trace(name: str, payload_fn, encoding: str = "string", cid=None) -> None:
-    """A structured-trace ``artifact`` entry ``name`` (``kiln_*``) whose payload is ``payload_fn()`` (text,
-    or a dict with ``encoding="json"``); nothing is computed unless a trace is being written or the compile
-    running on this thread records for the compile cache (``recording``)."""
+    """A structured-trace ``artifact`` entry ``name`` of ``payload_fn()`` (text, or a dict if ``json``),
+    computed only when a trace is written or this thread's compile records (``recording``)."""
     record = recording()
     if record is not None:
         payload = payload_fn()

@@ -1,11 +1,6 @@
-"""kiln's memory-facing entry points, on the pipeline's AOTAutograd set-up (``pipeline.aot_compilers``).
-
-``kiln.memory_efficient_fusion`` compiles a function or nn.Module without Dynamo, through AOTAutograd's entry
-points; unlike ``aot_function``, which traces once and silently reuses that graph for any later input, it
-keeps one compiled graph per input signature (shapes, strides, dtypes, devices, requires_grad).
-``kiln.explain_memory`` explains the partition kiln makes of a training graph (``partition/report.py``): the
-joint graph kiln compiles (pre-grad passes, kiln's decompositions for the target, joint passes, partition),
-code generation left out.
+"""kiln's memory-facing entry points, on the pipeline's AOTAutograd set-up: ``kiln.memory_efficient_fusion``
+compiles without Dynamo, one graph per input signature (``aot_function`` silently reuses its first graph);
+``kiln.explain_memory`` explains the partition of a training graph (``partition/report.py``).
 """
 from __future__ import annotations
 
@@ -25,9 +20,8 @@ from kiln.pipeline import aot_compilers
 
 def explain_memory(fn, *args, budgets: Optional[Sequence[float]] = None, png: Optional[str] = None,
                    **options) -> MemoryReport:
-    """Report the partition kiln makes of ``fn(*args)`` (its first graph) under the options in force plus
-    ``options``; Dynamo is reset first, as by ``kiln.explain``. ``budgets``: also sweep these budgets (by
-    default 1.0..0.0 by 0.1 with ``png``); ``png``: plot budget -> (peak bytes, recompute FLOPs) there."""
+    """Report the partition of ``fn(*args)``'s first graph (Dynamo reset first) under the options plus
+    ``options``; ``budgets``: sweep these too (1.0..0.0 with ``png``); ``png``: plot the sweep there."""
     opts = current(**options)
     cut = capture_partition(fn, args, opts)
     return report(cut["joint"], cut["saved"], cut["num_fwd_outputs"], opts, budgets=budgets, png=png)
@@ -112,8 +106,7 @@ def _state(module: torch.nn.Module) -> tuple:
 
 
 def _functional(module: torch.nn.Module):
-    """``module`` as a function of ``(parameters, buffers)`` and its inputs, tied weights kept tied (AOTAutograd's
-    ``aot_module`` passes both names of a tied weight and ``functional_call`` refuses)."""
+    """``module`` as a function of ``(parameters, buffers)`` and its inputs, tied weights kept tied."""
     def call(state, *args, **kwargs):
         return torch.func.functional_call(module, state, args, kwargs, tie_weights=True)
     return call

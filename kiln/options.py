@@ -1,11 +1,7 @@
-"""kiln's options: one frozen dataclass, scoped overrides through a context variable.
-
-Every field has a default, one line of help and an environment variable (``KILN_<NAME>``).
-``kiln.config.patch(**overrides)`` (a context manager and a decorator) never mutates a module global, so
-overrides end with their scope and do not leak between threads or compiles. The tuning constants form a
-nested frozen group, ``Options.tuning``, named ``tuning.<name>`` everywhere: ``patch(**{"tuning.x": 1})``
-or ``patch(tuning={"x": 1})`` (both merge into the tuning in force), ``KILN_TUNING_<NAME>``, ``--set
-tuning.<name>=VALUE``, ``kiln options``.
+"""kiln's options: one frozen dataclass, each field with a default, one line of help and ``KILN_<NAME>``.
+``kiln.config.patch(**overrides)`` scopes overrides in a context variable (no module global, no leak between
+threads). Tuning constants are the nested frozen ``Options.tuning``, named ``tuning.<name>`` everywhere:
+``patch(tuning={"x": 1})``, ``KILN_TUNING_<NAME>``, ``--set tuning.<name>=V``, ``kiln options``.
 """
 from __future__ import annotations
 
@@ -297,8 +293,7 @@ class Options:
         return _build({**flat_options(self), **_flatten(overrides)})
 
     def cache_key(self) -> str:
-        """Hash of every field that changes the output (hooks by their uuid() or source). Passes
-        registered through ``kiln.passes.registry`` are keyed by ``kiln.pipeline.cache_key``."""
+        """Hash of every field that changes the output (hooks by their uuid() or source)."""
         h = hashlib.sha256()
         for f in dataclasses.fields(self):
             if f.metadata.get("cache"):
@@ -450,8 +445,7 @@ def current(**extra) -> Options:
 
 
 def _from_functorch() -> dict:
-    """The activation memory budget inductor's users already set (``torch._functorch.config``), taken as
-    kiln's when it is not the default 1.0 and nothing of kiln's sets one."""
+    """The budget inductor's users set in ``torch._functorch.config``, taken when not the default 1.0."""
     import torch._functorch.config as fconfig
     budget = getattr(fconfig, "activation_memory_budget", 1.0)
     if budget == 1.0:
@@ -464,8 +458,7 @@ def _from_functorch() -> dict:
 
 
 def _from_compile_debug() -> dict:
-    """``TORCH_COMPILE_DEBUG=1``: kiln's dumps go to ``kiln/`` in torch's debug folder of this run (where
-    inductor writes its own), unless kiln's own settings name a dump folder."""
+    """``TORCH_COMPILE_DEBUG=1``: kiln's dumps go to ``kiln/`` in torch's debug folder of this run."""
     folder = compat.compile_debug_dir()
     return {} if folder is None else {"dump_dir": os.path.join(folder, "kiln")}
 

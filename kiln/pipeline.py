@@ -1,18 +1,10 @@
 """kiln's pipeline, top to bottom.
 
 Dynamo graph -> pre-grad passes -> AOTAutograd (the target's decompositions) -> joint passes ->
-[freezing: parameters become constants, then folds] -> the target's joint passes -> partition -> on
-forward and backward: the target's passes, post-grad passes, the target's kernels (``Target.fuse``:
-generated as data, built, put into the graph) -> Python wrapper -> runtime (binds the kernels) [-> CUDA
-graphs, mode="reduce-overhead"]. The target (``codegen.target``: ATen, Triton or C++) is resolved once
-per graph.
-
-Each step runs through ``Trace.stage``, which times it, prints it (KILN_DEBUG), verifies it and dumps
-it (KILN_DUMP). Inference under ``torch.no_grad()`` takes AOTAutograd's inference path: the joint passes
-run on the inference graph and there is no backward; with ``freezing=True`` that path first turns the
-module's parameters and buffers into constants and folds them (``passes/freeze.py``). There is one
-AOTAutograd set-up (``aot_compilers``), used by ``compile_graph`` (Dynamo's graphs) and by
-``kiln.memory_efficient_fusion`` alike.
+[freezing] -> the target's joint passes -> partition -> per forward/backward graph: the target's passes,
+post-grad passes, the target's kernels -> Python wrapper -> runtime [-> CUDA graphs]. ``Trace.stage``
+times, prints, verifies and dumps each step. ``aot_compilers`` is the one AOTAutograd set-up, for
+``compile_graph`` and ``kiln.memory_efficient_fusion`` alike.
 """
 from __future__ import annotations
 
@@ -25,7 +17,7 @@ import torch
 import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 
-from kiln import cache, compat, debug, logs, partition, passes
+from kiln import cache, debug, logs, partition, passes
 from kiln.capture.hazards import upstream_hazard
 from kiln.codegen.target import Target, resolve
 from kiln.codegen.wrapper import emit_wrapper
@@ -39,9 +31,8 @@ from kiln.runtime import cudagraph
 
 
 def compile_graph(gm: fx.GraphModule, example_inputs: list, opts: Options):
-    """Compile one Dynamo graph; returns a callable taking the same inputs. When compiling raises
-    (AOTAutograd, kiln), the graph runs as eager does, with a warning (``on_error='eager'``), unless the
-    error names a mistake of the user's (``UserError``), is Dynamo's, or ``on_error='raise'``."""
+    """Compile one Dynamo graph into a callable. When compiling raises, the graph runs as eager does, with a
+    warning, unless the error is a ``UserError`` or Dynamo's, or ``on_error='raise'``."""
     as_captured = types.MethodType(type(gm).forward, gm)   # the passes rewrite gm in place
     hazard = upstream_hazard(gm, example_inputs)
     if hazard:   # torch's capture would compute it wrongly: not an error of kiln's, so on_error does not apply
@@ -63,8 +54,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list, opts: Options):
 
 
 def _eager(forward, error: Exception):
-    """``forward``, Dynamo's graph as captured, after a warning naming ``error`` (the eager fallback of
-    ``compile_graph``)."""
+    """``forward``, Dynamo's graph as captured, after a warning naming ``error``."""
     frames = traceback.extract_tb(error.__traceback__)
     ours = [f for f in frames if "/kiln/" in f.filename and not f.filename.endswith("pipeline.py")]
     where = next((f"{f.filename}:{f.lineno}" for f in reversed(ours or frames)), "?")
@@ -112,10 +102,8 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list, opts: Options, trac
 
 
 def aot_compilers(opts: Options, target: Target, trace: Trace, region=None, registered=None, session=None) -> dict:
-    """AOTAutograd's keyword arguments for one compiled region: kiln's compilers, partitioner and the
-    target's decompositions. ``region``: the freezing state (``freeze.FrozenRegion``) of an inference region;
-    ``registered``: the passes registered when the compile began (default: those in force now);
-    ``session``: the compile cache's (``cache.Session``), which records what the compilers make."""
+    """AOTAutograd's keyword arguments for one region: kiln's compilers, partitioner and decompositions
+    (``region``: a ``freeze.FrozenRegion``; ``session``: a ``cache.Session``, which records)."""
     registered = passes.snapshot() if registered is None else registered
     target.start()
     graphs = target.cuda_graphs()  # mode="reduce-overhead"
@@ -172,7 +160,7 @@ def aot_compilers(opts: Options, target: Target, trace: Trace, region=None, regi
     table = target.decompositions()
     if region is not None:
         freeze.keep_whole(table)   # eval BatchNorm stays one node, so that conv-BN folding sees it
-    return compat.aot_autograd_kwargs(
+    return dict(
         fw_compiler=fw_compiler, bw_compiler=bw_compiler, inference_compiler=inference_compiler,
         partition_fn=partition_fn, decompositions=table, keep_inference_input_mutations=True)
 
@@ -186,9 +174,8 @@ def _record(session, kind: str, compiled):
 
 def lower(gm: fx.GraphModule, inputs: list, opts: Options, trace: Trace, kind: str, target: Target,
           graphs: bool = False, n_user: int = 0, layout=None, positions=None, registered=None):
-    """Post-grad passes, fusion and wrapper generation for one forward/backward/inference graph;
-    with ``graphs`` the result replays as a CUDA graph (runtime/cudagraph.py). ``positions``: the
-    AOTAutograd input position of each of ``inputs`` (freezing drops some)."""
+    """Post-grad passes, fusion and wrapper of one graph; with ``graphs`` it replays as a CUDA graph.
+    ``positions``: each input's AOTAutograd position (freezing drops some)."""
     with using(opts):
         if not graphs:
             return _lower(gm, inputs, opts, trace, kind, target, layout, registered)
@@ -199,8 +186,8 @@ def lower(gm: fx.GraphModule, inputs: list, opts: Options, trace: Trace, kind: s
 
 def _lower(gm: fx.GraphModule, inputs: list, opts: Options, trace: Trace, kind: str, target: Target,
            layout=None, registered=None):
-    """``layout``: shared by a forward and its backward; the forward records which saved values it
-    produces with known strides, and the backward's wrapper reinterprets views of those."""
+    """``layout``, shared by a forward and its backward: the saved values the forward makes with known
+    strides."""
     names = None
     if layout is not None and kind == "forward":   # output names before passes: the backward's inputs
         out = gm.graph.output_node().args[0]
@@ -234,6 +221,5 @@ def _show_plans(trace: Trace, kind: str, plans) -> None:
 
 
 def cache_key(opts: Options, registered=None) -> str:
-    """What a compile depends on beyond its graph: the options and the passes registered through
-    ``kiln.passes.register`` (by their uuid() or source; ``registered``: a ``passes.snapshot()``)."""
+    """What a compile depends on beyond its graph: the options and the registered passes (``snapshot()``)."""
     return hashlib.sha256(f"{opts.cache_key()}|{registered_passes_key(registered)}".encode()).hexdigest()[:16]

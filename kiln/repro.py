@@ -1,11 +1,7 @@
-"""Standalone repros under KILN_DUMP, and ``kiln.resume`` to feed a dump back in.
-
-Each compiled region's dump folder gets ``graph.pt`` (Dynamo's GraphModule), ``inputs.pt`` (the example
-inputs, SymInts as ints) and ``repro.py``, which runs the region eagerly and through kiln (``on_error=
-'raise'``) and compares values and gradients: it exits non-zero on a mismatch, and when the original
-compile failed (``error.txt``) but this run did not. Options that cannot be written to a file (callables,
-values without a literal) and passes registered through ``kiln.passes.register`` are named in it and in
-a warning it prints.
+"""Standalone repros under KILN_DUMP, and ``kiln.resume`` to feed a dump back in: ``graph.pt``, ``inputs.pt``
+and ``repro.py``, which runs the region eagerly and through kiln and exits non-zero on a mismatch, or when
+the original compile failed (``error.txt``) and this run did not. What cannot be written to a file
+(callable options, registered passes) is named in it and in a warning it prints.
 """
 from __future__ import annotations
 
@@ -105,8 +101,8 @@ def write_repro(trace, gm: fx.GraphModule, example_inputs, opts, registered=()) 
 
 
 def _plain_options(opts) -> tuple:
-    """``(kept, omitted)``: the options that differ from their defaults and can be written as literals, and
-    those that cannot, each described."""
+    """``(kept, omitted)``: non-default options that can be written as literals, and those that cannot,
+    described."""
     kept, omitted = {}, {}
     for name, value in flat_options(opts).items():
         if name in ("dump_dir", "debug") or value == FIELDS[name].default:

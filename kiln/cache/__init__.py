@@ -1,16 +1,10 @@
 """The compile cache: graphs compiled by one process, reused by the next.
 
-``open_graph`` decides whether a Dynamo graph may use the cache and computes its key. ``Session.load``
-returns the compiled callable of a hit: its wrappers, kernels and C++ libraries loaded (``serial``),
-AOTAutograd's runtime wrappers rebuilt (``rebuild``), the stored shape guards checked and added to
-Dynamo's; nothing is traced or generated. On a miss the session stores the compiled graphs once complete (a
-training graph at its first ``backward()``) in ``store``'s directory, signed; a directory that is not
-private, or an entry that cannot be written, turns the cache off with one warning naming the option. An
-entry also keeps what its compile showed (``debug.Record``); a hit replays it when anything inspects.
-
-Counters (``kiln.counters['cache']``): ``hit``, ``miss``, ``saved``, ``bypass`` (not cacheable), ``off``
-(the directory refused), ``damaged`` (an entry failed its check and was deleted), ``guard_miss`` (stored
-for other shapes), ``load_failed``, ``write_failed``, ``replayed`` (a hit that showed its compile's output).
+``open_graph`` decides whether a Dynamo graph may use the cache and keys it; ``Session.load`` returns a hit
+(its shape guards checked and added to Dynamo's); on a miss the session stores the compiled graphs once
+complete, signed. A directory that is not private, or an entry that cannot be written, turns the cache off.
+Counters (``kiln.counters['cache']``): ``hit``, ``miss``, ``saved``, ``bypass``, ``off``, ``damaged``,
+``guard_miss``, ``load_failed``, ``write_failed``, ``replayed``.
 """
 from __future__ import annotations
 
@@ -61,8 +55,7 @@ def open_graph(gm, inputs, opts, options_key: str, target: str, frozen: bool = F
 
 class Session:
     def __init__(self, root: str, k: str, opts, inputs):
-        # the SymInts only: a session lives as long as the compiled function (its lazy backward compile
-        # records into it), and the example tensors are a first call's real values (a logits input)
+        # the SymInts only: the session lives as long as the compiled function; the tensors are real values
         self.root, self.key, self.opts = root, k, opts
         self.symints = [x for x in inputs if isinstance(x, torch.SymInt) and getattr(x.node, "hint", None) is not None]
         self.recorder = Recorder(self._guards_expr)
@@ -170,10 +163,8 @@ class Session:
 
 
 # -- what AOTAutograd knows about a compiled graph --------------------------------------------------------
-# AOTAutograd wraps the compiled graphs in runtime wrappers (an ``autograd.Function`` saving what the
-# backward needs, the replay of input mutations and aliased outputs), built from its ``ViewAndMutationMeta``
-# and a few counts: ``Recorder`` collects them on a miss; a hit runs the same post-compile steps on the stored
-# graphs (``compat.aot_runtime_wrappers`` hides the differences between torch releases).
+# AOTAutograd's runtime wrappers are built from its ``ViewAndMutationMeta`` and a few counts: ``Recorder``
+# collects them on a miss; a hit runs the same post-compile steps (``compat.aot_runtime_wrappers``).
 class Recorder:
     """Collects a miss's parts; ``entry()``: what the cache stores, once they are all there."""
 

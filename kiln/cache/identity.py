@@ -1,11 +1,7 @@
-"""What the compile cache knows a Dynamo graph by: the code of all its subgraphs and the identity of every
-Python callable and custom operator it calls, the same text in every process that traces the same program
-(Dynamo's top-level code names subgraphs and user functions without their bodies). torch's and Python's
-own objects go by name (their versions are in the key); a user's function by its code, defaults, closure
-and the globals it reads, recursively; a custom operator by the Python functions ``torch.library`` holds
-for it; a value by its repr, a small tensor by its bytes, an object by its ``uuid()``. What has no
-identity across processes (an object without ``uuid()``, a large tensor, a ``Library.impl`` kernel, which
-Python cannot read back) raises ``Unkeyable``: the graph compiles without the cache, the reason logged.
+"""What the compile cache knows a Dynamo graph by, the same text in every process: the code of its subgraphs
+and the identity of each callable and custom operator it calls. torch's and Python's objects go by name, a
+user's function by its code, defaults, closure and globals (recursively), a custom op by its Python
+functions, a value by repr, a small tensor by its bytes, an object by ``uuid()``; else ``Unkeyable``.
 """
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""The compile cache's key: everything a compiled graph depends on, hashed (``graph_key``): Dynamo's code and
-``identity.graph_identity``, the inputs' metadata, the global state a trace reads (``_state``), the options
-and registered passes, the target's share (``Target.cache_key``), the versions (kiln's own source included: an edited checkout misses).
-``bypass`` says why a graph is not cached at all (no stored AOTAutograd wrappers for input subclasses,
-aliased inputs or module-held parameters; freezing and CUDA graphs keep process state; a custom pass or
-callable option without ``uuid()`` could change behind the same name, as Inductor's rule has it).
+"""The compile cache's key (``graph_key``): Dynamo's code, ``identity.graph_identity``, the inputs, the global
+state a trace reads, options, passes, the target's share, the versions (kiln's source too); ``bypass``
+says why a graph is not cached at all.
 """
 from __future__ import annotations
 
@@ -111,9 +108,8 @@ CALLABLE_OPTIONS = tuple(f.name for f in dataclasses.fields(Options)
 
 
 def unkeyed_pass(fn) -> str:
-    """Why custom pass (or callable option) ``fn`` cannot key a stored compile ('' when it can): it is
-    known by its ``uuid()`` only, as Inductor's rule has it; its source would miss a helper it calls in
-    another module, a closure or bound state that differs between processes."""
+    """Why custom pass (or callable option) ``fn`` cannot key a stored compile ('' when it can): only its
+    ``uuid()`` keys it, as under Inductor (its source would miss helpers, closures and bound state)."""
     uuid, name = getattr(fn, "uuid", None), getattr(fn, "__qualname__", type(fn).__name__)
     if callable(uuid):
         try:

@@ -1,7 +1,5 @@
-"""A compiled graph (``runtime.load.Compiled``) as bytes, and back: its wrapper's source and globals, pickled
-with a pickler that knows kiln's and torch's objects (ATen overloads and higher-order ops by name, kernels
-by their module text, fallbacks by their graphs, small tensors by value; anything else, a closure or a
-large constant, raises ``NotCacheable``), and the C++ units its kernels were built from.
+"""A compiled graph (``runtime.load.Compiled``) as bytes and back: its wrapper's source and globals, pickled
+by a pickler knowing kiln's and torch's objects (else ``NotCacheable``), and its kernels' C++ units.
 """
 from __future__ import annotations
 
@@ -36,8 +34,7 @@ def _higher_order(name):
 
 
 class StoredFallback(Fallback):
-    """A kernel's ATen fallback read from the cache: its GraphModule is unpickled when it first runs
-    (most never do; making a GraphModule from its code costs about a millisecond each)."""
+    """A kernel's ATen fallback read from the cache, unpickled when it first runs (most never do)."""
 
     def __init__(self, data: bytes):
         self._data, self._gm = data, None
@@ -98,8 +95,7 @@ def pack(compiled: Compiled, units=()) -> dict:
 
 
 def _binary(unit):
-    """``(file name, bytes)`` of the library built from ``unit`` (a new process may not find the
-    kernel directory it was built into: a reboot empties /tmp), or None."""
+    """``(file name, bytes)`` of ``unit``'s library (a reboot empties /tmp's kernel directory), or None."""
     try:
         path = cpp_build.library(unit.functions[0])
         with open(path, "rb") as f:

@@ -1,10 +1,7 @@
-"""The compile cache's directory: entries written atomically, authenticated before they are read.
-
-An entry, ``kiln_<key>.kiln``, is a header line (a magic word, the payload's HMAC-SHA256 under the
-directory's key, its length) and the pickled payload. A truncated, garbled or foreign file (one no kiln of
-this user wrote: it could hand this process code) is deleted and reported as a miss. Writers rename a
-private temporary file over the entry, so processes sharing a cache never see a partial file. ``evict``
-drops the entries read longest ago first; it and ``clear`` delete only files kiln named.
+"""The compile cache's directory: entries written atomically (a private temporary file renamed over the entry)
+and authenticated before they are read: ``kiln_<key>.kiln`` is a header (magic, the payload's HMAC-SHA256
+under the directory's key, its length) and the payload; one that fails (it could hand this process code)
+is deleted, a miss. ``evict`` (oldest read first) and ``clear`` delete only files kiln named.
 """
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""The decomposition table AOTAutograd uses, chosen by the code generation target.
-
-The ATen target runs each op through PyTorch's own kernels, so it keeps composite ops whole (fewer,
-faster library calls). The fusing targets (Triton, C++) decompose to the core ATen set plus the forward
+"""The decomposition table AOTAutograd uses, by target: the ATen target keeps composite ops whole (fewer,
+faster library calls); the fusing targets (Triton, C++) decompose to the core ATen set plus the forward
 norms, softmax and activations, so the fusion scheduler sees pointwise ops and simple reductions.
 """
 from __future__ import annotations
@@ -11,6 +9,7 @@ import functools
 import torch
 import torch._prims  # noqa: F401  (registers the prims namespace)
 from torch._decomp import core_aten_decompositions, get_decompositions
+from torch._prims_common import make_contiguous_strides_for
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 aten = torch.ops.aten
@@ -33,16 +32,13 @@ FUSION_EXTRA = [
     aten.linalg_vector_norm,   # wrapped by _vector_norm
 ]
 
-# native_batch_norm is left out on purpose: on torch 2.11 its decomposition goes through the mutating
-# _native_batch_norm_legit, which AOTAutograd rejects in a functional graph. Torch's decomposition of
-# eval BatchNorm does too, so the fusing target gets kiln's own (``_batch_norm_eval``).
+# native_batch_norm is left out: on torch 2.11 its decomposition (and eval BatchNorm's) goes through the
+# mutating _native_batch_norm_legit, which AOTAutograd rejects; the fusing target gets ``_batch_norm_eval``.
 
 
 def _batch_norm_eval(x, weight, bias, running_mean, running_var, momentum, eps):
-    """``_native_batch_norm_legit_no_training`` as pointwise ops, so that eval BatchNorm fuses with
-    the activation and residual add around it. Math in float32 for half inputs, as ATen's kernels.
-    The two statistics outputs (unused by ``F.batch_norm``) are eager's: on the CPU empty tensors of
-    ``x``'s dtype, elsewhere the running mean and 1/sqrt(var + eps) used, in the math's dtype."""
+    """``_native_batch_norm_legit_no_training`` as pointwise ops (math in float32 for half inputs, as ATen),
+    so that eval BatchNorm fuses; the statistics outputs are eager's (CPU: empty tensors)."""
     acc = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
     shape = [1, -1] + [1] * (x.dim() - 2)
     invstd = torch.rsqrt(running_var.to(acc) + eps)
@@ -56,10 +52,8 @@ def _batch_norm_eval(x, weight, bias, running_mean, running_var, momentum, eps):
 
 
 def _broadcast_in_dim(a, shape, broadcast_dimensions):
-    """``prims.broadcast_in_dim`` as ATen's ``unsqueeze`` (each new dim) and ``expand`` (where a size
-    grows). torch's references emit it for keepdim reductions (``mean``, ``var_mean``, ``std``: layer, group
-    and RMS norms). It returns a view, and AOTAutograd cannot functionalize a prim that does, so a graph
-    holding it could not be traced again: compiled autograd retraces the backward graph."""
+    """``prims.broadcast_in_dim`` (keepdim reductions) as ``unsqueeze`` and ``expand``: AOTAutograd cannot
+    functionalize a view-returning prim, so compiled autograd could not retrace a graph holding it."""
     out = a
     for d in range(len(shape)):
         if d not in broadcast_dimensions:
@@ -70,8 +64,8 @@ def _broadcast_in_dim(a, shape, broadcast_dimensions):
 
 
 def _vector_norm(decomposition):
-    """torch's decomposition of ``linalg_vector_norm``, with the shape eager gives: torch 2.11's (and
-    its meta) keeps the reduced dims when they all have size 1 (``abs(x)``; fuzz seed 10 #5563)."""
+    """torch's ``linalg_vector_norm`` with eager's shape (2.11's keeps size-1 reduced dims; fuzz seed 10
+    #5563)."""
     def decompose(x, ord=2, dim=None, keepdim=False, *, dtype=None):
         out = decomposition(x, ord, dim, keepdim, dtype=dtype)
         if keepdim or out.dim() != x.dim() or x.dim() == 0:
@@ -92,11 +86,8 @@ def _pair(v, default=None):
 
 
 def _max_pool2d_with_indices(x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
-    """2-D max pooling as the running maximum of its window's strided slices, with ATen's flat
-    indices (``h * W + w``; the first maximum wins ties, a NaN wins over numbers): pointwise work
-    that fuses with the ReLU before it (and in inference no int64 indices are stored). In ceil mode the
-    last window may hang over the end, padded with -inf; ATen drops a window starting in the right padding.
-    Dilation, 3-D inputs and integer tensors keep the ATen kernel (``NotImplemented``)."""
+    """2-D max pooling as a running maximum of strided slices with ATen's flat indices (first maximum, NaN
+    wins), fusing with the ReLU before it. Dilation, 3-D and integer inputs keep the ATen kernel."""
     kh, kw = _pair(kernel_size)
     sh, sw = _pair(stride, (kh, kw))
     ph, pw = _pair(padding)
@@ -133,8 +124,7 @@ def _max_pool2d_with_indices(x, kernel_size, stride=(), padding=0, dilation=1, c
     return best, where
 
 
-# Ops that must stay whole: library calls that no decomposition beats (eval BatchNorm: on the ATen
-# target only, see above).
+# Ops that must stay whole: library calls no decomposition beats (eval BatchNorm: on the ATen target only).
 KEEP = [aten.convolution, aten.convolution_backward, aten.mm, aten.addmm, aten.bmm, aten.baddbmm,
         aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_efficient_attention,
         aten._scaled_dot_product_cudnn_attention, aten._scaled_dot_product_flash_attention_for_cpu,
@@ -147,10 +137,8 @@ def _overlaps(x) -> bool:
 
 
 def _scatter_into_dense(op):
-    """``op`` (slice/select/diagonal_scatter) with an expanded input given a dense copy first: torch
-    2.11's meta functions give the result the input's strides, zeros included, where eager returns a
-    dense tensor; kernels writing by the meta's strides then write every element to one address (fuzz
-    seed 10 #409 on 2.11). Declines (the op stays whole) for any other input."""
+    """``op`` (slice/select/diagonal_scatter) with an expanded input made dense first: torch 2.11's meta keeps
+    the zero strides eager drops, and kernels wrote every element to one address (fuzz seed 10 #409)."""
     def decompose(x, *args, **kwargs):
         if not _overlaps(x):
             return NotImplemented
@@ -162,10 +150,8 @@ DENSE_RESULT = [aten.slice_scatter.default, aten.select_scatter.default, aten.di
 
 
 def _angle(x):
-    """``angle`` of a complex tensor as ``atan2(imag, real)`` (what eager computes): eager's complex
-    angle returns a dense result where its meta function keeps the input's strides (a transposed input:
-    (3, 1) against (1, 8)), so a kernel reading the result by the meta's strides read the wrong
-    elements (fuzz seed 10 #467). Real inputs keep the op whole."""
+    """Complex ``angle`` as ``atan2(imag, real)``: its meta keeps the input's strides where eager returns a
+    dense result, and kernels read the wrong elements (fuzz seed 10 #467). Real inputs keep the op whole."""
     if not x.is_complex():
         return NotImplemented
     return aten.atan2.default(aten.imag.default(x), aten.real.default(x))
@@ -202,34 +188,18 @@ def _then(first, second):
     return decompose
 
 
-def _bool_scaled_or_empty(x, dim, index, source, *, alpha=1):
-    return (x.dtype == torch.bool and alpha != 1) or x.numel() == 0
-
-
-def _empty(x, dim, index, source, *args, **kwargs):
-    return x.numel() == 0 or source.numel() == 0
-
-
-def _not_float(x, *args, **kwargs):
-    return not x.is_floating_point()
-
-
-def _not_contiguous_strides(x, *args, **kwargs):
-    return tuple(x.stride()) != tuple(torch._prims_common.make_contiguous_strides_for(x.shape))
-
-
-# Inputs on which torch's decomposition of an op is wrong, so the op stays one ATen call: index_add
-# multiplies a bool source by ``alpha`` (an int64 source, which index_put rejects for a bool destination),
-# and into an empty tensor its index_put checks indices eager never reads (fuzz seed 10 #1016);
-# softmax of an integer tensor (eager's runs only when it is empty) pads it with an integer -inf;
-# index_fill of a tensor without contiguous strides restores them, in torch 2.11 by ``empty_like(x).copy_``,
-# an in-place write that AOTAutograd's functional-graph check rejects (2.13 uses ``prims.copy_strided``);
-# index_copy into an empty tensor or from an empty source: its index_put checks indices eager never reads
-# (fuzz seed 11 #4177).
-DECLINE = {aten.index_add.default: _bool_scaled_or_empty, aten.index_copy.default: _empty,
-           aten._softmax.default: _not_float,
-           aten._log_softmax.default: _not_float,
-           aten.index_fill.int_Scalar: _not_contiguous_strides, aten.index_fill.int_Tensor: _not_contiguous_strides}
+# Inputs on which torch's decomposition of an op is wrong, so the op stays one ATen call: index_add of a
+# bool source with ``alpha``, index_add / index_copy into or from an empty tensor (its index_put checks
+# indices eager never reads: fuzz seed 10 #1016, 11 #4177); softmax of an integer tensor; index_fill of a
+# tensor without contiguous strides (torch 2.11 restores them with an in-place copy AOTAutograd rejects).
+DECLINE = {aten.index_add.default: lambda x, dim, index, source, *, alpha=1:
+           (x.dtype == torch.bool and alpha != 1) or x.numel() == 0,
+           aten.index_copy.default: lambda x, dim, index, source, *a, **k:
+           x.numel() == 0 or source.numel() == 0,
+           **dict.fromkeys((aten._softmax.default, aten._log_softmax.default),
+                           lambda x, *a, **k: not x.is_floating_point()),
+           **dict.fromkeys((aten.index_fill.int_Scalar, aten.index_fill.int_Tensor), lambda x, *a, **k:
+                           tuple(x.stride()) != tuple(make_contiguous_strides_for(x.shape)))}
 
 
 def _complex(value) -> bool:
@@ -241,9 +211,8 @@ def _complex(value) -> bool:
 
 
 def _real_only(decomposition, declines=None):
-    """``decomposition``, declining (``NotImplemented``) on complex tensors: no kernel computes them,
-    so the op stays one ATen call, and some of torch's decompositions fail on them (``nan_to_num``'s
-    calls ``isneginf``, which rejects complex); and where ``declines(*args, **kwargs)`` (``DECLINE``)."""
+    """``decomposition``, declining (``NotImplemented``) on complex tensors (no kernel computes them; some of
+    torch's decompositions fail on them) and where ``declines(*args, **kwargs)`` (``DECLINE``)."""
     @functools.wraps(decomposition)
     def decompose(*args, **kwargs):
         if _complex(args) or _complex(tuple(kwargs.values())) or (declines and declines(*args, **kwargs)):
@@ -253,17 +222,13 @@ def _real_only(decomposition, declines=None):
 
 
 def _fma(a, b, c):
-    """``prims.fma`` as a product and a sum: Dynamo writes ``addcmul_``/``addcdiv_`` with a ``value`` and
-    ``add_`` with a tensor ``alpha`` as Inductor's ``fma`` prim (every Adam/AdamW step), for which no
-    compiler but Inductor has a kernel; as ATen ops they fuse into the optimizer's kernels."""
+    """``prims.fma`` (Dynamo's ``addcmul_``/``addcdiv_``/``add_`` of Adam steps) as ATen ops that fuse."""
     return aten.add.Tensor(aten.mul.Tensor(a, b), c)
 
 
 def decomposition_table(fusion: bool = False) -> dict:
-    """The op -> decomposition dict of the ATen target, or with ``fusion`` of the targets that fuse kernels
-    (``codegen.target.Target.decompositions``); a fresh copy each call. The
-    ``fma`` prim exists once Dynamo has registered it (it imports Inductor's prims when it traces an
-    optimizer), so it is looked up at each call."""
+    """The op -> decomposition dict of the ATen target, or with ``fusion`` of the fusing targets (a fresh
+    copy); the ``fma`` prim exists once Dynamo has registered it, so it is looked up at each call."""
     table = dict(_table(fusion))
     fma = getattr(getattr(torch.ops.prims, "fma", None), "default", None)
     if fma is not None:

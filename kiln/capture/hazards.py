@@ -1,12 +1,6 @@
-"""Dynamo graphs that torch's own capture gets wrong: kiln runs them as eager does.
-
-AOTAutograd functionalizes a write through a view by writing the view back into its base with the view's
-inverse; for ``unfold`` that is ``unfold_backward``, a gradient formula that zeroes the elements no window
-covers (step > size), so ``x.unfold(0, 1, 2).diagonal().mul_(3)`` zeroes every other row of ``x`` (torch 2.11
-and 2.13, ``backend="aot_eager"`` alike; fuzz seed 10 #4399). Writes into an input that shares memory with
-another take AOTAutograd's "synthetic base" path, which returned outputs of the wrong shape (``a0.sub_(a1)``
-beside ``a0[::2]``: a flat ``int64[100]`` for ``[2, 5, 5, 2]``, seed 13 #3204) and read a stale
-overlapping input (seed 13 #603).
+"""Dynamo graphs that torch's own capture gets wrong, which kiln runs as eager does: a write through a view of
+``unfold`` (AOTAutograd's ``unfold_backward`` write-back zeroes elements no window covers: fuzz seed 10
+#4399), a write into an input sharing memory with another (synthetic bases: seed 13 #3204, #603).
 """
 from __future__ import annotations
 
@@ -31,7 +25,6 @@ def _name(n: fx.Node) -> str:
 
 
 def _writes(n: fx.Node) -> bool:
-    """Whether ``n`` writes into its first argument."""
     name = _name(n)
     return (n.op == "call_function" and n.target in _INPLACE_OPS or n.kwargs.get("inplace") is True
             or "out" in n.kwargs or name.endswith("_") and not name.endswith("__") and name != "requires_grad_")
@@ -61,7 +54,6 @@ def upstream_hazard(gm: fx.GraphModule, example_inputs=()) -> str:
 
 
 def _sharing_inputs(gm: fx.GraphModule, example_inputs) -> set:
-    """The placeholders whose example tensors share storage with another's."""
     groups = {}
     holders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for n, x in zip(holders, example_inputs):

@@ -1,7 +1,5 @@
-"""kiln's partitioner: ``partition_joint``, the ``partition_fn`` kiln hands to AOTAutograd, cuts the joint graph
-into a forward and a backward graph; ``opts.partitioner`` picks ``'default'`` (save every forward value the
-backward uses, eager-like) or ``'mincut'`` (rematerialization under ``activation_memory_budget`` and
-``activation_memory_limit``).
+"""kiln's partitioner: ``partition_joint``, AOTAutograd's ``partition_fn``, cuts the joint graph in two;
+``opts.partitioner``: ``'default'`` (save what the backward uses) or ``'mincut'`` (rematerialization).
 """
 from __future__ import annotations
 

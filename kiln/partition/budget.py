@@ -1,34 +1,14 @@
 """``activation_memory_budget``: trade recomputation for saved bytes (PyTorch's semantics).
 
-- 1: the runtime-optimal cut (or the plain partition when that saves fewer bytes); its activation bytes
-  (saved tensors that are not graph inputs) are ``max``.
-- 0: save only inputs (and what can never be recomputed: random and mutating ops).
-- b in between: the first of the "more aggressive" and "aggressive" cuts whose activation bytes are at
-  most ``b * max``; otherwise a 0/1 knapsack over the compute-heavy ops the aggressive cut saves keeps the
-  set of largest estimated runtime that fits, and the cut is made again with the others recomputable.
-  The knapsack is exact: a dynamic program up to ``tuning.knapsack_dp_cells``, else HiGHS, checked.
+- 1: the runtime-optimal cut (or the plain partition when that saves fewer bytes), saving ``max`` bytes of
+  activations; 0: save only inputs (and what can never be recomputed: random and mutating ops).
+- b in between: the first of the "more aggressive" and "aggressive" cuts saving at most ``b * max``; else
+  an exact 0/1 knapsack (ties to more bytes: monotone in b) keeps the heavy ops of largest runtime that fit.
 
-Monotone: the knapsack is exact, ties to more bytes, so kept bytes never fall as the budget rises
-(tests/partition/test_budget_property.py). The modelled peak cannot be monotone while the budget fixes which
-matmuls are saved: on seed 001's uneven chain the only plan saving 8 of 50 units models a higher forward
-peak than the best plan saving 19 (``test_seed_budgets_rule_out_a_monotone_peak``).
-
-The hold set (``plan_for_budget``) keeps the activation peak from rising as the budget falls (issue #5). Below
-budget 1 the backward recomputes each value just before its first use (``extract.lazy_order``). In a
-layered model without the residual stream saved, the loss needs every layer recomputed first: the whole
-forward reruns at the start of the backward and its values stay alive until their backward use, about
-what the plain partition saves. On the built-in GPT ('cpu' size, ATen, ``kiln_bench.livemem``) the peak
-went 11.27 MiB at budget 1.0 -> 9.25 at 0.1 -> 12.30 at 0.0, as ``peak.model_peak`` predicted.
-
-The fix: the forward still saves exactly the budget's set ``S_b``, but the backward may first rerun the
-forward from ``S_b`` to rebuild a hold set ``H`` (phase 1, whose other values die with it), then run as the
-backward of a partition that saved ``H`` and ``S_b`` (phase 2, ``extract.hold_steps``). Candidates for ``H``
-are the saved sets of the higher budgets 0.1, ..., 1.0; the plan keeps the one (or none) of lowest modelled
-peak, ties to fewer recompute FLOPs. Phase 2 reads ``S_b`` too: ``extract`` saves only what the backward
-reads, and with ``H`` alone a hold from a budget whose knapsack kept other matmuls made the forward drop
-saved values (seed 001's uneven chain saved 3 units at budget 19/50 and 8 at 8/50). The search runs only
-when the plain plan's modelled peak is not below budget 1's (whose saved bytes bound it from below, so
-the check usually costs no peak model); tests/partition/test_monotone.py measures the curve.
+The hold set (issue #5): below budget 1 a layered model reran its whole forward at the start of the
+backward, and the peak rose as the budget fell. The forward still saves the budget's set, but the backward
+may first rebuild from it the saved set of a higher budget of the ``LADDER`` (``extract.hold_steps``): the
+one (or none) of lowest modelled peak (tests/partition/test_monotone.py measures the curve).
 """
 from __future__ import annotations
 
@@ -114,13 +94,8 @@ def heavy_groups(info: JointInfo, saved: Sequence[fx.Node]) -> Dict[fx.Node, tup
 
 
 def knapsack(sizes: Sequence[int], values: Sequence[float], capacity: float, opts=None) -> set:
-    """Indices of the items to keep: maximum total value with total size <= capacity, solved exactly.
-
-    Ties in value prefer keeping more bytes (less recomputation). Sizes are divided by their gcd so the
-    solver works on small integers: a dynamic program when items x capacity units are at most
-    ``opts.tuning.knapsack_dp_cells`` (``opts`` None: ``kiln.options.current()``), else HiGHS MILP (gap 0)
-    whose answer is checked in exact integer arithmetic. ``kiln.debug.counters["partition"]`` counts
-    ``knapsack_dp`` and ``knapsack_milp`` solves."""
+    """Indices to keep: maximum value with size <= capacity, exactly (ties keep more bytes), sizes over their
+    gcd: dynamic programming up to ``tuning.knapsack_dp_cells``, else HiGHS checked (``counters``)."""
     n = len(sizes)
     if n == 0:
         return set()
@@ -144,8 +119,8 @@ def knapsack(sizes: Sequence[int], values: Sequence[float], capacity: float, opt
 
 
 def _bundle(items, w, v):
-    """Identical items (same size and value) merged into bundles of 1, 2, 4, ... (binary splitting keeps
-    the 0/1 knapsack exact and turns thousands of equal layers into a dozen items)."""
+    """Identical items merged into bundles of 1, 2, 4, ... (exact for a 0/1 knapsack; equal layers -> a dozen
+    items)."""
     groups = {}
     for i in items:
         groups.setdefault((w[i], v[i]), []).append(i)

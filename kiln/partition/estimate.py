@@ -1,7 +1,5 @@
-"""Sizes (``size_bytes``: symbolic sizes by their hints) and runtime estimates of joint-graph nodes, after
-``activation_memory_budget_runtime_estimator``: 'flops' (torch's FLOP formulas, ``flop_registry``, on the
-fake values; ops without one cost 0), 'profile' (the op timed on its device with random inputs), or a
-``callable(node) -> float``.
+"""Sizes (``size_bytes``; symbolic sizes by their hints) and runtime estimates of joint-graph nodes
+(``activation_memory_budget_runtime_estimator``): 'flops', 'profile' or a ``callable(node) -> float``.
 """
 from __future__ import annotations
 

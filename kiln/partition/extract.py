@@ -1,11 +1,8 @@
 """Cut a joint graph into forward and backward GraphModules, given the values to save.
 
-AOTAutograd's joint graph takes ``primals_*`` (and forward seeds) then ``tangents_*`` (and backward seeds)
-and returns the ``num_fwd_outputs`` forward values, then one gradient (or None) per primal. The result
-follows the partition_fn contract: the forward returns its outputs, the saved tensors, then the saved
-SymInts (AOT counts them through ``meta['val']``); the backward takes the saved SymInts, the saved
-tensors and the tangents, each with ``meta['val']``, every free symbol of their shapes bound by a SymInt
-input, and returns the gradients. What the backward needs and is not saved it recomputes.
+AOTAutograd's joint graph takes primals then tangents and returns the ``num_fwd_outputs`` forward values,
+then a gradient per primal. As partition_fn's contract wants, the forward returns its outputs, the saved
+tensors, then the saved SymInts; the backward takes those SymInts and tensors and the tangents.
 """
 from __future__ import annotations
 
@@ -53,9 +50,8 @@ def is_sym(node: fx.Node) -> bool:
 
 
 def is_symint(node: fx.Node) -> bool:
-    """The node holds a SymInt or an int: the only numbers a forward may save for its backward (compiled
-    autograd takes SymInts alone; a saved SymFloat, ``var``'s Bessel factor N / (N - 1) under dynamic
-    shapes, failed with 'an integer is required')."""
+    """The node holds a SymInt or an int: the only numbers a forward may save (compiled autograd takes SymInts
+    alone; a saved SymFloat failed with 'an integer is required')."""
     val = node.meta.get("val")
     return isinstance(val, (torch.SymInt, int)) and not isinstance(val, bool)
 
@@ -119,9 +115,8 @@ def _inputs(n: fx.Node):
 
 
 def lazy_order(nodes: Sequence[fx.Node], need: set, anchors: set, available: set) -> List[fx.Node]:
-    """``need`` in the order the backward should run it: the ``anchors`` (tangent-dependent nodes) in graph
-    order, each preceded by the recomputation it needs that has not run yet (depth-first), so a recomputed
-    value is made just before its first use, as the autograd engine would. Leftovers follow in graph order."""
+    """``need`` in backward order: each of ``anchors`` (graph order) after the recomputation it needs, so a
+    recomputed value is made just before its first use; leftovers follow in graph order."""
     done, out = set(available), []
 
     def emit(root):
@@ -159,11 +154,8 @@ class Saved(list):
 
 def hold_steps(nodes: Sequence[fx.Node], saved: Sequence[fx.Node], hold: Sequence[fx.Node],
                roots: Sequence[fx.Node], anchors: set) -> list:
-    """The backward's steps when it rebuilds ``hold``: ``[(key, node, {input node: input key})]``. Phase 1
-    runs, in graph order, the forward nodes that compute ``hold`` from ``saved`` and the placeholders (keys
-    ``(n, 1)``); phase 2 what ``roots`` need, in ``lazy_order`` around ``anchors``, from ``hold``, ``saved``
-    and the placeholders (keys ``(n, 2)``): a value both phases use runs twice, phase 1's copy dying with
-    it. Values available at the start: keys ``(n, 0)``. Phase 2 reads the saved values too (budget.py says why)."""
+    """The backward's ``[(key, node, {input: key})]`` rebuilding ``hold``: phase 1 ``(n, 1)`` computes it from
+    ``saved`` and inputs ``(n, 0)``; phase 2 ``(n, 2)`` what ``roots`` need (``lazy_order``), reading both."""
     ph = {n for n in nodes if n.op == "placeholder"}
     avail1 = set(saved) | ph
     hold = normalize_saved(hold) if hold else []
@@ -190,9 +182,8 @@ def phase_key(steps) -> dict:
 
 def _subgraph(joint: fx.Graph, inputs: Sequence[fx.Node], outputs: Sequence, keep, what: str,
               anchors: Optional[set] = None, hold=None) -> fx.Graph:
-    """Copy of the part of ``joint`` that computes ``outputs`` (and the impure nodes ``keep`` accepts)
-    from ``inputs``: in graph order, in ``lazy_order`` around ``anchors`` when given, as ``hold_steps``
-    with a ``hold``."""
+    """Copy of the part of ``joint`` computing ``outputs`` (and impure nodes ``keep`` accepts) from
+    ``inputs``, in graph order, ``lazy_order`` around ``anchors``, or as ``hold_steps`` with ``hold``."""
     g = fx.Graph()
     env = {}
     for n in inputs:  # create_node: Graph.placeholder() searches for the last placeholder each time
@@ -286,9 +277,8 @@ def read_saved(joint_gm: fx.GraphModule, saved, num_fwd_outputs: int, tang: Opti
 
 def extract(joint_gm: fx.GraphModule, saved: Iterable[fx.Node], *, num_fwd_outputs: int
             ) -> Tuple[fx.GraphModule, fx.GraphModule]:
-    """Build (forward, backward) GraphModules from ``joint_gm`` saving exactly ``saved`` (minus values the
-    backward turns out not to use, plus SymInts that bind shapes). The joint graph may gain sym_size
-    nodes; it is otherwise unchanged."""
+    """(forward, backward) GraphModules from ``joint_gm`` saving ``saved`` (less what the backward does not
+    use, plus SymInts that bind shapes). The joint graph may gain sym_size nodes."""
     joint = joint_gm.graph
     fwd_in, bwd_in = split_inputs(joint)
     fwd_out, bwd_out = split_outputs(joint, num_fwd_outputs)

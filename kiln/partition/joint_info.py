@@ -1,6 +1,5 @@
-"""Facts about a joint graph the min-cut needs, computed once per partition as flat arrays indexed by node
-number (graph order, output excluded), so that a budget search can cut the same graph many times cheaply.
-``fw``: the nodes that do not depend on a tangent (one in/out vertex pair each in the flow network).
+"""Facts about a joint graph the min-cut needs, as flat arrays indexed by node number (graph order), computed
+once so that a budget search can cut the same graph many times cheaply.
 """
 from __future__ import annotations
 
@@ -18,9 +17,8 @@ MAX_DIST = 100
 
 
 def mutated_primals(graph: fx.Graph, primals) -> Optional[set]:
-    """Primals whose data changes during the call: written by the graph itself (AOTAutograd keeps the
-    ``copy_`` of an input that needs no gradient in the graph) or written back by AOTAutograd after the
-    forward (None when it cannot tell). A backward that read one would see the new value."""
+    """Primals whose data changes during the call, in the graph or written back by AOTAutograd (None when it
+    cannot tell): a backward that read one would see the new value."""
     in_graph = ops.written_placeholders(graph) & set(primals)
     descs = graph.output_node().meta.get("desc")
     if descs is not None:
@@ -71,10 +69,8 @@ class GraphIndex:
 
 # -- the plain partition: run the forward as eager would, save the forward values the backward uses -----
 def forward_ids(gi) -> list:
-    """Per node of ``gi``: True when the plain partition runs it in the forward: every node that does not
-    depend on a tangent, up to the last node the forward outputs need (or AOTAutograd tagged ``is_forward``,
-    or that mutates), and SymInt arithmetic on forward values (a backward that needs only a size saves the
-    size). Later tangent-free nodes (``t(w)``) are recomputed in the backward."""
+    """Per node: whether the plain partition runs it in the forward (tangent-free, up to the last node the
+    outputs need or tagged ``is_forward`` or mutating; SymInt arithmetic on forward values)."""
     nodes, tang, idx = gi.nodes, gi.tang_l, gi.index
     roots = [idx[o] for o in gi.fwd_out if isinstance(o, fx.Node)]
     roots += [i for i, n in enumerate(nodes) if not tang[i] and n.op != "placeholder"
@@ -157,8 +153,7 @@ class JointInfo(GraphIndex):
         N = len(self.nodes)
         must_rec, big_red, mat = [False] * N, [False] * N, [False] * N
         rnd_l, red_l = random_.tolist(), reduction.tolist()
-        # the forward writes what it returns anyway: recomputing it in the backward only trades time for
-        # memory the caller usually holds (softmax's output: its backward would redo every exp)
+        # what the forward returns is written anyway: recomputing it saves memory the caller holds anyway
         returned = {self.index[o] for o in self.fwd_out if isinstance(o, fx.Node) and o in self.index}
         self._fus, self._cat, self._view_l = self.fusible_op.tolist(), self.is_cat.tolist(), self.view.tolist()
         self._tang_l, self._req_l = self.is_tang.tolist(), self.fwd_required.tolist()
@@ -210,10 +205,8 @@ class JointInfo(GraphIndex):
         return False
 
     def _weights(self) -> np.ndarray:
-        """Cost of saving each ``fw`` node: bytes x1.1^dist_from_bw, x2 when every user fuses with it;
-        0 for inputs (alive anyway; more than all other values together when the call writes to them,
-        so a backward reading one would see the new value), 1 for SymInts, inf for views and
-        non-tensors (never saved)."""
+        """Cost of saving each ``fw`` node: bytes x1.1^dist_from_bw, x2 when all users fuse with it; inputs 0
+        (mutated: more than all else), SymInts 1, views and non-tensors inf."""
         k = len(self.fw)
         size = np.zeros(k)
         kind = np.zeros(k, dtype=np.int8)  # 0 tensor, 1 placeholder, 2 sym, 3 never

@@ -1,6 +1,5 @@
-"""The saved set for the options (``choose_saved``), and ``activation_memory_limit``: the largest budget whose
-modelled activation peak (peak.py, of the set ``budget.plan_for_budget`` picks) fits a byte limit, searched
-from ``activation_memory_budget`` down.
+"""The saved set for the options (``choose_saved``), and ``activation_memory_limit``: the largest budget, from
+``activation_memory_budget`` down, whose modelled activation peak (peak.py) fits a byte limit.
 """
 from __future__ import annotations
 
@@ -60,10 +59,8 @@ def limit_saved(info, budget: float, opts) -> List[fx.Node]:
 
 @gc_paused()
 def choose_saved(joint_gm: fx.GraphModule, *, num_fwd_outputs: int, opts) -> list:
-    """``partitioner='default'``: every forward value the backward uses; ``'mincut'``: the cut under
-    ``activation_memory_budget`` (budget.py: the cut plus the backward's hold set), or with
-    ``activation_memory_limit`` the largest budget whose modelled peak fits (above). A float
-    ``meta['memory_budget']`` on a node overrides the budget (the first one)."""
+    """``partitioner='default'``: what the backward uses; ``'mincut'``: the cut under the budget (a float
+    ``meta['memory_budget']`` on a node overrides it), or under ``activation_memory_limit``."""
     if opts.partitioner == "default":
         return default_saved(joint_gm, num_fwd_outputs)
     info = JointInfo(joint_gm, num_fwd_outputs)

@@ -1,12 +1,8 @@
 """Min-cut rematerialization: choose the forward values to save so the backward can recompute the rest.
 
-Flow network, one vertex pair per node that does not depend on a tangent: ``in_n -> out_n`` costs saving
-``n`` (``JointInfo.weight``: bytes, more the farther from the backward, x2 when every user fuses with it;
-primals 0, views and tuples never); ``out_n -> in_u`` (infinite) per user ``u``; ``out_n -> sink`` when a
-backward node uses ``n``; ``source -> in_n`` when ``Policy`` bans ``n`` from recomputation. The minimum
-cut's ``in -> out`` edges are the saved values (scipy's Dinic on integer capacities). ``log_decisions``
-writes a cut in words (KILN_DEBUG=3, the ``kiln_remat`` artifact): what it saves (bytes, ``ban_reason``)
-and recomputes, with the user's source lines.
+A vertex pair per tangent-free node: ``in_n -> out_n`` costs saving ``n`` (``JointInfo.weight``), ``out_n
+-> in_u`` is infinite per user ``u``, ``out_n -> sink`` when the backward uses ``n``, ``source -> in_n``
+when ``Policy`` bans recomputing ``n``. The cut's ``in -> out`` edges are the saved values (scipy's Dinic).
 """
 from __future__ import annotations
 

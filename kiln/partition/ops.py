@@ -1,7 +1,6 @@
-"""Op classes the min-cut partitioner needs. ``HEAVY`` (matmul, convolution, attention): not recomputed unless
-the budget's knapsack lets them; random ops never; recomputable: pointwise ops, cheap reductions, casts,
-constructors, indexing, views, size math; fusible: recomputable and no library call (saving a value whose
-users all fuse costs an extra write).
+"""Op classes the min-cut partitioner needs: ``HEAVY`` (matmul, convolution, attention) are not recomputed
+unless the knapsack lets them, random ops never; recomputable: cheap ops (pointwise, casts, views, size
+math...); fusible: recomputable and no library call.
 """
 from __future__ import annotations
 
@@ -114,9 +113,8 @@ def is_big_reduction(node: fx.Node, size_of) -> bool:
 
 
 def node_facts(node: fx.Node, parent_facts=None) -> tuple:
-    """(view, random, heavy, recomputable, fusible_op, cat, reduction) for ``node`` with one class lookup;
-    a getitem takes ``parent_facts`` (its producer's) for everything but view/cat/reduction. Recomputable:
-    cheap to run again in the backward (and not random); fusible: recomputable and no library call."""
+    """(view, random, heavy, recomputable, fusible_op, cat, reduction) for ``node``; a getitem takes its
+    producer's ``parent_facts`` for all but view/cat/reduction. Fusible: recomputable and no library call."""
     if node.op != "call_function":
         return (False, False, False, False, False, False, False)
     if node.target is operator.getitem:
@@ -129,9 +127,8 @@ def node_facts(node: fx.Node, parent_facts=None) -> tuple:
 
 
 def constant_object(node: fx.Node) -> bool:
-    """A value made from no inputs that is not a tensor, e.g. the ``InvokeQuant`` options of
-    ``invoke_quant_packed``, which forward and backward both take: it cannot be saved, and making it
-    again in the backward costs nothing (banning it, as not cheap or as materialized, left no finite cut)."""
+    """A non-tensor value made from no inputs (``invoke_quant_packed``'s options): it cannot be saved and
+    costs nothing to make again (banning it left no finite cut)."""
     return not node.all_input_nodes and not isinstance(node.meta.get("val"), (torch.Tensor, tuple, list))
 
 

@@ -1,10 +1,6 @@
-"""A peak-memory model of forward + backward for a saved set (limit.py and budget.py search with it).
-
-It replays the joint graph without running it: the forward (the non-tangent nodes the forward outputs and
-the saved values need, in graph order), then the backward as extract() lays it out (``lazy_order``). A
-tensor is alive from the node that makes it to its last use in the phase; saved values from the forward to
-their last backward use, forward outputs and gradients to the end of their phase. Views share their base's
-storage; graph inputs are not counted. The peak: the largest sum of live bytes at any node.
+"""A peak-memory model of forward + backward for a saved set (limit.py and budget.py search with it): the
+joint graph replayed, the backward as extract() lays it out; a tensor lives from its node to its last use
+in the phase (saved values: in the backward), views share their base's storage, inputs are not counted.
 """
 from __future__ import annotations
 
@@ -52,9 +48,8 @@ def saved_bytes(saved: Sequence[fx.Node]) -> int:
 
 
 def _replay(steps, alive_at_start: dict, keep: set) -> int:
-    """Peak live bytes running ``steps``, ``[(key, node, {input node: input key})]`` as ``extract.hold_steps``
-    gives them (a node may run twice, as two keys); a view shares its base's storage; ``keep`` keys never
-    die within the phase."""
+    """Peak live bytes running ``steps`` (as ``extract.hold_steps`` gives them; a node may run twice); a view
+    shares its base's storage; ``keep`` keys never die within the phase."""
     root: dict = {}
 
     def rt(k):
@@ -92,7 +87,7 @@ def _in_order(order: Sequence[fx.Node]) -> list:
     return [(n, n, {a: a for a in _inputs(n)}) for n in order]
 
 
-def _model_hold(graph, saved, hold, fwd_out, grads, tang, fwd: int) -> Peak:
+def _model_hold(graph, saved, hold, grads, tang, fwd: int) -> Peak:
     """``model_peak`` when the backward rebuilds ``hold`` (``extract.hold_steps``)."""
     nodes = [n for n in graph.nodes if n.op != "output"]
     roots = [g for g in grads if isinstance(g, fx.Node)] + [n for n in nodes if n in tang and is_impure(n)]
@@ -120,7 +115,7 @@ def _model_peak(joint_gm, saved, num_fwd_outputs, info) -> Peak:
     tang = info.tang if info is not None else tangent_closure(graph)
     fwd_out, grads = split_outputs(graph, num_fwd_outputs)
     hold = getattr(saved, "hold", None)
-    saved = [s for s in normalize_saved(saved)]
+    saved = normalize_saved(saved)
     saved_roots = {_root(s) for s in saved if s.op != "placeholder"}
     stop = set(saved) | {n for n in graph.nodes if n.op == "placeholder"}
     fw_need = needed([o for o in fwd_out if isinstance(o, fx.Node)] + list(saved), {
@@ -129,7 +124,7 @@ def _model_peak(joint_gm, saved, num_fwd_outputs, info) -> Peak:
     fw_keep = saved_roots | {_root(o) for o in fwd_out if isinstance(o, fx.Node)}
     fwd = _replay(_in_order(fw_order), {}, fw_keep)
     if hold is not None:
-        return _model_hold(graph, saved, hold, fwd_out, grads, tang, fwd)
+        return _model_hold(graph, saved, hold, grads, tang, fwd)
     bw_need = needed([g for g in grads if isinstance(g, fx.Node)], stop)
     nodes = [n for n in graph.nodes if n.op != "output"]
     available = set(saved) | {n for n in nodes if n.op == "placeholder"}

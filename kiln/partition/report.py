@@ -1,6 +1,5 @@
-"""The report behind ``kiln.explain_memory`` (``kiln/memory.py``): every saved value of the pipeline's cut
-(bytes, reason, source line), every forward op the backward recomputes, the modelled peak (peak.py), and on
-request a sweep of budgets -> (peak bytes, recompute FLOPs), drawn as a PNG.
+"""The report behind ``kiln.explain_memory``: each saved value of the cut (bytes, reason, source line), each
+forward op the backward recomputes, the modelled peak, and on request a sweep of budgets, drawn as a PNG.
 """
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""Graph passes by stage; each runner edits the GraphModule in place and returns how many nodes it removed.
-Hooks (the ``*_custom_*pass`` options, ``kiln.passes.register``) take a ``torch.fx.Graph`` and edit it in
-place. ``registered``: ``registry.snapshot()`` taken when the compile began, so that a backward compiled
-later, outside the registration's scope, runs the same passes as its forward.
+"""Graph passes by stage; each edits the GraphModule in place and returns how many nodes it removed. Hooks
+take a ``torch.fx.Graph``; ``registered`` is the ``registry.snapshot()`` taken when the compile began (a
+backward compiled later, outside the registration's scope, runs the same passes as its forward).
 """
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
-"""Which storages each FX node may live in, and which it writes: CSE and the pattern matcher use it so that
-mutations block only the rewrites they can affect. A storage is an opaque token (a ``StorageWeakRef`` or a
-fresh integer). Three kinds of graph:
-
-* ATen graphs: the schema's alias annotations decide (``view(Tensor(a) self) -> Tensor(a)`` aliases,
-  ``add_(Tensor(a!) self)`` writes ``self``); not ``meta['val']``: ``make_fx`` in real mode loses views.
-* Dynamo's graphs: fake tensors in ``meta['example_value']`` share storages exactly when values alias;
-  writes are read from names (``add_``, ``inplace=True``, ``out=``, ``operator.setitem``, ``operator.iadd``).
-* ``symbolic_trace`` graphs (no meta): torch functions resolve to the ATen op of the same name; anything
-  unknown may alias all of its tensor inputs (safe).
+"""Which storages each FX node may live in and which it writes, so that mutations block only the rewrites
+(CSE, the pattern matcher) they affect. ATen graphs: the schemas' alias annotations decide (real-mode
+``make_fx`` loses views in ``meta['val']``). Dynamo's graphs: fake values share storages exactly when they
+alias; writes are read from names (``add_``, ``inplace=True``, ``out=``, ``setitem``). ``symbolic_trace``
+graphs: torch functions resolve to the ATen op of the same name; an unknown callable may alias its inputs.
 """
 from __future__ import annotations
 
@@ -49,7 +44,6 @@ def target_name(node: fx.Node) -> str:
 
 
 def _aten_packet(name: str):
-    """The ATen overload packet called ``name``, or None."""
     if not name or name.startswith("__"):
         return None
     try:
@@ -230,7 +224,6 @@ class AliasAnalysis:
 
 
 def storages_of_outputs(graph: fx.Graph, analysis: AliasAnalysis) -> FrozenSet:
-    """Storages returned by the graph's output node."""
     out = EMPTY
     for node in graph.find_nodes(op="output"):
         out = out | analysis.of(node.args)

@@ -1,11 +1,7 @@
-"""Fold ``add``/``sub``/``mul``/``div`` by a constant into the convolution or linear before it.
-
-With ``c`` constant per output channel (conv: dim 1; linear: the last dim): ``conv(x, W, b) + c -> conv(x, W,
-b + c)``, ``conv(x, W, b) * c -> conv(x, W * c[:, None, ...], b * c)``, likewise ``-`` and ``/``, and for
-``addmm(b, x, Wt)`` / ``mm(x, Wt)`` (``Wt`` scaled along its columns), also through a ``view`` that keeps
-the last dim (3-D linear inputs). A fold needs constant weights, the producer's only user being the binary
-op, ``c`` a number or a constant varying along the channel dim only, and no type promotion (a bf16 conv
-times a float32 tensor is float32 in eager).
+"""Fold ``add``/``sub``/``mul``/``div`` by a constant into the convolution or linear before it:
+``conv(x, W, b) * c -> conv(x, W * c[:, None, ...], b * c)``, likewise ``+`` into the bias and for ``addmm``
+/ ``mm`` (through a ``view`` keeping the last dim). Needs constant weights, the binary op as the only user,
+``c`` constant along the channel dim only, and no type promotion.
 """
 from __future__ import annotations
 

@@ -1,18 +1,9 @@
-"""Channels-last for convolution nets (option ``layout_devices``: 'cuda', or 'any' to test it on the CPU), and
-the layouts of freezing (at the end).
+"""Channels-last for convolution nets (option ``layout_devices``), and the layouts of freezing (at the end).
 
-cuDNN's fp16/bf16 convolutions run in NHWC and transpose NCHW tensors on the way in and out. This pass
-makes every 4-D convolution read a channels-last input (an ``aten.clone(x, memory_format=channels_last)``)
-and re-derives the fake values after it, so the pointwise work between convolutions is fused and stored
-in NHWC: one conversion at the network's entry instead of two per convolution. On AOTAutograd's joint
-graph ``convolution_backward`` reads its ``grad_output`` and ``input`` channels-last too, so forward, saved
-activations and backward agree on one layout. A KxK weight goes channels-last once in the graph: given an
-NCHW weight cuDNN copies it in every call (about 20 us of host time and a kernel, forward and backward).
-
-What a user sees does not change: each graph output whose strides moved (gradients included) gets a copy
-back to eager strides, or an ``as_strided`` view where only size-1 dims' strides moved (a 1x1 weight's
-gradient); a view a channels-last input would break reads a contiguous copy, ``as_strided`` a copy with
-the eager strides. Graphs with symbolic shapes are left alone, as under inductor.
+cuDNN's fp16/bf16 convolutions run in NHWC and transpose NCHW tensors in and out: here every 4-D
+convolution (and ``convolution_backward``) reads channels-last inputs, so the pointwise work between them
+is stored in NHWC, and a KxK weight is converted once, not at every call. Outputs whose strides moved get
+eager's back (a copy, or ``as_strided`` where only size-1 dims moved). Symbolic shapes are left alone.
 """
 from __future__ import annotations
 
@@ -176,10 +167,8 @@ def _dims_keepdim(n):
 
 
 def nhwc_reductions(gm: fx.GraphModule, fake) -> int:
-    """Reduce channels-last tensors through their NHWC view (``permute(x, [0, 2, 3, 1])``); returns how many.
-    ``sum(x, [0, 2, 3])`` planned as one row per channel loads rows strided by C in channels-last memory
-    (ResNet-50's batch-norm statistics ran 3x slower than NCHW); through the view it is a column reduction,
-    which the code generator splits over many programs and loads contiguously."""
+    """Reduce channels-last tensors through their NHWC view (``permute(x, [0, 2, 3, 1])``), reading
+    contiguously (ResNet-50's BN statistics by rows strided by C ran 3x slower); returns how many."""
     done = 0
     for n in list(gm.graph.nodes):
         if n.op != "call_function" or n.target not in REDUCTIONS or not _is_cl(_val(n.args[0])):
@@ -241,9 +230,8 @@ def convert_conv_weights(gm: fx.GraphModule, opts) -> int:
     return changed
 
 
-# Producers whose runtime output layout is the library's choice, not the eager strides in meta['val']
-# (oneDNN picks channels-last for some convolutions even on contiguous inputs); ops whose output layout
-# does not follow their inputs'; ops that read storage through explicit strides.
+# Producers whose output layout is the library's choice, not meta['val']'s (oneDNN's channels-last
+# convolutions); ops whose output layout does not follow their inputs'; ops that read through strides.
 FREE_LAYOUT = {"mkldnn._convolution_pointwise.default"}
 RESETS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.convolution.default, aten.clone.default,
           aten.contiguous.default}
@@ -259,11 +247,8 @@ def _memory_format(val):
 
 
 def pin_eager_strides(gm: fx.GraphModule, fake_mode=None) -> int:
-    """Restore eager strides where a stride-sensitive consumer reads a free-layout result, in place: a value
-    whose layout may differ from its ``meta['val']`` (downstream of a FREE_LAYOUT producer through ops that
-    keep their input's layout) gets ``aten.contiguous(x, memory_format=<eager>)`` (a no-op when the layout
-    matches) before each ``as_strided``, each view the other layout would break, and the output; returns
-    how many."""
+    """Before each stride-sensitive reader (``as_strided``, a view the other layout breaks, the output) of a
+    FREE_LAYOUT result: ``aten.contiguous(x, memory_format=<eager>)``, in place; returns how many."""
     fake_mode = fake_mode or fake_mode_of(gm)
     free: set = set()
     for n in gm.graph.nodes:

@@ -1,12 +1,7 @@
-"""Concatenate linears that share an input into one matmul.
-
-    addmm(b1, x, W1t), addmm(b2, x, W2t), mm(x, W3t)
-        ->  y = addmm(cat[b1, b2, 0], x, cat[W1t, W2t, W3t] along columns);  y[:, :N1], y[:, N1:N1+N2], ...
-
-One bigger GEMM replaces several small ones (better for small N; the input is read once). A linear joins a
-group when its weight is a constant 2-D matrix with the group's K, dtype and device, and its bias a constant
-that broadcasts as one row. Each result is a column slice of the big output; a slice that a view cannot
-reinterpret, or that the graph returns, is copied to a contiguous tensor so strides match eager.
+"""Concatenate linears that share an input into one matmul (better for small N; the input is read once):
+``addmm(b1, x, W1t), mm(x, W2t)`` -> ``y = addmm(cat[b1, 0], x, cat[W1t, W2t])``, sliced in columns.
+A linear joins when its weight is a constant 2-D matrix with the group's K, dtype and device and its bias
+a constant row. A slice a view cannot reinterpret, or the graph returns, is copied (eager's strides).
 """
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Constant folding on an ATen graph whose frozen parameters are ``get_attr`` constants.
-
-A node folds when every node it reads is a constant (a ``get_attr`` or a node that folds) and no rule of
-``NEVER_FOLD`` refuses it; folded values are computed once, eagerly, on real tensors, and each one still
-read by a node that does not fold becomes a new constant (``_frozen_paramN``). Placeholders are never
-constants, so nothing that depends on an input or a SymInt folds. The helpers the other folding passes
-share live here too (``add_constant``, ``constant_value``, ``infer_val``, ``like`` ...).
+"""Constant folding on an ATen graph whose frozen parameters are ``get_attr`` constants: a node reading only
+constants folds unless ``NEVER_FOLD`` refuses it (computed once, eagerly, new constants where still read);
+also the helpers the other folding passes share (``add_constant``, ``constant_value``, ``infer_val`` ...).
 """
 from __future__ import annotations
 
@@ -20,8 +16,7 @@ from kiln.debug import log
 aten = torch.ops.aten
 
 PREFIX = "_frozen_param"
-# A fold may not allocate more than this many bytes beyond twice the storage it reads: folding must not
-# materialize a large expanded or broadcast tensor that eager never keeps around.
+# A fold may allocate at most this beyond twice the storage it reads (no large expanded tensor eager lacks)
 GROWTH_SLACK_BYTES = 4096
 UNINITIALIZED = {aten.empty.memory_format, aten.empty_like.default, aten.empty_strided.default,
                  aten.new_empty.default, aten.new_empty_strided.default}
@@ -140,10 +135,8 @@ def _grows_too_much(args, kwargs, out) -> bool:
 
 
 def fold_constants(gm: fx.GraphModule, fake_mode=None) -> int:
-    """Fold every subgraph whose inputs are all constants, in place; returns the number of nodes folded
-    away. Constructors (``full``, ``arange``) seed folds, but only values that also read a constant are
-    evaluated and stored (``_worth_evaluating``): a mask made by writing Python numbers into slices of
-    ``zeros`` folds into one constant; ``arange(n).view(1, n)`` stays."""
+    """Fold every subgraph whose inputs are all constants (``_worth_evaluating``) in place; returns nodes
+    folded."""
     fake_mode = fake_mode or fake_mode_of(gm)
     env: dict = {}
     needed, store = _worth_evaluating(gm)
@@ -171,11 +164,8 @@ def fold_constants(gm: fx.GraphModule, fake_mode=None) -> int:
 
 
 def _worth_evaluating(gm: fx.GraphModule) -> tuple:
-    """``(evaluate, store)``: the ops that may fold (constant inputs only, no ``refusal``) and read a constant,
-    directly or through such ops (``store``: only these may become constants), and those plus the foldable
-    ops feeding them (``evaluate``). Constructors and what only they feed are neither: running them wastes
-    work (a backward's logits-sized ``full``, at every compile); storing ``arange(n).view(1, n)`` would hide
-    its index arithmetic from the code generators (one-hot rows)."""
+    """``(evaluate, store)``: ``store``, foldable ops reading a constant (directly or through such ops), may
+    become constants; ``evaluate`` adds the foldable ops feeding them. Constructors alone are neither."""
     foldable, store = set(), set()
     for n in gm.graph.nodes:
         const = n.op == "get_attr" and constant_value(gm, n) is not None

@@ -1,10 +1,5 @@
-"""Take a convolution's bias out of the library call: ``split_conv_bias(gm)`` (Triton target only: oneDNN
-adds a CPU convolution's bias inside the convolution itself).
-
-cuDNN adds a bias in a kernel of its own (ATen's ``output.add_(bias)``), one more read and write of the
-output. ``conv(x, w, b)`` becomes ``conv(x, w, None) + b.view(1, C, 1, ...)``, and the add fuses into the
-pointwise kernel after the convolution. The rounding is ATen's (the convolution's output is rounded to
-its dtype before the add); the backward's ``convolution_backward`` still computes the bias gradient.
+"""Take a convolution's bias out of cuDNN's call (a kernel of its own) on the Triton target: ``conv(x, w, b)``
+becomes ``conv(x, w, None) + b.view(1, C, 1, ...)``, an add that fuses into the next pointwise kernel.
 """
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""Fold eval BatchNorm into the convolution before it.
-
-In eval mode BatchNorm is ``y = x * s + t`` per channel, ``s = gamma / sqrt(var + eps)``, ``t = beta - mean *
-s``; after ``conv(x, W, b)`` it folds into ``W' = W * s[:, None, ...]``, ``b' = b * s + t``. A fold needs
-constant weights and statistics, a non-transposed convolution whose only user is the BatchNorm (else the
-convolution would run twice), and one dtype; the folded weights are new constants (a shared weight is never
-changed), computed in float32 for low-precision weights. ``bn_to_affine`` rewrites the BatchNorms left as
-``x * s + t`` (fusing targets want pointwise ops rather than a library call).
+"""Fold eval BatchNorm (``x * s + t`` per channel) into the convolution before it: ``W' = W * s[:, None]``,
+``b' = b * s + t``, for constant weights and statistics, the BatchNorm as the only user, one dtype (float32
+math for half weights). ``bn_to_affine`` rewrites the BatchNorms left as ``x * s + t`` for fusing targets.
 """
 from __future__ import annotations
 

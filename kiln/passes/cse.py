@@ -1,12 +1,7 @@
-"""Common-subexpression elimination on FX graphs.
-
-Two nodes merge when they call the same target with structurally equal arguments (numbers with their
-type: ``x + 1`` and ``x + 1.0`` stay apart; SymInts by their symbolic node; FX nodes after earlier merges).
-Never merged: placeholders, get_attr, output; random ops, ``empty*``, higher-order ops and other impure
-nodes; a node that writes a storage, whose storage is written anywhere in the graph, or whose storage the
-graph returns (equal outputs stay distinct tensors). Mutations are alias-precise (``alias.py``): each read
-is stamped with the number of writes its storage has seen, so ``x.cos(); y.add_(1); x.cos()`` still merges
-while ``x.cos(); x.add_(1); x.cos()`` does not.
+"""Common-subexpression elimination on FX graphs: nodes calling the same target with structurally equal
+arguments merge (``x + 1`` and ``x + 1.0`` stay apart), never impure ones (random, ``empty*``, higher-order
+ops) nor a node whose storage is written or returned. Each read is stamped with its storage's write count
+(``alias.py``): ``x.cos(); y.add_(1); x.cos()`` merges, ``x.cos(); x.add_(1); x.cos()`` does not.
 """
 from __future__ import annotations
 

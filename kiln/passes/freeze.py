@@ -1,10 +1,6 @@
-"""Inference freezing (``freezing=True`` under ``torch.no_grad()``): module state becomes constants of the
-compiled graph, then folds. The pipeline calls ``module_region`` (which inputs are parameters, buffers or
-module tensor attributes), ``freeze_graph`` in the inference compiler (the module-state inputs the graph
-neither mutates nor returns a view of become ``get_attr`` constants; then the joint and folding passes),
-``drop_frozen`` and ``finish`` (with ``freezing_discard_parameters`` the originals become ``ErasedTensor``s
-in their modules: they can be freed, and eager calls fail loudly). Frozen values are snapshots: later
-in-place updates are not seen, as under Inductor; another instance or a replaced parameter recompiles.
+"""Inference freezing (``freezing=True`` under ``torch.no_grad()``): module state becomes constants, then
+folds (``module_region``, ``freeze_graph``, ``drop_frozen``, ``finish``: the pipeline's order). Frozen values
+are snapshots, as under Inductor; ``freezing_discard_parameters`` erases the originals (``ErasedTensor``).
 """
 from __future__ import annotations
 
@@ -102,13 +98,8 @@ def freeze_placeholders(gm: fx.GraphModule, region: FrozenRegion, fake_mode=None
 
 # -- the freezing passes ------------------------------------------------------------------------------
 def _mkldnn_rewrite(gm: fx.GraphModule, target, inputs, opts=None) -> int:
-    """Seed 002's CPU inference pattern (targets with ``target.mkldnn``: aten, cpp): convolutions become
-    prepacked mkldnn calls, ``_convolution_pointwise(..., "none")``; a following relu is left to user post-grad
-    passes, as in seed 002.
-
-    With ``layout_optimization`` the graph goes channels-last first: a prepacked convolution writes
-    channels-last whatever its input, so a contiguous graph paid two copies per convolution (its input's,
-    and its result's back to contiguous): 14.1 against 8.1 ms unfrozen on the CPU CNN (2026-11-26)."""
+    """Seed 002's CPU pattern (``target.mkldnn``): prepacked mkldnn convolutions, the graph channels-last
+    first with ``layout_optimization`` (they write channels-last: a contiguous graph paid two copies each)."""
     on_cpu = all(not isinstance(t, torch.Tensor) or t.device.type == "cpu" for t in inputs)
     if not target.mkldnn or not on_cpu or not torch.backends.mkldnn.is_available():
         return 0
@@ -120,8 +111,7 @@ def _mkldnn_rewrite(gm: fx.GraphModule, target, inputs, opts=None) -> int:
 
 
 def freezing_passes(gm: fx.GraphModule, opts, target, trace, fake_mode=None, inputs=()) -> dict:
-    """Fold the constants of ``gm`` in place; returns the statistics (also in counters['kiln']). ``target``:
-    the graph's ``codegen.target.Target``."""
+    """Fold the constants of ``gm`` in place; returns the statistics (also in counters['kiln'])."""
     stats = {"layout": trace.stage("freeze_layout", channels_last.convert_conv_weights, gm, opts)}
     stats.update(constant_folded=0, conv_bn_folded=0, binary_folded=0)
     for _ in range(MAX_FOLD_ROUNDS):
@@ -223,12 +213,8 @@ def _dynamo_guards():
 
 
 def guard_identity(region: FrozenRegion) -> int:
-    """Guard the identity (Dynamo's ID_MATCH) of each frozen Dynamo input, by its source; returns how many.
-
-    Dynamo guards a parameter input by shape, dtype and strides only, so all instances of a module class
-    shared one compiled frame and the second ran with the first one's frozen weights; now another tensor
-    recompiles, as under Inductor's freezing. The local module a parameter is read from (``self``) is
-    guarded too: Dynamo counts recompile_limit per module."""
+    """Guard the identity (ID_MATCH) of each frozen Dynamo input and its local module (Dynamo guards
+    parameters by shape only: instances of a class shared frozen weights); returns how many."""
     from torch._dynamo.guards import GuardBuilder
     from torch._dynamo.source import LocalSource
     todo = [region.sources[i] for i in region.frozen if i >= region.lifted]   # module_region: all guardable
@@ -247,8 +233,8 @@ ERASED_MESSAGE = ("Trying to run Pytorch Eager Module after Dynamo Freezing. The
 
 
 def _unguard(source) -> bool:
-    """Drop the guards Dynamo is about to install on ``source`` (a frozen input); False if impossible. The
-    region never reads it again: its guards would only recompile (and fail) once the original is erased."""
+    """Drop Dynamo's pending guards on frozen input ``source`` (they would fail once it is erased); False if
+    impossible."""
     guards = _dynamo_guards()
     if source is None or guards is None or not hasattr(guards, "inner"):
         return False

@@ -1,10 +1,6 @@
-"""One-hot scatters become pointwise compares: ``scatter(full(c), d, index, v)`` -> ``where(iota == index, v, c)``.
-
-Cross-entropy's backward scatters ``-1`` into a zero tensor of the logits' shape: for GPT-2 (8192 x 50257)
-a 1.6 GB buffer written, saved by the forward and read again. As a compare of a column iota with the row's
-target it is a pointwise expression of a tiny index: recomputed for free, fused into the gradient kernel.
-The two are equal when the index has size 1 along ``d`` and the output's size along every other dim (each
-row receives exactly one value; an out-of-range index errors in the scatter, writes nothing in the compare).
+"""One-hot scatters as pointwise compares: ``scatter(full(c), d, index, v)`` -> ``where(iota == index, v, c)``
+when the index has size 1 along ``d`` and the output's size elsewhere. Cross-entropy's backward scatters so
+into a logits-sized buffer (GPT-2: 1.6 GB saved and read again); a compare is recomputed for free.
 """
 from __future__ import annotations
 

@@ -1,26 +1,12 @@
 """Pad matmul dimensions that break tensor-core alignment.
 
-cuBLAS runs its fast kernels only when K and every leading dimension are multiples of 16 bytes (8 fp16/bf16
-elements, 4 fp32). GPT-2's vocabulary (50257) misses that: its lm_head matmuls run 4-7x slower (H200,
-2026-11-26: 3.1 ms against 0.52 padded, fp16 4096x768x50257). ``mm(a, b)`` becomes ``mm(pad(a),
-pad(b))[:M, :N]`` with zeros (``addmm`` with its bias padded along, ``bmm`` over its last two dims): the
-values are exactly the original's. K and N are padded when misaligned, M only when ``a`` is column-major
-(the one layout where M is a leading dimension). A transposed operand is padded in its storage order, so one
-padded tensor serves every matmul reading it (GPT-2's backward pads the logits' gradient once for both).
-
-An output sliced along N (a bmm output along M) is copied back to its meta's contiguous layout (the copy
-fuses into the consumers on the Triton target). A 2-D product the graph returns (GPT-2's logits) would be
-materialized twice: ``mm_rows`` computes it in ``tuning.pad_mm_out_blocks`` blocks instead, one block
-alive; when only N is misaligned ``mm_cols`` goes by blocks of columns, with no padded weight. In inference
-graphs (``tuning.pad_mm_in_place``) each block is computed in the storage of result rows not yet written,
-nothing allocated beside the result (GPT-2 inference's peak is eager's); training graphs keep one allocated
-block: half the launches and GPU time (H200: 1.05 against 1.67 ms), and GPT-2 training's peak is elsewhere.
-
-It pays (``tuning.pad_mm_min_flops``, ``tuning.pad_mm_min_flops_per_byte``) from 1e9 FLOPs (a misaligned
-1e9-FLOP matmul takes ~8 us on an H100; padding saves about a launch) and 80 FLOPs per byte the padding
-copies: aligned bf16 cuBLAS runs ~300 TFLOP/s, misaligned ~2.5x slower, so padding saves 1.5 / 300e12 s per
-FLOP and costs 1 / 2.5e12 s per byte of HBM traffic. This rejects memory-bound shapes (decode-time logits,
-M = 8); GPT-2's lm_head matmuls have 350-380.
+cuBLAS runs its fast kernels only when K and every leading dimension are multiples of 16 bytes; GPT-2's
+vocabulary (50257) misses that and its lm_head matmuls ran 4-7x slower (H200: 3.1 ms against 0.52 padded).
+``mm(a, b)`` becomes ``mm(pad(a), pad(b))[:M, :N]`` with zeros, exactly the original values; a transposed
+operand is padded in storage order, so one copy serves every reader. A 2-D product the graph returns is
+computed in ``tuning.pad_mm_out_blocks`` blocks (``mm_rows``, ``mm_cols``), not materialized twice.
+It pays (``tuning.pad_mm_min_flops*``) from 1e9 FLOPs and 80 FLOPs per byte copied (padding saves 1.5 /
+300e12 s per FLOP, costs 1 / 2.5e12 s per byte), which rejects memory-bound shapes (decode-time logits).
 """
 from __future__ import annotations
 
@@ -179,10 +165,8 @@ def mm_rows(a: torch.Tensor, b: torch.Tensor, bias, n: int, rows: int, beta=1, a
 
 def mm_cols(a: torch.Tensor, b: torch.Tensor, bias, align: int, cols: int, in_place: bool = True, beta=1,
             alpha=1) -> torch.Tensor:
-    """``mm_rows`` for an unpadded ``b`` misaligned in N only, ``cols`` (a multiple of ``align``) columns at a
-    time: a transposed ``b``'s blocks are read as they are (a row-major one's copied, aligned). ``in_place``:
-    each block's product is written into the storage of the result's rows not yet computed (``_cols_into``),
-    so nothing is allocated beside the result; else into one allocated block (fewer, larger products)."""
+    """``mm_rows`` for an unpadded ``b`` misaligned in N only, by blocks of ``cols`` columns, each in result
+    rows not yet computed (``in_place``: ``_cols_into``) or in one allocated block."""
     out = a.new_empty((a.shape[0], b.shape[1]))
     if in_place:
         _cols_into(out, a, b, bias, align, cols, beta, alpha, levels=2)
@@ -192,11 +176,8 @@ def mm_cols(a: torch.Tensor, b: torch.Tensor, bias, align: int, cols: int, in_pl
 
 
 def _cols_into(out, a, b, bias, align, cols, beta, alpha, levels):
-    """Fill ``out`` (contiguous [M, N], N misaligned) with the product by blocks of ``cols`` columns. The first
-    R rows go block by block through a scratch [R, cols] that lives in the storage of the last M - R rows;
-    those rows are then computed the same way (``levels`` times, each leaving about 1/(blocks + 1) of the
-    rows), and the last few in one misaligned product written in place (H200, 2026-11-26: GPT-2's last 51 of
-    4096 rows at 8 blocks, 0.14 ms)."""
+    """Fill ``out`` ([M, N], N misaligned) by blocks of ``cols`` columns through scratch in the rows not yet
+    computed, then those rows so (``levels`` times), the last few in one misaligned product in place."""
     m, n = out.shape
     tail = -(-(m * cols + align) // (n + cols))   # rows whose storage holds R * cols elements, aligned
     if levels == 0 or tail >= m:
@@ -281,9 +262,8 @@ def _rewrite(b: _Builder, node: fx.Node, pads, out_blocks: int = Tuning.pad_mm_o
 def pad_matmuls(gm: fx.GraphModule, devices=("cuda",), *, min_flops: float = Tuning.pad_mm_min_flops,
                 min_flops_per_byte: float = Tuning.pad_mm_min_flops_per_byte,
                 out_blocks: int = Tuning.pad_mm_out_blocks, in_place: bool = True) -> int:
-    """Pad misaligned mm / addmm / bmm nodes of ``gm`` in place (operands on ``devices``, any when None)
-    where they pay (the keywords: the ``tuning.pad_mm_*`` options); returns how many matmuls were rewritten.
-    Needs fake values in meta['val']."""
+    """Pad misaligned mm / addmm / bmm nodes of ``gm`` in place where they pay (operands on ``devices``, any
+    when None; the keywords: ``tuning.pad_mm_*``); returns how many. Needs fake values in meta['val']."""
     fake_mode = fake_mode_of(gm)
     if fake_mode is None:
         return 0

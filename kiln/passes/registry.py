@@ -4,11 +4,8 @@
     with kiln.passes.register("post_grad_pre", other):      # until the block ends
         torch.compile(fn, backend="kiln")(x)
 
-A pass is ``fn(graph: torch.fx.Graph)`` editing the graph in place (the PyTorch hook contract). Stages, in
-pipeline order: ``pre_grad`` (Dynamo's graph), ``joint_pre``, ``joint_post`` (the joint graph, before
-partitioning), ``post_grad_pre``, ``post_grad_post`` (forward and backward graphs). Passes of a stage run
-in registration order. Registrations live in a context variable: they do not leak into other threads or
-contexts. ``cache_key()`` changes with the registered passes (by ``uuid()`` when they have one, else source).
+A pass is ``fn(graph: torch.fx.Graph)`` editing the graph in place; passes of a stage run in registration
+order. Registrations live in a context variable; ``cache_key()`` keys them (by ``uuid()``, else source).
 """
 from __future__ import annotations
 
@@ -102,8 +99,7 @@ def cache_key(registered=None) -> str:
 def run_stage(stage: str, graph_module: fx.GraphModule, hook_from_options: Optional[Callable] = None,
               registered=None) -> None:
     """Run the passes of ``stage`` on ``graph_module`` (each as ``fn(gm.graph)``), then recompile. The options
-    hook (``Options.joint_custom_pre_pass`` ...) runs before the registered passes, after them in the
-    ``*_post`` stages. At KILN_DEBUG >= 2 each pass logs its name, node-count change and time."""
+    hook runs before the registered passes, after them in ``*_post`` stages; KILN_DEBUG >= 2 logs each one."""
     passes = passes_for(stage, registered)
     if hook_from_options is not None:
         head, _, tail = stage.rpartition("_")   # joint_pre -> options.joint_custom_pre_pass

@@ -1,11 +1,8 @@
-"""Pattern passes: ``PatternMatcherPass`` and its entries, one kind per way to register a rewrite
-(``register.py``): the handler edits FX itself (graph patterns), returns a replacement built with the FX
-lowerings (lowering patterns), or a traced replacement graph replaces the match (``register_replacement``).
+"""Pattern passes: ``PatternMatcherPass`` and its entries, one kind per way to register a rewrite.
 
-``apply(graph)`` visits candidate roots last to first and tries every pattern registered for the root's
-(op, target); it rejects a match when an in-place op between its nodes writes a storage the match reads
-(alias-precise: ``alias.py``), then runs ``extra_check`` and the rewrite. Each match adds 1 to
-``counters["kiln"]["pattern_matcher_count"]`` and ``len(match.nodes)`` to ``["pattern_matcher_nodes"]``.
+``apply(graph)`` tries every pattern registered for a candidate root's (op, target), roots last to first;
+it rejects a match when an in-place op between its nodes writes a storage the match reads (``alias.py``),
+then runs ``extra_check`` and the rewrite, counted in ``counters["kiln"]["pattern_matcher_count"]``.
 """
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""FX-level lowerings for lowering patterns: ``lowerings[op](*args)`` (``L[aten.relu](x)``) inserts a call of
-``op`` (or whatever a registered lowering builds) and returns its ``fx.Node``, unlike Inductor's lowerings
-(and kiln/codegen's). Nodes go before the node of ``inserting(graph, before=node)`` (lowering patterns set
-it), else right after the latest FX node among the arguments; with neither, the op runs eagerly. New nodes
-get ``meta['val']`` (``'example_value'`` in Dynamo graphs) from the arguments' fake values when known.
+"""FX-level lowerings: ``lowerings[op](*args)`` inserts a call of ``op`` (or what a registered lowering
+builds) before the node of ``inserting(graph, before)``, else after its latest FX argument (with neither,
+the op runs eagerly), and returns its ``fx.Node``, with a fake value from the arguments' when known.
 """
 from __future__ import annotations
 
@@ -50,10 +48,8 @@ _FALLBACK_MODE = []
 
 
 def fake_values(values):
-    """``(mode, values)`` with every tensor of ``values`` a fake tensor of one ``FakeTensorMode``: as they are
-    when they share one, else (real tensors, the per-node modes ``make_fx`` leaves in real tracing mode) new
-    fakes of the same size, stride, dtype and device in a shared fallback mode. ValueError for symbolic
-    sizes from several modes."""
+    """``(mode, values)`` with every tensor a fake of one ``FakeTensorMode``: as given when they share one,
+    else new fakes in a shared fallback mode. ValueError for symbolic sizes from several modes."""
     from torch._guards import detect_fake_mode
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
     flat, spec = torch.utils._pytree.tree_flatten(values)

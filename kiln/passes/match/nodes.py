@@ -1,9 +1,6 @@
-"""Node patterns, rooted at the node that will be rewritten:
-``CallFunction(aten.relu, CallFunction(aten.mm, Arg(), KeywordArg("w")))``. A ``CallFunction`` matches a
-node whose target is one of ``fns`` (an ``OpOverloadPacket`` stands for all its overloads) with matching
-arguments; inner nodes must have exactly ``_users`` users (``MULTIPLE``: any), the root may have any.
-``MultiOutputPattern([p0, p1, ...])``: ``p0`` anchors the search, the others are found among the users
-of nodes already matched.
+"""Node patterns, rooted at the node to rewrite: ``CallFunction(aten.relu, Arg())`` matches a call of one of
+``fns`` (a packet: any overload) with matching arguments, inner nodes with exactly ``_users`` users
+(``MULTIPLE``: any). ``MultiOutputPattern([p0, ...])``: ``p0`` anchors, the others are found among users.
 """
 from __future__ import annotations
 
@@ -47,11 +44,8 @@ class _TargetExpr(PatternExpr):
         return isinstance(node, fx.Node) and node.op == self.op and _target_of(node) in self.fns_set
 
     def _node_args(self, node):
-        """``node``'s args and the kwargs this pattern names. For ATen overloads the schema reconciles the two
-        call forms: positional args beyond the pattern's move to the kwargs it names, missing kwargs take
-        their defaults, and a kwarg it does not name must hold its default or None (else ``(None, None)``:
-        PyTorch ignores such kwargs, kiln does not, so ``sum(x, 1, dtype=f64)`` does not match a pattern
-        written without ``dtype``). ``pin_memory`` is never compared."""
+        """``node``'s args and the kwargs this pattern names, reconciled by the ATen schema; a kwarg it does
+        not name must hold its default or None, else ``(None, None)``. ``pin_memory`` is ignored."""
         args = node.args
         kwargs = {k: v for k, v in node.kwargs.items() if k in self.kwargs}
         if not isinstance(node.target, torch._ops.OpOverload):

@@ -1,6 +1,5 @@
-"""The core of the pattern matcher: ``Match``, ``MatchContext``, ``PatternExpr``, the leaf patterns, which bind
-values without looking at them (``Arg()`` positional, ``KeywordArg(name)``, ``ExclusiveKeywordArg(name)``,
-``Ignored()``), and splicing a replacement graph in for a match (``replace_with_graph``).
+"""The pattern matcher's core: ``Match``, ``MatchContext``, ``PatternExpr``, the leaf patterns binding values
+unseen (``Arg``, ``KeywordArg``, ``ExclusiveKeywordArg``, ``Ignored``), and ``replace_with_graph``.
 """
 from __future__ import annotations
 
@@ -29,7 +28,6 @@ class FailedMatch(RuntimeError):
     """A pattern did not match; ``str(e)`` says why. Falsy, so ``if m:`` tests for a match."""
 
     def __init__(self, fmt: str, *args):
-        self.format_string, self.args_ = fmt, args
         super().__init__(fmt % args if args else fmt)
 
     def __bool__(self):
@@ -205,11 +203,9 @@ def _replace_uses(old: fx.Node, new) -> None:
 
 
 def replace_with_graph(match, graph: fx.Graph, replacement, args: Sequence[Any]) -> bool:
-    """Splice ``replacement`` (GraphModule or Graph; its placeholders bind ``args`` in order) in place
-    of ``match.output_nodes()``, then erase matched nodes left without users. New nodes go just before
-    the first matched output when every argument is defined there, else (joint graphs, where a tangent is
-    computed after the forward output) right after their latest input. Returns False, leaving the graph
-    as it was, when a new output would still come after a user of the output it replaces."""
+    """Splice ``replacement`` (its placeholders bind ``args``) in for ``match.output_nodes()``, before the
+    first output (joint graphs: after the latest input), then erase matched nodes left without users.
+    Returns False, the graph unchanged, when a new output would come after a user of the one it replaces."""
     rgraph = replacement.graph if isinstance(replacement, fx.GraphModule) else replacement
     outputs = match.output_nodes()
     first_out = min(n for n in outputs if n is not None)

@@ -1,6 +1,5 @@
-"""Registering rewrites into pattern passes (``entries.py`` runs them): ``register_graph_pattern``,
-``register_lowering_pattern``, ``register_replacement``; traced graphs as patterns (``fx_to_pattern``,
-``gen_pattern``: traced and converted once, so registering the same pattern again builds nothing).
+"""Registering rewrites into pattern passes: ``register_graph_pattern``, ``register_lowering_pattern``,
+``register_replacement``; traced graphs as patterns (``fx_to_pattern``, ``gen_pattern``, cached).
 """
 from __future__ import annotations
 
@@ -23,9 +22,8 @@ from kiln.options import UserError
 
 def fx_to_pattern(gm, ignore_types=(), argnames=(), scalar_workaround=None,
                   exclusive_arg_names=()) -> PatternExpr:
-    """Convert a traced graph to a pattern: placeholders become KeywordArgs named by ``argnames``
-    (else by their target, e.g. ``tangents_1``), constants of ``ignore_types`` become ``Ignored()``,
-    floats listed in ``scalar_workaround`` become KeywordArgs, each call keeps its user count."""
+    """A traced graph as a pattern: placeholders become KeywordArgs (named by ``argnames``, else their
+    target), constants of ``ignore_types`` ``Ignored()``, ``scalar_workaround`` floats KeywordArgs."""
     graph = gm.graph if isinstance(gm, fx.GraphModule) else gm
     inv_scalar = {v: k for k, v in (scalar_workaround or {}).items()}
     argnum = itertools.count()
@@ -115,9 +113,8 @@ def register_graph_pattern(pattern: PatternExpr, extra_check: Callable = _return
 
 def register_lowering_pattern(pattern: PatternExpr, extra_check: Callable = _return_true, *, pass_dict,
                               prepend: bool = False):
-    """Decorator: ``handler(match, *args, **kwargs)`` returns the replacement of the match root, built
-    with the FX lowerings (``kiln.pattern_matcher.lowerings``: ``L[op](...)`` inserts nodes just before
-    the root)."""
+    """Decorator: ``handler(match, *args, **kwargs)`` returns the root's replacement, built with
+    ``L[op](...)``."""
     def decorator(handler):
         LoweringPatternEntry(pattern, handler, extra_check).register(pass_dict, prepend=prepend)
         return handler
@@ -143,15 +140,9 @@ def _check_duplicate(pass_dicts, pattern, skip_duplicates: bool) -> bool:
 def register_replacement(search_fn, replace_fn, example_inputs: Sequence[Any], trace_fn, pass_dicts,
                          extra_check: Callable = _return_true, scalar_workaround=(), exclusive_arg_names=(),
                          search_fn_pattern=None, skip_duplicates: bool = False):
-    """Replace every occurrence of ``search_fn``'s graph by ``replace_fn``'s.
-
-    Both are traced with ``trace_fn`` (``fwd_only`` or ``joint_fwd_bwd``) on ``example_inputs``; the search
-    graph becomes a pattern with shapes, ints, floats, devices and dtypes ignored (cached). At a match the
-    search function is traced again on the matched values' shapes (cached) and must match exactly; then
-    ``extra_check(specific_match)`` runs and ``replace_fn``, traced on those shapes, is spliced in. Floats
-    named in ``scalar_workaround`` ({argname: example_float}) are bound as KeywordArgs. Returns the search
-    pattern, or False when skipped (a joint pattern under inference mode, a duplicate with ``skip_duplicates``).
-    """
+    """Replace each match of ``search_fn``'s graph (traced by ``trace_fn``; shapes, scalars ignored) by
+    ``replace_fn``'s, both traced again on the matched shapes (the search must match exactly), after
+    ``extra_check``. Returns the pattern, or False when skipped (joint in inference mode, duplicate)."""
     if trace_fn is joint_fwd_bwd and torch.is_inference_mode_enabled():
         return False
     scalar_workaround = dict(scalar_workaround or {})

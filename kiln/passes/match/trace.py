@@ -1,7 +1,5 @@
-"""Tracing the Python functions patterns and replacements are written as: ``fwd_only`` (``make_fx`` with
-kiln's decompositions), ``joint_fwd_bwd`` (forward and backward together with AOTAutograd: the graph kiln's
-joint passes see), and ``traced``, either cached on the function and the arguments' metadata, so that
-registering the same pattern again (every compile, say) traces nothing (``CACHE_STATS`` counts).
+"""Tracing pattern and replacement functions: ``fwd_only`` (``make_fx``), ``joint_fwd_bwd`` (AOTAutograd's
+joint graph), and ``traced``, cached so that registering a pattern again traces nothing (``CACHE_STATS``).
 """
 from __future__ import annotations
 

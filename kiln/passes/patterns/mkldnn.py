@@ -1,9 +1,6 @@
-"""oneDNN (mkldnn) convolutions on the CPU: ``pack_conv_weights(gm)``, run from freezing (weights are
-``get_attr`` constants by then).
-
-Each 2-D ``aten.convolution`` (not transposed, float32 or supported bfloat16, CPU) with a constant weight
-gets its weight reordered once by ``mkldnn._reorder_convolution_weight`` into a new constant, and becomes
-``mkldnn._convolution_pointwise.default(x, w_packed, b, padding, stride, dilation, groups, "none", [], "")``.
+"""oneDNN convolutions on the CPU, from freezing: each 2-D ``aten.convolution`` (not transposed, float32 or
+supported bfloat16) with a constant weight gets it reordered once into a new constant and becomes
+``mkldnn._convolution_pointwise.default(..., "none", [], "")``.
 """
 from __future__ import annotations
 
