@@ -1,9 +1,9 @@
 """``kiln bench``: measure kiln against eager and TorchInductor, side by side, in one process.
 
-    kiln bench [--suite micro|models|zoo|flex|user|all] [--backends eager,inductor,kiln] [--device cpu|cuda]
+    kiln bench [--suite micro|models|zoo|flex|user|dynamic|all] [--backends eager,inductor,kiln] [--device cpu|cuda]
                [--dtype fp32,bf16] [--budget 1.0,0.5,0.1] [--cases 'gpt*,softmax']
                [--json out.json] [--md out.md] [--record | --record-dir DIR]
-               [--no-guard | --guard 1.5,1.0] [--no-kernels]
+               [--no-guard | --guard 1.5,1.0] [--no-kernels] [--dynamic-mode shared|fresh|both]
 
 Each case runs every backend in turn (see ``runner``); a row is printed as soon as it is measured,
 under a progress bar, with its step time (GPU time on the GPU), host time and kernels per step. At the
@@ -16,6 +16,9 @@ machine) instead.
 The cliff guard (``report.failures``): a line where kiln's step time is above 1.5x inductor's or above
 eager's, a failed check, or a kiln row that errored is printed as FAIL, and the exit status is 1.
 ``--no-guard`` reports the same but exits 0 (unless ``--strict`` finds errors).
+
+``--suite dynamic`` (``suites/dynamic.py``) runs each case over a sequence of sizes and prints its own table:
+compiles, compile time, mean and worst step per size, in one process and (``--dynamic-mode``) in fresh ones.
 """
 from __future__ import annotations
 
@@ -52,8 +55,10 @@ def _guard(text):
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kiln bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--suite", choices=["micro", "models", "zoo", "flex", "user", "all"], default="micro",
-                   help="all: micro and models (the zoo, flex and user suites run on their own)")
+    p.add_argument("--suite", choices=["micro", "models", "zoo", "flex", "user", "dynamic", "all"], default="micro",
+                   help="all: micro and models (the zoo, flex, user and dynamic suites run on their own)")
+    p.add_argument("--dynamic-mode", choices=["shared", "fresh", "both"], default="both",
+                   help="--suite dynamic: all backends in one process, each in its own, or both")
     p.add_argument("--cases", type=_csv, default=None, help="comma list of case names or fnmatch patterns")
     p.add_argument("--backends", type=_csv, default=["eager", "inductor", "kiln"])
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
@@ -196,10 +201,21 @@ def main(argv: list[str] | None = None) -> int:
         from kiln_bench import report
         loaded = [report.read_json(p) for p in args.from_json]
         meta = dict(loaded[0][0], recorded_from=list(args.from_json), **_limits(args))
+        if meta.get("suite") == "dynamic":
+            from kiln_bench.suites import dynamic
+            return dynamic.finish(args, meta, [r for _, rs in loaded for r in rs], console)
         return _finish(args, meta, [r for _, rs in loaded for r in rs], console)
     import torch
     from kiln_bench import backends as B
     from kiln_bench import load, runner
+    if args.suite == "dynamic":   # a sequence of sizes per case, its own runner and table
+        from kiln_bench.suites import dynamic
+        try:
+            args.backends = B.check_names(args.backends)
+        except B.UnknownBackendError as e:
+            console.print(str(e), markup=False)
+            return 2
+        return dynamic.main(args, argv, console)
     from kiln_bench.suites import UnknownCaseError, select
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():

@@ -391,8 +391,9 @@ def record_dir(record: bool, directory: str | None, no_record: bool = False) -> 
     return found
 
 
-def record(meta: dict, rows: list, record_dir: str) -> tuple:
-    """Append the markdown section to ``record_dir/RESULTS.md`` and write ``record_dir/results/*.json``."""
+def record(meta: dict, rows: list, record_dir: str, text: str | None = None) -> tuple:
+    """Append the markdown section (``text``, default ``markdown(meta, rows)``) to ``record_dir/RESULTS.md``
+    and write ``record_dir/results/*.json``."""
     os.makedirs(os.path.join(record_dir, "results"), exist_ok=True)
     md_path = os.path.join(record_dir, "RESULTS.md")
     new = not os.path.exists(md_path)
@@ -400,7 +401,7 @@ def record(meta: dict, rows: list, record_dir: str) -> tuple:
         if new:
             fh.write("# kiln bench results\n\nAppended by `kiln bench` (newest last). JSON for each run is in "
                      "`results/`.\n\n")
-        fh.write(markdown(meta, rows) + "\n")
+        fh.write((text or markdown(meta, rows)) + "\n")
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(meta.get("t0", time.time())))
     json_path = os.path.join(record_dir, "results", f"{stamp}_{meta['device']}_{meta['suite']}.json")
     if os.path.abspath(json_path) not in [os.path.abspath(p) for p in meta.get("recorded_from", [])]:
