@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from kiln.passes.constant_fold import call, fake_mode_of
 
@@ -28,13 +29,17 @@ def scatter_to_where(gm: fx.GraphModule) -> int:
         if out is None or idx is None or isinstance(fill, fx.Node) or isinstance(value, fx.Node):
             continue
         dim = dim % out.dim()
-        if idx.dim() != out.dim() or idx.shape[dim] != 1 or not all(isinstance(s, int) for s in out.shape) \
-                or any(idx.shape[d] != out.shape[d] for d in range(out.dim()) if d != dim):
+        # symbolic sizes: equal only where the shapes already prove it (no guard of kiln's own)
+        if idx.dim() != out.dim() or not _equal(idx.shape[dim], 1) \
+                or not all(_equal(idx.shape[d], out.shape[d]) for d in range(out.dim()) if d != dim):
             continue
         g = gm.graph
         with g.inserting_before(node):
-            iota = call(g, fake, aten.arange.start_step, 0, out.shape[dim], 1, dtype=idx.dtype, device=out.device)
-            view = call(g, fake, aten.view.default, iota, [out.shape[d] if d == dim else 1 for d in range(out.dim())])
+            end = out.shape[dim] if isinstance(out.shape[dim], int) else _size_node(g, fake, base, dim)
+            if end is None:
+                continue
+            iota = call(g, fake, aten.arange.start_step, 0, end, 1, dtype=idx.dtype, device=out.device)
+            view = call(g, fake, aten.view.default, iota, [end if d == dim else 1 for d in range(out.dim())])
             hit = call(g, fake, aten.eq.Tensor, view, index)
             on = call(g, fake, aten.scalar_tensor.default, value, dtype=out.dtype, device=out.device)
             off = call(g, fake, aten.scalar_tensor.default, fill, dtype=out.dtype, device=out.device)
@@ -47,3 +52,16 @@ def scatter_to_where(gm: fx.GraphModule) -> int:
     if count:
         gm.recompile()
     return count
+
+
+def _equal(a, b) -> bool:
+    return a == b if isinstance(a, int) and isinstance(b, int) else statically_known_true(a == b)
+
+
+def _size_node(g, fake, base, dim):
+    """A node of the fill's size along ``dim`` that does not keep the fill alive: its ``*_like`` source's
+    ``sym_size``, or the entry of ``full``/``zeros``'s size list (None when there is neither)."""
+    src = base.args[0]
+    if base.target in (aten.full_like.default, aten.zeros_like.default):
+        return call(g, fake, aten.sym_size.int, src, dim) if isinstance(src, fx.Node) else None
+    return src[dim] if isinstance(src, (list, tuple)) and isinstance(src[dim], (int, fx.Node)) else None

@@ -45,3 +45,26 @@ def test_cross_entropy_saves_no_onehot_and_matches_eager():
     torch.testing.assert_close(loss, ref)
     torch.testing.assert_close(logits.grad, ref_x.grad)
     assert saved == [0]
+
+
+def test_symbolic_sizes_the_shapes_prove_equal():
+    """Under dynamic shapes (logits and labels with sizes of their own symbols, as after a graph break in a
+    Hugging Face loss) the one-hot still becomes a compare: cross-entropy's checks make the row counts
+    provably equal; the compare's length is read from the logits, so nothing logits-sized is saved."""
+    saved = []
+
+    def joint_post(graph):
+        saved.append(sum(n.target is torch.ops.aten.scatter.value for n in graph.nodes))
+    f = torch.compile(lambda x, t: F.cross_entropy(x.flatten(0, 1), t.flatten()), backend="kiln",
+                      dynamic=True, options={"joint_custom_post_pass": joint_post, "codegen": "cpp"})
+    for b, s in ((2, 5), (3, 7)):
+        logits = torch.randn(b, s, 37, requires_grad=True)
+        target = torch.randint(0, 37, (b, s))
+        ref_x = logits.detach().clone().requires_grad_(True)
+        loss = f(logits, target)
+        loss.backward()
+        ref = F.cross_entropy(ref_x.flatten(0, 1), target.flatten())
+        ref.backward()
+        torch.testing.assert_close(loss, ref)
+        torch.testing.assert_close(logits.grad, ref_x.grad)
+    assert saved == [0]
