@@ -10,8 +10,10 @@
 * ``decode_kvcache``: a decoder (4 layers, d 768; CPU 2, d 128), one new token per call against a KV cache
   growing from 16 to 16+N (N 64; CPU 16), no_grad.
 
-Dropout off. A backend runs the sizes once in order (the first pass: its compiles), checks its values at the first
-and last size against eager's, then times each size (median of ``--iters`` steps, default 5). ``shared``: every
+Models train as users train them: the timed steps keep each model's own dropout. A backend first checks its
+values at the first and last size against eager's in a compile of its own with every dropout probability at 0
+(``kiln_bench.dropout.no_random``), then, after ``torch._dynamo.reset()``, runs the sizes once in order with
+dropout on (the first pass: the compiles counted), then times each size (median of ``--iters`` steps, default 5). ``shared``: every
 backend in this process, ``torch._dynamo.reset()`` between; ``fresh``: each (case, backend) in its own process
 with its own caches. Both turn Dynamo's profile-guided automatic-dynamic state off.
 """
@@ -36,6 +38,7 @@ import torch.nn.functional as F
 
 from kiln_bench import backends as B, load, measure as M, models, report, runner
 from kiln_bench.case import TOLERANCE, tensors
+from kiln_bench.dropout import no_random
 
 GPT_LENGTHS = [200, 333, 517, 801, 640, 256, 999, 410]
 PACKS = [(512,), (130, 300), (77, 200, 401), (64, 64, 128, 256), (333,), (250, 250, 90), (100, 411, 37, 180)]
@@ -59,8 +62,7 @@ def _gpt(device, size):
     if size != "tiny" and importlib.util.find_spec("transformers"):
         from transformers import GPT2Config, GPT2LMHeadModel
         model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=max(lengths), n_embd=d, n_layer=layers,
-                                           n_head=heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                           use_cache=False, bos_token_id=0, eos_token_id=0))
+                                           n_head=heads, use_cache=False, bos_token_id=0, eos_token_id=0))
         what, run = "transformers GPT2LMHeadModel", lambda f, xs: f(input_ids=xs[0], labels=xs[0]).loss
     else:
         model = models.GPT(models.GPTConfig(vocab, max(lengths), layers, heads, d, batch, sdpa=device == "cuda"))
@@ -96,7 +98,7 @@ def _encoder(device, size):
         mask = torch.zeros(len(doc), len(doc)).masked_fill(doc[:, None] != doc[None, :], float("-inf"))
         return torch.randn(1, len(doc), d, generator=_gen(i)).to(device), mask.to(device)
     run = lambda f, xs: f(xs[0], mask=xs[1], is_causal=False).float().square().mean()  # noqa: E731
-    encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=0.0, batch_first=True),
+    encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(d, heads, 4 * d, batch_first=True),
                                     layers, enable_nested_tensor=False)
     return Built(encoder, [f"{len(p)}:{sum(p)}" for p in packs], inputs, run, True,
                  f"nn.TransformerEncoder ({layers} layers, d {d}), sizes sequences:tokens, mean-square loss")
@@ -180,29 +182,34 @@ def measure(name: str, backend: str, device: str, size: str, steps: int, mode: s
         row.update(model=b.what, sizes=[str(s) for s in b.sizes], dtype="amp_bf16" if device == "cuda" else "fp32")
         model, n, checked = copy.deepcopy(b.model).to(device), len(b.sizes), (0, len(b.sizes) - 1)
         runner._cleanup(device)
-        ref = [_step(b, model, model, b.inputs(i), device, True) for i in checked] if backend != "eager" else None
 
         def ref64(i):   # float64, no autocast: the referee when a check fails
             m = copy.deepcopy(b.model).double().to(device)
-            return _step(b, m, m, tuple(t.double() if t.is_floating_point() else t for t in b.inputs(i)), device,
-                         True, False)
+            with no_random(m):
+                return _step(b, m, m, tuple(t.double() if t.is_floating_point() else t for t in b.inputs(i)),
+                             device, True, False)
 
         def timed(xs):
             return M.timed(lambda: _step(b, model, f, xs, device), device)[1]
         with B.scope(backend):
+            if backend != "eager":   # values first, in a compile of their own with dropout off
+                row["stage"] = "check"
+                with no_random(model):
+                    ref = [_step(b, model, model, b.inputs(i), device, True) for i in checked]
+                    fc = B.compile_model(backend, model)
+                    res = [M.compare(r, _step(b, model, fc, b.inputs(i), device, True), TOLERANCE[row["dtype"]],
+                                     lambda i=i: ref64(i)) for r, i in zip(ref, checked)]
+                row.update(ok=all(r["ok"] for r in res), err=max(r["err"] or 0.0 for r in res),
+                           check="; ".join(f"{b.sizes[i]}: {r['check']}" for i, r in zip(checked, res)))
+                fc = ref = None
+                torch._dynamo.reset()   # the timed compile starts afresh, with the model's own dropout on
             runner._cleanup(device)
             no_pgo()
             row["stage"] = "first pass"
             f, (g0, k0), _ = B.compile_model(backend, model), runner._dynamo_counts(), _peak(device, reset=True)
             first = [timed(b.inputs(i)) for i in range(n)]
             (g1, _), peak = runner._dynamo_counts(), _peak(device, reset=True)
-            if ref is not None:
-                row["stage"] = "check"
-                res = [M.compare(r, _step(b, model, f, b.inputs(i), device, True), TOLERANCE[row["dtype"]],
-                                 lambda i=i: ref64(i)) for r, i in zip(ref, checked)]
-                row.update(ok=all(r["ok"] for r in res), err=max(r["err"] or 0.0 for r in res),
-                           check="; ".join(f"{b.sizes[i]}: {r['check']}" for i, r in zip(checked, res)))
-            row["stage"], _ = "timed", _peak(device, reset=True)   # the check's float64 referee is no step's memory
+            row["stage"] = "timed"
             ms = [1e3 * statistics.median(timed(xs) for _ in range(steps)) for xs in map(b.inputs, range(n))]
             worst, (g2, k2) = max(range(n), key=ms.__getitem__), runner._dynamo_counts()
             row.update(ms_per_size=ms, first_s=first, first_pass_s=sum(first), compile_s=sum(first) - sum(ms) / 1e3,
