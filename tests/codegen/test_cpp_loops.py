@@ -97,6 +97,22 @@ def test_a_quotient_of_a_row_and_its_column():
     assert simplify(FloorDiv(RINDEX + 100 * XINDEX, 16384), r) == FloorDiv(RINDEX + 100 * XINDEX, 16384)
 
 
+def test_a_quotient_and_remainder_by_symbolic_sizes():
+    """The same with sizes only known at run time (a dynamic graph): ``(128 x + r) // (128 s)`` is
+    ``x // s`` and ``(128 x + r) % (128 s)`` is ``128 (x % s) + r`` when r < 128: the division moves out of
+    the element loop (a dynamic GPT-2's layer-norm backward divided at every element: 2x its static time)."""
+    import sympy
+
+    from kiln.codegen.ir.indexing import RINDEX, FloorDiv
+    s, t = sympy.symbols("ks_s0 ks_s1", integer=True, positive=True)
+    r = Ranges({XINDEX: 64 * s, RINDEX: 128})
+    assert simplify(FloorDiv(RINDEX + 128 * XINDEX, 128 * s), r) == FloorDiv(XINDEX, s)
+    assert simplify(FloorDiv(RINDEX + 128 * XINDEX, 128 * (s + t)), r) == FloorDiv(XINDEX, s + t)
+    assert simplify(ModIdx(RINDEX + 128 * XINDEX, 1, 128 * s), r) == 128 * ModIdx(XINDEX, 1, s) + RINDEX
+    # not provable: the division stays
+    assert simplify(FloorDiv(RINDEX + 100 * XINDEX, 128 * s), r) == FloorDiv(RINDEX + 100 * XINDEX, 128 * s)
+
+
 def test_multiplying_by_one_keeps_one_expression():
     """``x * 1.0`` is ``x`` (exactly, NaN and -0.0 too): softplus's backward computes ``exp(x * beta)`` with
     beta 1, which then is the forward's ``exp(x)`` and is computed once in mish's backward."""

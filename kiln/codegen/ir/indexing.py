@@ -231,13 +231,12 @@ def _floordiv(a, b, r):
 
 def _coarsen(a, d, r):
     """``(q, c)`` with ``a = c*q + low``, ``0 <= low < c``, ``c > 1`` the largest coefficient of ``a``
-    dividing ``d`` (so ``a // d == q // (d / c)``: ``(128*x + r) // 16384`` is ``x // 128``, r < 128)."""
-    if not sympy.sympify(d).is_Integer:
-        return None
+    dividing ``d`` (so ``a // d == q // (d / c)``: ``(128*x + r) // 16384`` is ``x // 128``, r < 128; with
+    a symbolic ``d``, ``(128*x + r) // (128*s)`` is ``x // s``: no division per element in a dynamic kernel)."""
     coeffs = sorted({int(t.as_coeff_Mul()[0]) for t in sympy.Add.make_args(a)
                      if t.as_coeff_Mul()[0].is_Integer}, reverse=True)
     for c in coeffs:
-        if c <= 1 or int(d) % c:
+        if c <= 1 or not _is_multiple(d, c):
             continue
         q, low = _split(a, c)
         if q != 0 and _neg_free(q) and _neg_free(low) and (low == 0 or leq(r.max(low), c - 1)):
@@ -264,6 +263,11 @@ def _modidx(a, d, m, r):
         if coarse is not None:
             q, c = coarse
             return _modidx(q, sympy.cancel(d / c), m, r)
+    elif not sympy.sympify(m).is_Integer:   # (c*q + low) % (c*s) = c*(q % s) + low, c | m, low < c
+        coarse = _coarsen(rest, m, r)
+        if coarse is not None:
+            q, c = coarse
+            return c * _modidx(q, 1, sympy.cancel(m / c), r) + sympy.expand(rest - c * q)
     return ModIdx(rest, d, m)
 
 
