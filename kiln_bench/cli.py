@@ -156,14 +156,7 @@ def _finish(args, meta, rows, console) -> int:
     text = report.markdown(meta, rows)
     console.print()
     console.print(text, markup=False, highlight=False)
-    if args.json:
-        report.write_json(args.json, meta, rows)
-    if args.md:
-        with open(args.md, "w") as fh:
-            fh.write(text)
-    if args.record_dir:
-        md_path, json_path = report.record(meta, rows, args.record_dir)
-        console.print(f"recorded: {md_path}, {json_path}", markup=False, highlight=False)
+    report.write_outputs(args, meta, rows, text, console)
     plot_dir = args.plot_dir or args.record_dir
     if plot_dir:
         for path in plot.plot_budgets(rows, plot_dir, meta["device"], "saved for backward"

@@ -391,6 +391,18 @@ def record_dir(record: bool, directory: str | None, no_record: bool = False) -> 
     return found
 
 
+def write_outputs(args, meta: dict, rows: list, text: str, console) -> None:
+    """The files a run asked for: ``--json``, ``--md`` (``text``) and ``--record``/``--record-dir``."""
+    if args.json:
+        write_json(args.json, meta, rows)
+    if args.md:
+        with open(args.md, "w") as fh:
+            fh.write(text)
+    if args.record_dir:
+        md_path, json_path = record(meta, rows, args.record_dir, text)
+        console.print(f"recorded: {md_path}, {json_path}", markup=False, highlight=False)
+
+
 def record(meta: dict, rows: list, record_dir: str, text: str | None = None) -> tuple:
     """Append the markdown section (``text``, default ``markdown(meta, rows)``) to ``record_dir/RESULTS.md``
     and write ``record_dir/results/*.json``."""

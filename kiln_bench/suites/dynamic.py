@@ -313,13 +313,7 @@ def finish(args, meta, rows, console) -> int:
     """Print the section; write --json, --md, --record(-dir); exit 1 on an error or a failed check."""
     text = markdown(meta, rows)
     console.print("\n" + text, markup=False, highlight=False)
-    if args.json:
-        report.write_json(args.json, meta, rows)
-    if args.md:
-        with open(args.md, "w") as fh:
-            fh.write(text)
-    if args.record_dir:
-        console.print("recorded: %s, %s" % report.record(meta, rows, args.record_dir, text), markup=False)
+    report.write_outputs(args, meta, rows, text, console)
     return 1 if any(r["status"] != "ok" or r.get("ok") is False for r in rows) and not args.no_guard else 0
 
 
