@@ -92,6 +92,7 @@ class Graphed:
     def _disable(self, why: str):
         self.disabled = why
         counters["cudagraph"]["refused"] += 1
+        counters["cudagraph_refused"][f"{self.name}: {why}"] += 1
         log(1, f"cudagraph {self.name}: not captured: {why}")
 
     def __call__(self, args):
@@ -236,6 +237,7 @@ def wrap(compiled, example_inputs, *, kind: str, n_user: int, mutated: set, pool
     why = refusal(example_inputs)
     if why:
         counters["cudagraph"]["refused"] += 1
+        counters["cudagraph_refused"][f"{compiled.name}: {why}"] += 1
         log(1, f"cudagraph {compiled.name}: not captured: {why}")
         return compiled
     static = set()

@@ -162,8 +162,8 @@ def test_dropout_is_captured_and_draws_fresh_masks_each_replay():
     f = kiln.compile(model, mode="reduce-overhead")
     x = torch.ones(64, 32, device="cuda")
     outs = [f(x).detach().clone() for _ in range(5)]
-    assert counters["cudagraph"]["refused"] == 0 and counters["cudagraph"]["captured"] >= 1
-    assert counters["cudagraph"]["replays"] >= 2
+    assert counters["cudagraph"]["refused"] == 0, dict(counters["cudagraph_refused"])
+    assert counters["cudagraph"]["captured"] >= 1 and counters["cudagraph"]["replays"] >= 2
     assert not torch.equal(outs[3], outs[4]) and not torch.equal(outs[2], outs[3])   # fresh masks every replay
     assert 0.4 < (outs[4] != 0).float().mean().item() < 0.6
 
