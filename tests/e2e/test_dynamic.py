@@ -173,6 +173,27 @@ def test_embeddings_over_variable_lengths_keep_their_kernels(codegen):
     assert kiln.counters["codegen"]["fallback"] + kiln.counters["fallback"]["eager_graphs"] == before
 
 
+@pytest.mark.parametrize("codegen", TARGETS)
+def test_batch_norm_over_batch_sizes_stays_compiled(codegen):
+    """A CNN with batch norm trained over batch sizes: the running variance scales by n / (n - 1) of the
+    symbolic n (a true division of sizes); the dynamic graph keeps its kernels (whole graphs ran ATen:
+    resnet18 at 1146 kernels per step instead of 274, 2.3x its static step, H200 2026-11-27), and values,
+    gradients and running statistics equal eager's at every batch size."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                      nn.Flatten(), nn.Linear(4, 3))
+    ref, c = copy.deepcopy(m), torch.compile(m, backend="kiln", dynamic=True, options={"codegen": codegen})
+    before = kiln.counters["codegen"]["fallback"] + kiln.counters["fallback"]["eager_graphs"]
+
+    def run():
+        for b in (4, 6, 3):
+            x = torch.randn(b, 3, 6, 6)
+            _check(ref, c, x)
+            torch.testing.assert_close(m[1].running_var, ref[1].running_var, rtol=1e-5, atol=1e-6)
+    assert _compiles(run) == 1
+    assert kiln.counters["codegen"]["fallback"] + kiln.counters["fallback"]["eager_graphs"] == before
+
+
 def test_symbolic_sizes_compile_once_per_block_size_on_the_gpu():
     """The CUDA kernels of a dynamic graph (written offline: emit_for='cuda') take their sizes as
     arguments that Triton does not specialize (a size that is 1 or a multiple of 16 would otherwise

@@ -333,14 +333,30 @@ def value_at(v, idx, out_shape, dtype):
 
 
 def sym_value(v, dtype):
-    """A SymInt/SymFloat expression (sizes, counts) as a value of ``dtype``."""
-    if type(v).__name__ == "ToFloat":
-        return ops.cast(ops.index(v.args[0]), dtype)
-    if v.is_Float or v.is_Rational and not v.is_Integer:
-        return ops.const(float(v), dtype)
-    if any(type(a).__name__ not in ("Symbol", "Integer", "Add", "Mul", "Pow") for a in sympy.preorder_traversal(v)):
+    """A SymInt/SymFloat expression (sizes, counts) as a value of ``dtype``: integer parts as index arithmetic,
+    float parts (true divisions, ``ToFloat``, float constants) in float64, as Python computes them for eager
+    (batch norm's unbiased variance scales by n / (n - 1) of a symbolic n)."""
+    return ops.cast(ops.index(v) if _integral(v) else _float64(v), dtype)
+
+
+def _integral(v) -> bool:
+    return all(type(a).__name__ in ("Symbol", "Integer", "Add", "Mul", "Pow") for a in sympy.preorder_traversal(v))
+
+
+_SYM_FLOAT = {"FloatTrueDiv": "truediv", "IntTrueDiv": "truediv", "Add": "add", "Mul": "mul"}
+
+
+def _float64(v):
+    if v.is_Number:
+        return ops.const(float(v), torch.float64)
+    if _integral(v):
+        return ops.cast(ops.index(v), torch.float64)
+    name = type(v).__name__
+    if name == "ToFloat":
+        return _float64(v.args[0])
+    if name not in _SYM_FLOAT:
         raise Unsupported(f"symbolic value {v}")
-    return ops.cast(ops.index(v), dtype)
+    return functools.reduce(lambda a, b: ops.binary(_SYM_FLOAT[name], a, b), map(_float64, v.args))
 
 
 def result_dtype(*vals):
