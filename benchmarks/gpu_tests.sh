@@ -9,7 +9,7 @@ echo "collected $(wc -l < "$OUT/gpu_ids.txt") gpu tests"
 for k in $(seq 0 $((N - 1))); do
   awk -v n="$N" -v k="$k" 'NR % n == k' "$OUT/gpu_ids.txt" > "$OUT/gpu_shard_$k.txt"
   mapfile -t ids < "$OUT/gpu_shard_$k.txt"
-  timeout "$LIMIT" python3 -m pytest -q -m gpu -rfE -p no:cacheprovider --junitxml="$OUT/gpu_shard_$k.xml" \
+  timeout "$LIMIT" python3 -m pytest -q -m gpu -rfE --tb=short -p no:cacheprovider --junitxml="$OUT/gpu_shard_$k.xml" \
     "${ids[@]}" > "$OUT/gpu_shard_$k.log" 2>&1 &
 done
 wait
