@@ -13,7 +13,9 @@ import torch.utils._pytree
 from kiln import passes
 from kiln.debug import Trace, observe
 from kiln.options import current, using
+from kiln.partition.mincut import user_path
 from kiln.partition.report import MemoryReport, report
+from kiln.passes.freeze import _source, _source_text
 from kiln.codegen.target import resolve
 from kiln.pipeline import aot_compilers
 
@@ -24,18 +26,20 @@ def explain_memory(fn, *args, budgets: Optional[Sequence[float]] = None, png: Op
     ``options``; ``budgets``: sweep these too (1.0..0.0 with ``png``); ``png``: plot the sweep there."""
     opts = current(**options)
     cut = capture_partition(fn, args, opts)
-    return report(cut["joint"], cut["saved"], cut["num_fwd_outputs"], opts, budgets=budgets, png=png)
+    return report(cut["joint"], cut["saved"], cut["num_fwd_outputs"], opts, budgets, png, cut["inputs"])
 
 
 def capture_partition(fn, args, opts) -> dict:
-    """Run ``fn(*args)`` through kiln's pipeline up to the partition; returns its first cut (as ``observe``)."""
+    """Run ``fn(*args)`` through kiln's pipeline up to the partition; returns its first cut (as ``observe``,
+    plus ``inputs``: the user's name of each of AOTAutograd's flat inputs, ``layers.0.weight``)."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.aot_autograd import make_boxed_func
     cuts: list = []
+    names: list = [[]]
 
     def seen(event, data):
         if event == "partition":
-            cuts.append(data)
+            cuts.append({**data, "inputs": names[-1]})
 
     def as_traced(gm, example_inputs):   # no code generation: the report needs the partition only
         return make_boxed_func(gm.forward)
@@ -46,6 +50,10 @@ def capture_partition(fn, args, opts) -> dict:
             registered = passes.snapshot()
             target = resolve(opts, example_inputs)
             trace.stage("pre_grad", passes.pre_grad, gm, opts, registered)
+            # AOTAutograd's flat inputs: the module's own parameters and buffers (if any), then Dynamo's
+            state = (*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False))
+            names.append([k for k, _ in state] + [user_path(_source_text(_source(p)) or p.name)
+                                                  for p in gm.graph.find_nodes(op="placeholder")])
             # no precompile workers: no kernel is compiled (compile_workers changes no graph)
             kw = aot_compilers(opts.replace(compile_workers=0), target, trace, registered=registered)
             kw.update({k: as_traced for k in ("fw_compiler", "bw_compiler", "inference_compiler") if k in kw})

@@ -9,6 +9,8 @@ times, prints, verifies and dumps each step. ``aot_compilers`` is the one AOTAut
 from __future__ import annotations
 
 import hashlib
+import os
+import sysconfig
 import traceback
 import types
 import warnings
@@ -54,19 +56,33 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list, opts: Options):
 
 
 def _eager(forward, error: Exception):
-    """``forward``, Dynamo's graph as captured, after a warning naming ``error``."""
+    """``forward``, Dynamo's graph as captured, after a warning naming ``error``; where the user's code raised
+    (a custom pass, a callable option), the warning is issued there, so that its filters apply."""
     frames = traceback.extract_tb(error.__traceback__)
     ours = [f for f in frames if "/kiln/" in f.filename and not f.filename.endswith("pipeline.py")]
-    where = next((f"{f.filename}:{f.lineno}" for f in reversed(ours or frames)), "?")
+    user = [(f, n) for f, n in traceback.walk_tb(error.__traceback__) if not f.f_code.co_filename.startswith(_NOT_USER)]
+    where = (f"{user[-1][0].f_code.co_filename}:{user[-1][1]}, in {user[-1][0].f_code.co_name}" if user else
+             next((f"{f.filename}:{f.lineno}" for f in reversed(ours or frames)), "?"))
     reason = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:300]} (at {where})"
     return _as_captured(forward, f"kiln could not compile a graph and runs it as eager does: {reason}. "
-                                 "on_error='raise' (KILN_ON_ERROR=raise) raises instead.", reason)
+                                 "on_error='raise' (KILN_ON_ERROR=raise) raises instead.", reason, user[-1:])
 
 
-def _as_captured(forward, warning: str, reason: str):
-    """``forward`` (Dynamo's graph as captured), counted, warned about and logged: kiln's eager fallback."""
+# code that is not the user's: kiln's, the standard library's, installed packages', generated ('<...>')
+_NOT_USER = ("<", *{os.path.join(p, "") for p in (os.path.dirname(__file__), *(
+    sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")))})
+
+
+def _as_captured(forward, warning: str, reason: str, at=()):
+    """``forward`` (Dynamo's graph as captured), counted, warned about and logged: kiln's eager fallback;
+    ``at``: ``[(frame, line)]`` to warn at (as its own ``warnings.warn`` would)."""
     debug.counters["fallback"]["eager_graphs"] += 1
-    warnings.warn(warning, stacklevel=3)
+    if at:
+        (frame, line), g = at[0], at[0][0].f_globals
+        warnings.warn_explicit(warning, UserWarning, frame.f_code.co_filename, line, g.get("__name__"),
+                               g.setdefault("__warningregistry__", {}), g)
+    else:
+        warnings.warn(warning, stacklevel=3)
     log(1, f"eager fallback: {reason}")
     return forward
 

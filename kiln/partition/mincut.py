@@ -6,10 +6,13 @@ when ``Policy`` bans recomputing ``n``. The cut's ``in -> out`` edges are the sa
 """
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass, field
 from typing import FrozenSet, List, Optional
 
 import numpy as np
+import torch
 import torch.fx as fx
 
 from kiln import logs
@@ -148,19 +151,50 @@ REMAT = "kiln_remat"   # the artifact (torch's logging) of remat decisions
 
 
 def source_line(n: fx.Node) -> str:
-    """The user's source line that produced ``n`` (from meta['stack_trace'])."""
-    st = n.meta.get("stack_trace")
-    if not st:
+    """``file:line: code`` of the user's innermost frame that made ``n`` (``meta['stack_trace']``, torch's
+    frames skipped; a node a pass made without one takes its nearest neighbour's)."""
+    frames = _FRAME.findall(_described(n).meta.get("stack_trace") or "")
+    frames = [f for f in frames if not f[0].startswith(_TORCH_DIR)]
+    if not frames:
         return ""
-    lines = [s.strip() for s in st.strip().splitlines()]
-    lines = [s for s in lines if s and set(s) - set("^~ ")]  # drop caret/tilde marker lines
-    files = [i for i, s in enumerate(lines) if s.startswith("File ")]
-    if not files:
-        return lines[-1] if lines else ""
-    i = files[-1]
-    where = lines[i].split(", in ")[0].replace("File ", "").strip('"')
-    code = lines[i + 1] if i + 1 < len(lines) else ""
-    return f"{where}: {code}"
+    (path, line, code), here = frames[-1], os.getcwd() + os.sep
+    return f"{path[len(here):] if path.startswith(here) else path}:{line}: {code.strip()}"
+
+
+def module_path(n: fx.Node) -> str:
+    """The module that made ``n`` as its user names it (``layers.0.attn``; '' outside any module), from
+    ``meta['nn_module_stack']`` (a backward node's ``fwd_nn_module_stack``)."""
+    meta = _described(n).meta
+    stack = list((meta.get("nn_module_stack") or meta.get("fwd_nn_module_stack") or {}).values())
+    return user_path(str(stack[-1][0] if isinstance(stack[-1], tuple) else stack[-1])) if stack else ""
+
+
+def user_path(source: str) -> str:
+    """Dynamo's name of a module or tensor as the user writes it: ``L['self']._modules['layers']._modules['0']
+    ._parameters['weight']`` -> ``layers.0.weight``, ``G['m'].attn`` -> ``m.attn``, ``L['x']`` -> ``x``."""
+    s = re.sub(r"\._(?:modules|parameters|buffers)\[(['\"])(.*?)\1\]", r".\2", source)
+    s = re.sub(r"^L\[(['\"])(?:self|fn)\1\]\.?", "", s)   # the compiled module (``fn``: Dynamo's wrapper)
+    s = re.sub(r"^[LG]\[(['\"])(.*?)\1\]", r"\2", s)
+    return re.sub(r"\[(['\"]?)([^\]]*?)\1\]", r".\2", s)
+
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in [^\n]*(?:\n(?![ \t]*File ")([^\n]*))?')
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_WHENCE = ("stack_trace", "nn_module_stack", "fwd_nn_module_stack")
+
+
+def _described(n: fx.Node) -> fx.Node:
+    """``n``, or when a pass made it without provenance (``_WHENCE``), the nearest call node that has it."""
+    todo, seen = [n], {n}
+    while todo and len(seen) < 64 and n.op == "call_function":
+        cur = todo.pop(0)
+        if any(k in cur.meta for k in _WHENCE):
+            return cur
+        for m in (*cur.users, *cur.all_input_nodes):
+            if m not in seen and m.op == "call_function":
+                seen.add(m)
+                todo.append(m)
+    return n
 
 
 def log_decisions(info: JointInfo, saved, policy: Policy, tag: str) -> None:
@@ -192,5 +226,5 @@ def _recomputed(info: JointInfo, n: fx.Node, saved_set: set) -> bool:
 
 
 def _at(n: fx.Node) -> str:
-    line = source_line(n)
-    return f" at {line}" if line else ""
+    where, line = module_path(n), source_line(n)
+    return (f" in {where}" if where else "") + (f" at {line}" if line else "")

@@ -3,11 +3,13 @@ import contextlib
 import contextvars
 import io
 import threading
+import warnings
 
 import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+import kiln
 import kiln.config
 from kiln.passes import registry
 from kiln.passes.registry import RegistryError, cache_key, passes_for, register, run_stage
@@ -131,3 +133,48 @@ def test_bad_stage_and_bad_pass():
     with pytest.raises(RegistryError):
         register("joint_post", 42)
     assert registry.STAGES == ("pre_grad", "joint_pre", "joint_post", "post_grad_pre", "post_grad_post")
+
+
+def _failing_pass(graph):
+    raise RuntimeError("a bug in the user's pass")
+
+
+def _sin2(x):
+    return (x.sin() * 2).sum()
+
+
+@pytest.mark.parametrize("how", ["registered", "option"])
+def test_a_failing_pass_warns_at_the_users_function(how):
+    """The eager fallback's warning points at the line of the user's pass that raised (issue #37: it pointed
+    at kiln/passes/registry.py), so warning filters on the user's module apply to it."""
+    x = torch.randn(4)
+    with contextlib.ExitStack() as stack:
+        options = {"cache": False, "on_error": "eager"}
+        if how == "registered":
+            stack.enter_context(register("post_grad_pre", _failing_pass))
+        else:
+            options["post_grad_custom_pre_pass"] = _failing_pass
+        with pytest.warns(UserWarning, match="could not compile") as record:
+            got = kiln.compile(_sin2, **options)(x)
+        torch.testing.assert_close(got, _sin2(x))
+        w = next(w for w in record if "could not compile" in str(w.message))
+        assert (w.filename, w.lineno) == (__file__, _failing_pass.__code__.co_firstlineno + 1), (w.filename, w.lineno)
+        assert "in _failing_pass" in str(w.message) and "a bug in the user's pass" in str(w.message)
+        torch._dynamo.reset()
+        with warnings.catch_warnings(record=True) as seen:   # a filter on this module silences it ...
+            warnings.simplefilter("always")
+            warnings.filterwarnings("ignore", message="kiln could not compile", module=__name__)
+            kiln.compile(_sin2, **options)(x)
+        assert not [s for s in seen if "could not compile" in str(s.message)], [str(s.message) for s in seen]
+        torch._dynamo.reset()
+        with warnings.catch_warnings():   # ... and one that makes it an error raises
+            warnings.filterwarnings("error", message="kiln could not compile", module=__name__)
+            with pytest.raises(Exception, match="could not compile"):
+                kiln.compile(_sin2, **options)(x)
+
+
+def test_a_failing_pass_is_named_in_its_traceback():
+    gm = gm_cos()
+    with register("joint_post", _failing_pass), pytest.raises(RuntimeError) as info:
+        run_stage("joint_post", gm)
+    assert "custom pass '_failing_pass' of stage 'joint_post'" in "".join(getattr(info.value, "__notes__", [])), info
