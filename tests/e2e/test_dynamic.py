@@ -174,20 +174,21 @@ def test_embeddings_over_variable_lengths_keep_their_kernels(codegen):
 
 
 @pytest.mark.parametrize("codegen", TARGETS)
-def test_batch_norm_over_batch_sizes_stays_compiled(codegen):
-    """A CNN with batch norm trained over batch sizes: the running variance scales by n / (n - 1) of the
-    symbolic n (a true division of sizes); the dynamic graph keeps its kernels (whole graphs ran ATen:
+def test_batch_norm_over_batch_and_image_sizes_stays_compiled(codegen):
+    """A CNN with batch norm trained over batch and image sizes: the running variance scales by n / (n - 1) of
+    the symbolic n (a true division of sizes), the mean divides by a strided conv's (hw - 1) // 2 + 1, squared;
+    the dynamic graph keeps its kernels (whole graphs ran ATen:
     resnet18 at 1146 kernels per step instead of 274, 2.3x its static step, H200 2026-11-27), and values,
     gradients and running statistics equal eager's at every batch size."""
     torch.manual_seed(0)
-    m = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+    m = nn.Sequential(nn.Conv2d(3, 4, 3, stride=2, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
                       nn.Flatten(), nn.Linear(4, 3))
     ref, c = copy.deepcopy(m), torch.compile(m, backend="kiln", dynamic=True, options={"codegen": codegen})
     before = kiln.counters["codegen"]["fallback"] + kiln.counters["fallback"]["eager_graphs"]
 
     def run():
-        for b in (4, 6, 3):
-            x = torch.randn(b, 3, 6, 6)
+        for b, hw in ((4, 6), (6, 9), (3, 7)):   # a strided conv's size: (hw - 1) // 2 + 1, squared by the mean
+            x = torch.randn(b, 3, hw, hw)
             _check(ref, c, x)
             torch.testing.assert_close(m[1].running_var, ref[1].running_var, rtol=1e-5, atol=1e-6)
     assert _compiles(run) == 1

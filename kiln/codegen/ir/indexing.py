@@ -79,8 +79,15 @@ def size_expr(s) -> sympy.Expr:
         return sympy.Integer(s)
     node = getattr(s, "node", None)
     if node is not None and hasattr(node, "expr"):
-        return sympy.sympify(node.expr)
+        return own_floor_divs(sympy.sympify(node.expr))
     return sympy.Integer(int(s))
+
+
+def own_floor_divs(e):
+    """torch's ``FloorDiv`` of sizes (a strided conv's or pool's output size) as kiln's, which the printers
+    write (both floor non-negative operands)."""
+    return e.replace(lambda a: type(a).__name__ == "FloorDiv" and not isinstance(a, FloorDiv),
+                     lambda a: FloorDiv(*a.args)) if not e.is_Atom else e
 
 
 def same_sizes(a, b) -> bool:

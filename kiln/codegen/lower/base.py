@@ -13,7 +13,7 @@ import sympy
 import torch
 import torch.fx
 
-from kiln.codegen.ir.indexing import ZERO, size_expr
+from kiln.codegen.ir.indexing import ZERO, own_floor_divs, size_expr
 from kiln.codegen.ir.loops import (Buffer, Pointwise, Reduction, Seeds, Unsupported, contiguous_buffer, meta_layout,
                                    ops)
 from kiln.debug import log
@@ -336,11 +336,13 @@ def sym_value(v, dtype):
     """A SymInt/SymFloat expression (sizes, counts) as a value of ``dtype``: integer parts as index arithmetic,
     float parts (true divisions, ``ToFloat``, float constants) in float64, as Python computes them for eager
     (batch norm's unbiased variance scales by n / (n - 1) of a symbolic n)."""
+    v = own_floor_divs(v)
     return ops.cast(ops.index(v) if _integral(v) else _float64(v), dtype)
 
 
 def _integral(v) -> bool:
-    return all(type(a).__name__ in ("Symbol", "Integer", "Add", "Mul", "Pow") for a in sympy.preorder_traversal(v))
+    return all(a.is_Integer or a.is_Symbol or type(a).__name__ in ("Add", "Mul", "FloorDiv")
+               or a.is_Pow and a.exp.is_Integer and a.exp >= 0 for a in sympy.preorder_traversal(v))
 
 
 _SYM_FLOAT = {"FloatTrueDiv": "truediv", "IntTrueDiv": "truediv", "Add": "add", "Mul": "mul"}

@@ -380,7 +380,7 @@ class CppKernel(ExprWriter):
         t = self.idx_t
         if self.split is None:
             return ([pragma] if pragma else []) + [f"for ({t} r = 0; r < rnumel; r++) {{"], ["}"]
-        k = self.split
+        k = self.pexpr(self.split)
         return ([f"for ({t} r0 = 0; r0 < rnumel / {k}; r0++) {{"] + ([pragma] if pragma else []) +
                 [f"for ({t} r1 = 0; r1 < {k}; r1++) {{", f"const {t} r = r0 * {k} + r1; (void)r;"], ["}", "}"])
 
@@ -465,9 +465,10 @@ def pointwise_split(plan, min_inner: int):
 
 def row_split(plan, minimum: int):
     """``(K, substitution, ranges)`` when every index reads ``rindex`` only through ``r // K`` and ``r % K``
-    (K >= ``minimum`` dividing a static row), so ``r = r0 * K + r1`` leaves no division; else None."""
+    (K >= ``minimum`` dividing the row, a symbolic row too: 1024 * s), so ``r = r0 * K + r1`` leaves no division;
+    else None."""
     n = sympy.sympify(plan.rnumel)
-    if minimum <= 0 or not n.is_Integer:
+    if minimum <= 0:
         return None
     exprs = _index_exprs(plan)
     ks = set()
@@ -481,12 +482,14 @@ def row_split(plan, minimum: int):
     if len(ks) != 1:
         return None
     k = ks.pop()
-    if not k.is_Integer or int(k) < minimum or int(n) % int(k) or int(k) >= int(n):
+    rows = n / k   # K symbolic too (the spatial size of a fully dynamic CNN), in whole rows
+    if rows.is_integer is not True or k.is_Integer and (int(k) < minimum or n.is_Integer and k >= n) \
+            or k.free_symbols & {RINDEX, XINDEX}:
         return None
     bounds = {s: b for s, b in plan.ranges.bounds.items() if s != RINDEX}
-    ranges = Ranges({**bounds, R0: int(n) // int(k), R1: int(k)})
-    subst = {RINDEX: R0 * int(k) + R1}
-    return None if _divides(exprs, subst, ranges, R1) else (int(k), subst, ranges)
+    ranges = Ranges({**bounds, R0: rows, R1: k})
+    subst = {RINDEX: R0 * k + R1}
+    return None if _divides(exprs, subst, ranges, R1) else (k, subst, ranges)
 
 
 def _reducing(lines, clause: str) -> tuple:
