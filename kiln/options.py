@@ -186,6 +186,11 @@ class Tuning:
                                          "recomputing a residual stream from them keeps them all alive", check="nonneg")
     fuse_stored_views: bool = _opt(True, "read views of stored tensors inside kernels (else ATen views)")
     reuse_inputs: bool = _opt(True, "a kernel may write its output into an input that dies at the call")
+    merge_updates: int = _opt(4096, "merge pointwise kernels over one domain of at most this many elements whose "
+                                    "outputs all update graph inputs (an optimizer's per-parameter steps) into one "
+                                    "kernel; 0: never", check="nonneg")
+    write_mutations: bool = _opt(True, "a kernel writes a graph input's new value into the input itself (no copy "
+                                       "back) where nothing reads the old value after it")
     # passes
     pad_mm_min_flops: float = _opt(1e9, "pad_mm: pad only matmuls of at least this many FLOPs ...", check="nonneg")
     pad_mm_min_flops_per_byte: float = _opt(80.0, "... and this many FLOPs per byte the padding copies", check="nonneg")

@@ -19,6 +19,7 @@ import torch.fx as fx
 from kiln.codegen.text.source import Wrapper
 from kiln.codegen.views import SPLITS, ViewPlan, is_kernel, is_view_op
 from kiln.compat import reinterpret_fn
+from kiln.options import Tuning
 
 _PY_OPS = {
     operator.getitem: "{0}[{1}]", operator.add: "{0} + {1}", operator.sub: "{0} - {1}",
@@ -60,8 +61,8 @@ def describe_val(val) -> str:
 
 
 class _Emitter:
-    def __init__(self, gm: fx.GraphModule, name: str, trusted=frozenset(), reuse_inputs: bool = True):
-        self.gm, self.reuse_inputs = gm, reuse_inputs
+    def __init__(self, gm: fx.GraphModule, name: str, trusted=frozenset(), tuning: Tuning = Tuning()):
+        self.gm, self.tuning = gm, tuning
         self.views = ViewPlan(trusted)
         self.outputs: set = set()
         self.skipped: set = set()   # splits not run: each of their elements reinterprets the input
@@ -70,6 +71,8 @@ class _Emitter:
         self.global_ids: dict[int, str] = {}
         self.local_names = {self._fresh(n.name) for n in gm.graph.nodes}
         self.last_use: dict = {}   # value -> the node that reads it last (set by ``emit``)
+        self.into: dict = {}       # kernel node -> per output, the argument it is written into (or None)
+        self.landed: set = set()   # copy_ nodes of graph inputs a kernel wrote in place (``_land``)
 
     def bind(self, obj, hint: str) -> str:
         """Bind ``obj`` as a module global and return its name (one name per object)."""
@@ -137,6 +140,9 @@ class _Emitter:
             for inp in reads:
                 last_use[inp] = n
         self.last_use = last_use
+        self._land(nodes)
+        if self.tuning.reuse_inputs:
+            self.into.update((n, self._into(n, self.into.get(n))) for n in nodes if _reusing(n))
         frees: dict[fx.Node, list[fx.Node]] = {}
         out_node = next(n for n in reversed(nodes) if n.op == "output")
         for value, user in last_use.items():
@@ -155,7 +161,7 @@ class _Emitter:
         if shared:   # every compiled kernel runs on one GPU: enter it once (kernels allocate and launch there)
             body.append(f"with {self.bind(torch.cuda.device, 'cuda_device')}({next(iter(guard.values()))}):")
         start = len(body)
-        runs = _copy_runs(nodes)
+        runs = _copy_runs([n for n in nodes if n not in self.landed])   # (a landed copy aliases none of them)
         for n in nodes:
             if n.op == "placeholder" or n in skipped:
                 continue
@@ -165,7 +171,9 @@ class _Emitter:
                 self.w.known_outputs = [isinstance(o, fx.Node) and self.views.known(o) is not None for o in outs]
                 continue
             run = runs.get(n)
-            if run is None:
+            if n in self.landed:   # the kernel wrote the input unless it refused ``into`` (another layout)
+                body.append(f"if {self.lit(n.args[1])} is not {self.lit(n.args[0])}: {self._call(n)}")
+            elif run is None:
                 line = self._node_line(n)
                 if n in guard and not shared:
                     line = f"with {self.bind(torch.cuda.device, 'cuda_device')}({guard[n]}): {line}"
@@ -176,7 +184,7 @@ class _Emitter:
                 body.append(f"{self.bind(torch._foreach_copy_, 'foreach_copy_')}([{dsts}], [{srcs}])"
                             f"  # {len(run)} input mutations")
             dead = [self.names[v] for v in frees.get(n, []) if v.op != "get_attr"]
-            if not n.users and n.op == "call_function" and run is None:
+            if not n.users and n.op == "call_function" and run is None and n not in self.landed:
                 dead.append(self.names[n])
             if dead:
                 body.append("del " + ", ".join(dead))
@@ -228,29 +236,66 @@ class _Emitter:
         if fmt is not None and not n.kwargs:
             return fmt.format(*[self.lit(a) for a in n.args])
         args = self._args(n)
-        into = self._into(n)
-        if into is not None:
-            args.append(f"into={self.lit(into)}")
+        if any(a is not None for a in self.into.get(n, ())):
+            args.append(f"into={self.lit(tuple(self.into[n]))}")
         return f"{self.target_name(n.target)}({', '.join(args)})"
 
     def _args(self, n: fx.Node, skip: int = 0) -> list:
         return [self.lit(a) for a in n.args[skip:]] + [f"{k}={self.lit(v)}" for k, v in n.kwargs.items()]
 
-    def _into(self, n: fx.Node):
-        """An argument of kernel node ``n`` whose memory the kernel may write its output into
-        (``KernelPlan.reusable``): a value that dies at ``n``, owns its storage (not a view, not a
-        graph input, output or constant) and is read by kernels only (no view or library call holds it)."""
-        for i in getattr(n.target, "reuse", ()) if is_kernel(n.target) and self.reuse_inputs else ():
-            a = n.args[i] if i < len(n.args) else None
-            if not isinstance(a, fx.Node) or a.op != "call_function" or a in self.outputs \
-                    or self.last_use.get(a) is not n or not all(is_kernel(u.target) for u in a.users):
-                continue
-            owner = a.args[0] if a.target is operator.getitem else a
-            if owner is not a and (owner.op != "call_function" or owner in self.skipped):
-                continue
-            if is_kernel(owner.target) or (_fresh_result(owner.target) and not is_view_op(owner.target)):
-                return a   # (``_unsafe_view``'s schema does not say that it aliases: is_view_op does)
-        return None
+    def _land(self, nodes) -> None:
+        """Kernels write graph inputs' new values in place: for output ``v`` of kernel ``n`` that the graph
+        copies into input ``d`` (AOTAutograd's input mutation, ``copy_(d, v)``), ``d`` is ``n``'s argument at a
+        position output ``v`` may overwrite (``KernelPlan.reusable``), ``v`` is not returned, and every other
+        reader of ``d`` is a kernel or an op with a fresh result (no view) at or before ``n``. Not when some
+        kernel lacks an ATen fallback of its own: its graph's fallback reruns from inputs written by then."""
+        kernels = [n for n in nodes if n.op == "call_function" and is_kernel(n.target)]
+        if not self.tuning.write_mutations or any(getattr(k.target, "fallback", None) is None for k in kernels):
+            return
+        order = {n: i for i, n in enumerate(nodes)}
+        copy = torch.ops.aten.copy_.default
+        fresh = lambda u: u.op == "call_function" and (is_kernel(u.target) or _fresh_result(u.target))  # noqa: E731
+        for n in (k for k in kernels if _reusing(k)):
+            multi = isinstance(n.meta.get("val"), (tuple, list))
+            values = [u for u in n.users if u.target is operator.getitem] if multi else [n]
+            into = [None] * len(n.target.reuse)
+            for v in values:
+                i = v.args[1] if v is not n else 0
+                copies = [u for u in v.users if u.target is copy and u.args[1] is v]
+                d = copies[0].args[0] if len(copies) == 1 and not copies[0].users else None
+                if d is None or v in self.outputs or d.op != "placeholder" or n.args.count(d) != 1 \
+                        or n.args.index(d) not in n.target.reuse[i]:
+                    continue
+                if all(u is n or u is copies[0] or (fresh(u) and order[u] < order[n]) for u in d.users) and \
+                        all(u is copies[0] or fresh(u) for u in v.users) and \
+                        sum(u.target is copy for u in d.users) == 1:
+                    into[i] = d
+                    self.landed.add(copies[0])
+            self.into[n] = into
+
+    def _into(self, n: fx.Node, into=None) -> list:
+        """Per output of kernel node ``n``, an argument it may be written into (``KernelPlan.reusable``):
+        the input ``_land`` chose, or a value that dies at ``n``, owns its storage (not a view, not a graph
+        input, output or constant) and is read by kernels only (no view or library call holds it)."""
+        into = list(into or [None] * len(n.target.reuse))
+        for i, positions in enumerate(n.target.reuse):
+            for p in positions if into[i] is None else ():
+                a = n.args[p] if p < len(n.args) else None
+                if not isinstance(a, fx.Node) or a.op != "call_function" or a in self.outputs or a in into \
+                        or self.last_use.get(a) is not n or not all(is_kernel(u.target) for u in a.users):
+                    continue
+                owner = a.args[0] if a.target is operator.getitem else a
+                if owner is not a and (owner.op != "call_function" or owner in self.skipped):
+                    continue
+                if is_kernel(owner.target) or (_fresh_result(owner.target) and not is_view_op(owner.target)):
+                    into[i] = a   # (``_unsafe_view``'s schema does not say that it aliases: is_view_op does)
+                    break
+        return into
+
+
+def _reusing(n) -> bool:
+    """Whether ``n`` calls a kernel that may write an output into an input."""
+    return n.op == "call_function" and is_kernel(n.target) and bool(getattr(n.target, "reuse", ()))
 
 
 def _fresh_result(target) -> bool:
@@ -308,4 +353,4 @@ def _kernel_devices(nodes) -> dict:
 
 def emit_wrapper(gm: fx.GraphModule, name: str, trusted=frozenset(), opts=None) -> Wrapper:
     """The Python wrapper of ``gm``. ``trusted``: placeholders whose run-time strides are their examples'."""
-    return _Emitter(gm, name, trusted, opts.tuning.reuse_inputs if opts is not None else True).emit()
+    return _Emitter(gm, name, trusted, opts.tuning if opts is not None else Tuning()).emit()

@@ -1,12 +1,14 @@
 """Input mutations stay in kiln's graphs (AOTAutograd's keep_inference_input_mutations): what the
 caller sees after a call is eager's, in training and inference graphs, through views, and when the
 mutated input is read again after the write."""
+import re
+
 import pytest
 import torch
 
 import kiln
 
-CODEGENS = ["aten", "triton"]
+CODEGENS = ["aten", "triton", "cpp"]   # the C++ and Triton kernels write mutated inputs in place
 
 
 @pytest.mark.parametrize("codegen", CODEGENS)
@@ -48,9 +50,10 @@ def test_inference_mutation_then_read(codegen):
     torch.testing.assert_close(b, b2)
 
 
-@pytest.mark.parametrize("codegen", CODEGENS)
-def test_many_mutated_inputs_batch_into_one_copy(codegen):
-    """An optimizer-like update of several tensors: one foreach copy, values as eager's."""
+@pytest.mark.parametrize("codegen,in_place", [("aten", False), ("triton", False), ("triton", True)])
+def test_many_mutated_inputs_batch_into_one_copy(codegen, in_place):
+    """An optimizer-like update of several tensors: one foreach copy, values as eager's; or, where kernels
+    may write them in place (``tuning.write_mutations``), one kernel writing all four, no copy."""
     def step(ps, gs):
         for p, gr in zip(ps, gs):
             p.sub_(0.1 * gr)
@@ -60,12 +63,14 @@ def test_many_mutated_inputs_batch_into_one_copy(codegen):
     gs = [torch.randn(8) for _ in range(4)]
     ref = [p.clone() for p in ps]
     with torch.no_grad():
-        _, code = kiln.run_and_get_code(kiln.compile(step, codegen=codegen), ps, gs)
+        _, code = kiln.run_and_get_code(kiln.compile(step, codegen=codegen, **{"tuning.write_mutations": in_place}),
+                                        ps, gs)
         step(ref, gs)
     for p, r in zip(ps, ref):
         torch.testing.assert_close(p, r)
     wrapper = next(c for c in code if c.startswith("# kiln wrapper"))
-    assert wrapper.count("foreach_copy(") == 1, wrapper
+    assert wrapper.count("foreach_copy(") == (not in_place), wrapper
+    assert bool(re.search(r"into=\((arg\d+_1, ){3}arg\d+_1\)", wrapper)) == in_place, wrapper
 
 
 @pytest.mark.parametrize("budget", [1.0, 0.5, 0.0])

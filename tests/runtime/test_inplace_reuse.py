@@ -13,29 +13,32 @@ from tests.numerics import assert_close_to_fp64
 
 def _compile(fn, *args, **options):
     torch._dynamo.reset()
-    f = torch.compile(fn, backend="kiln", options={"codegen": "triton", **options})
+    f = torch.compile(fn, backend="kiln", options={"codegen": "triton", **options})   # (options may name "cpp")
     out, code = kiln.run_and_get_code(f, *args)
     src = "\n".join(c for c in code if c.startswith("# kiln wrapper"))
     return f, out, src
 
 
 def _intos(src):
-    return re.findall(r"into=(\w+)\)", src)
+    """The arguments handed to kernels as ``into`` (one per output, None where none)."""
+    return [a.strip(",") for m in re.findall(r"into=\(([^)]*)\)", src) for a in m.split(", ") if a.strip(",") != "None"]
 
 
-def test_a_dying_library_result_takes_the_kernel_output():
+@pytest.mark.parametrize("codegen", ["triton", "cpp"])
+def test_a_dying_library_result_takes_the_kernel_output(codegen):
     def fn(x, w, b):
         h = x @ w            # a library call's fresh result, read by one kernel only
         return torch.relu(h + b) * 2
     x, w, b = torch.randn(8, 16), torch.randn(16, 16), torch.randn(16)
-    f, out, src = _compile(fn, x, w, b)
+    f, out, src = _compile(fn, x, w, b, codegen=codegen)
     torch.testing.assert_close(out, fn(x, w, b))
     assert len(_intos(src)) == 1, src
 
 
+@pytest.mark.parametrize("codegen", ["triton", "cpp"])
 @pytest.mark.parametrize("case", ["graph_input", "returned", "read_later", "read_by_a_later_kernel",
                                   "view_alive", "flipped"])
-def test_never_where_the_input_lives_on_or_is_read_elsewhere(case):
+def test_never_where_the_input_lives_on_or_is_read_elsewhere(case, codegen):
     many = {"tuning.xblock_max": 16}   # many programs: a program must not overwrite what a later one reads
 
     def fn(x, w):
@@ -52,7 +55,7 @@ def test_never_where_the_input_lives_on_or_is_read_elsewhere(case):
             return torch.relu(h * 2), h.t()[0]
         return torch.relu(h.flip(0) * 2)   # the kernel reads h at another element than it writes
     x, w = torch.randn(16, 16), torch.randn(16, 16)
-    f, out, src = _compile(fn, x, w, **many)
+    f, out, src = _compile(fn, x, w, codegen=codegen, **many)
     ref = fn(x.clone(), w)
     for o, r in zip(out if isinstance(out, tuple) else (out,), ref if isinstance(ref, tuple) else (ref,)):
         torch.testing.assert_close(o, r)

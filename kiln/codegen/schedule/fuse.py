@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from kiln.codegen.ir.indexing import equal, prod, same_sizes
 from kiln.codegen.ir.loops import Pointwise, Reduction, Scatter
 from kiln.codegen.schedule.colpart import colpart_shape
@@ -111,6 +113,7 @@ class Scheduler:
         for buf in self.lw.computed:
             self._add(buf)
         self._merge_outer()
+        self._merge_updates()
         for g in self.groups:
             g.stored = [b for b in g.nodes if self._needed_outside(b, g)]
         return [g for g in self.groups if g.stored]
@@ -163,8 +166,8 @@ class Scheduler:
             return Role.SCALAR
         return Role.ROW
 
-    def _try_join(self, g, buf, cycle=True):
-        if len(g.nodes) >= self.tuning.max_group or self._far(g, buf):
+    def _try_join(self, g, buf, cycle=True, near=True):
+        if len(g.nodes) >= self.tuning.max_group or (near and self._far(g, buf)):
             return False
         is_red = isinstance(buf.compute, Reduction)
         role = self._role(g, buf)
@@ -224,7 +227,7 @@ class Scheduler:
             self._pos = {n: i for gr in graphs for i, n in enumerate(gr.nodes)}
         return self._pos
 
-    def _try_merge(self, g, h):
+    def _try_merge(self, g, h, near=True):
         """Merge group ``h`` into ``g``: join its buffers one by one, then check the whole."""
         if h.kind == "scatter" or g.kind == "scatter" or len(g.nodes) + len(h.nodes) > self.tuning.max_group:
             return False
@@ -236,7 +239,7 @@ class Scheduler:
                 self.group_of[b] = h
             return False
         for b in sorted(h.nodes, key=self.order.get):
-            if not self._try_join(g, b, cycle=False):
+            if not self._try_join(g, b, cycle=False, near=near):
                 return undo()
         g.nodes.sort(key=self.order.get)
         for b in g.nodes:
@@ -259,6 +262,21 @@ class Scheduler:
                 if g is not h and g.kind == "reduction" and g.rs and self._try_merge(g, h):
                     break
 
+    def _merge_updates(self):
+        """Horizontal fusion of input updates: pointwise kernels over one domain of at most
+        ``tuning.merge_updates`` elements whose every output is a graph input's new value (an optimizer's
+        per-parameter steps, running statistics) merge into one kernel, however far apart (``max_group``
+        members at most). Not over large domains: one loop writing many tensors ran slower on the CPU."""
+        heads: dict = {}
+        for h in list(self.groups):
+            n = prod(h.xs)
+            if h.kind != "pointwise" or h.roles or not n.is_Integer or int(n) > self.tuning.merge_updates or not all(
+                    _written_back(b) for b in h.nodes if self._needed_outside(b, h)):
+                continue
+            same = heads.setdefault(dims_key(h.dims), [])
+            if not any(self._try_merge(g, h, near=False) for g in same):
+                same.append(h)
+
     def _reads_current(self, expr, members, dims, roles, reader):
         """Every read of a member is of the element this kernel has in registers."""
         ranges = domain_ranges(dims)
@@ -280,6 +298,12 @@ class Scheduler:
         users = buf.node.users if buf.node is not None else ()
         return any(u.op == "output" or u in self.lw.kept for u in users) or any(
             self.group_of.get(o) is not g and buf.name in self.reads[o] for o in self.lw.computed)
+
+
+def _written_back(buf) -> bool:
+    """Whether the graph copies ``buf`` into one of its inputs (AOTAutograd's input mutation)."""
+    return buf.node is not None and any(u.target is torch.ops.aten.copy_.default and u.args[0].op == "placeholder"
+                                        and u.args[1] is buf.node for u in buf.node.users)
 
 
 def _topological_rank(succ) -> dict:

@@ -104,7 +104,7 @@ class KernelPlan:
     reads: frozenset              # buffers it loads (none of them its own members)
     symbols: frozenset            # size symbols its indices use
     random: bool                  # draws random numbers
-    reusable: frozenset           # inputs its one output may be written into (``_reusable``)
+    reusable: tuple               # per stored buffer: the inputs it may be written into (``_reusable``)
     levels: "Levels" = field(repr=False)
     scatter: Optional[ScatterWrite] = None
     chained: bool = False         # a tail: runs in its head's last program, reading the head's stores
@@ -215,8 +215,9 @@ def describe(plan: KernelPlan, title: str = "kernel") -> str:
     if plan.scatter is not None:
         w = plan.scatter
         lines.append(f"  {w.buffer.name}[{_short(w.target)}] {'+=' if w.mode == 'add' else '='} {_short(w.value)}")
-    if plan.reusable:
-        lines.append(f"  output may overwrite: {', '.join(sorted(plan.reusable))}")
+    for b, names in zip(plan.stored, plan.reusable):
+        if names:
+            lines.append(f"  {b.name} may overwrite: {', '.join(sorted(names))}")
     if plan.tail is not None:
         lines.append("  " + describe(plan.tail, "then, in the last program").replace("\n", "\n  "))
     return "\n".join(lines)

@@ -104,7 +104,7 @@ def plan_kernel(group: Group, buffers: dict, tuning: Tuning, summary: tuple) -> 
     wide = not fits or max(int(xnumel) * int(rnumel), largest) >= 2 ** 31
     plan = KernelPlan(Kind.REDUCTION if red else Kind.POINTWISE, group.nodes[0].device, dims, xnumel, rnumel,
                       tuple(members), tuple(group.stored), buffers, persistent, programs, chunks, passes, row_stores,
-                      wide, frozenset(reads), frozenset(symbols), random, frozenset(), levels)
+                      wide, frozenset(reads), frozenset(symbols), random, (), levels)
     return replace(plan, reusable=_reusable(plan, group))
 
 
@@ -210,31 +210,38 @@ def _facts(exprs, ranges, store_indices) -> tuple:
     return reads, symbols, random
 
 
-def _reusable(plan: KernelPlan, group: Group) -> frozenset:
-    """Inputs the kernel's one output may be written into (the wrapper's ``into``, where the input dies): of
-    the output's dtype and layout, read only at the element written (each program reads before it stores);
-    from a pointwise kernel, or a row reduction whose programs own whole rows and store in their last loop."""
-    if plan.outer or len(plan.stored) != 1:
-        return frozenset()
-    if plan.reduction and (plan.programs is not Programs.BLOCKS or plan.row_stores or plan.chunks is not None or (
-            not plan.persistent and plan.stored[0].name not in plan.passes[-1].stores)):
-        return frozenset()
-    ob = plan.stored[0]
-    if not all(sympy.sympify(x).is_Integer for x in (*ob.shape, *ob.stride)):
-        return frozenset()
-    here = current(ob, plan.dims)
+def _reusable(plan: KernelPlan, group: Group) -> tuple:
+    """Per stored buffer, the inputs it may be written into (the wrapper's ``into``: an input that dies at the
+    call, or a mutated graph input): of its dtype and layout, read only at the element written (each program
+    reads before it stores); from a pointwise kernel, or a one-output row reduction whose programs own whole
+    rows and store in their last loop. With several outputs (pointwise), an input is loaded (once: Exprs are
+    hash-consed, emitters cache them) by the output stored first among its readers or an earlier one, and
+    never under a mask (a masked load is emitted apart), so that no store precedes a read of it."""
+    if plan.outer or (plan.reduction and (len(plan.stored) != 1 or plan.programs is not Programs.BLOCKS or
+                                          plan.row_stores or plan.chunks is not None or (
+            not plan.persistent and plan.stored[0].name not in plan.passes[-1].stores))):
+        return tuple(frozenset() for _ in plan.stored)
     indices: dict = {}
     for m in group.nodes:
         for name, index in loads(body(m, plan.dims, group.role(m))):
             indices.setdefault(name, []).append(index)
-    out = set()
-    for name in plan.reads:
-        b = plan.buffers[name]
-        same = b.dtype == ob.dtype and len(b.shape) == len(ob.shape) and all(
-            sympy.sympify(x) == sympy.sympify(y) for x, y in zip((*b.shape, *b.stride), (*ob.shape, *ob.stride)))
-        if same and indices.get(name) and all(equal(ix, here, plan.ranges) for ix in indices[name]):
-            out.add(name)
-    return frozenset(out)
+    order = [m for m in plan.members if m.stored]
+    first, masked = {}, set()   # input -> the first output (in store order) loading it; those loaded under masks
+    for i, m in enumerate(order):
+        for e in m.result.walk():
+            if e.op == "load":
+                first.setdefault(e.args[0], i)
+            elif e.op == "masked":
+                masked.update(name for name, _ in loads(e.args[1]))
+
+    def fits(name, ob, at):
+        b, key = plan.buffers[name], (*ob.shape, *ob.stride)
+        return b.dtype == ob.dtype and len(b.shape) == len(ob.shape) and all(sympy.sympify(x).is_Integer for x in key) \
+            and all(sympy.sympify(x) == sympy.sympify(y) for x, y in zip((*b.shape, *b.stride), key)) \
+            and (len(order) == 1 or (first.get(name, len(order)) <= at and name not in masked)) and indices.get(name) \
+            and all(equal(ix, current(ob, plan.dims), plan.ranges) for ix in indices[name])
+    at = {m.name: i for i, m in enumerate(order)}
+    return tuple(frozenset(n for n in plan.reads if fits(n, ob, at[ob.name])) for ob in plan.stored)
 
 
 def plan_scatter(group: Group, buffers: dict, tuning: Tuning, summary: tuple) -> ScatterPlan:
@@ -255,7 +262,7 @@ def plan_scatter(group: Group, buffers: dict, tuning: Tuning, summary: tuple) ->
     xnumel = prod(write_group.xs)
     wide = not (xnumel.is_Integer and static) or max(int(xnumel), largest) >= 2 ** 31
     write = KernelPlan(Kind.POINTWISE, buf.device, write_group.dims, xnumel, prod([]), (), (buf,), buffers, False,
-                       Programs.BLOCKS, None, (), (), wide, frozenset(reads), frozenset(symbols), random, frozenset(),
+                       Programs.BLOCKS, None, (), (), wide, frozenset(reads), frozenset(symbols), random, (),
                        Levels(set(), False), ScatterWrite(buf, value, target, s.mode))
     return ScatterPlan(copy, write)
 

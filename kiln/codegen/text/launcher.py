@@ -1,6 +1,6 @@
-"""A kernel module's launcher, the same for every emitter: ``call(*inputs, *sizes, *seeds)`` binds sizes from
-input shapes, restrides inputs, allocates outputs and launches. The header names the input dtypes, so
-equal text is an equal kernel for every argument.
+"""A kernel module's launcher, the same for every emitter: ``call(*inputs, *sizes, *seeds, into=())`` binds
+sizes from input shapes, restrides inputs, allocates outputs (or takes the wrapper's ``into``) and launches.
+The header names the input dtypes, so equal text is an equal kernel for every argument.
 """
 from __future__ import annotations
 
@@ -74,6 +74,23 @@ def restrides(inputs, buffers, fn: str, test_contiguous: bool = False) -> list:
                 else f"in{i}.stride() != {st}"
             out += [f"if {test}:", f"    in{i} = {fn}(in{i}, {ints(buf.shape)}, {st})"]
     return out
+
+
+def reuse(stored, inputs, reusable) -> tuple:
+    """``KernelSource.reuse``: per output, the positions of the inputs it may be written into (() if none)."""
+    out = tuple(tuple(k for k, name in enumerate(inputs) if name in names) for names in reusable)
+    return out if any(out) and len(out) == len(stored) else ()
+
+
+def taking_into(i: int, alloc: str, buf, reuse, test_contiguous: bool = False) -> str:
+    """Allocation line ``alloc`` of output ``i``, taking the wrapper's ``into[i]`` instead where ``reuse[i]`` (some
+    input may be written) and ``into[i]`` has the layout."""
+    if not (reuse and reuse[i]):
+        return alloc
+    lhs, rhs = alloc.split(" = ", 1)
+    fits = f"into[{i}].is_contiguous()" if test_contiguous and contiguous(buf.shape, buf.stride) \
+        else f"into[{i}].stride() == {ints(buf.stride)}"
+    return f"{lhs} = into[{i}] if into and into[{i}] is not None and {fits} else {rhs}"
 
 
 def returns(locs) -> str:

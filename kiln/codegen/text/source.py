@@ -20,8 +20,9 @@ VECTOR_MATH = ("exp", "log", "sin", "cos", "tan", "asin", "acos", "atan", "sinh"
 @dataclass(frozen=True)
 class KernelSource:
     """What an emitter makes of a plan: a module's ``text``, the buffers ``call`` takes and returns, its extra
-    size arguments (``scalars``), the inputs its output may be written into (``reuse``) and how many philox
-    seed tensors ``call`` takes last (``seeds``). A declined plan has no text (``declined``)."""
+    size arguments (``scalars``), per output the positions of the inputs it may be written into (``reuse``:
+    ``call``'s ``into``) and how many philox seed tensors ``call`` takes last (``seeds``). A declined plan has
+    no text (``declined``)."""
     text: str
     inputs: tuple
     outputs: tuple

@@ -92,8 +92,10 @@ class ExprWriter(writer.ExprWriter):
         # glibc's scalar math functions in every lane (see ``decides``)
         self.scalar_math = not tuning.cpp_vector_math or decides(plan)
         # a split pointwise kernel: the scope of one outer position, before the vectorized inner loop, and
-        # the variables computed there (values that do not depend on ``xi`` go there)
+        # the variables computed there (values that do not depend on ``xi`` go there); the kernel's scope,
+        # before its loops (values that depend on no index: an optimizer's bias corrections)
         self.xo_scope, self.xo_vars, self.xi_n, self._xi_free_memo = None, set(), None, {}
+        self.const_scope = None
 
     def use_split(self, outer, inner):
         """Write ``xindex`` as ``xo * inner + xi`` (or ``xi`` alone when there is one outer position)."""
@@ -110,16 +112,17 @@ class ExprWriter(writer.ExprWriter):
         e = simplify(expr, self.plan.ranges)
         return simplify(e.xreplace(self.subst), self.ranges) if self.subst else e
 
-    def _xi_free(self, e: Expr) -> bool:
-        """Whether ``e`` is the same at every ``xi`` of an outer position (no indirect or random reads)."""
-        hit = self._xi_free_memo.get(e)
+    def _xi_free(self, e: Expr, syms=(XI,)) -> bool:
+        """Whether ``e`` is the same at every ``xi`` of an outer position (``syms``: every index in them; no
+        indirect or random reads)."""
+        hit = self._xi_free_memo.get((e, syms))
         if hit is None:
             if e.op in ("load", "index"):
                 idx, binds = (e.args[1], e.args[2]) if e.op == "load" else (e.args[0], e.args[2])
-                hit = not binds and XI not in sympy.sympify(self._split_index(idx)).free_symbols
+                hit = not binds and not set(syms) & sympy.sympify(self._split_index(idx)).free_symbols
             else:
-                hit = e.op not in ("rand", "red") and all(self._xi_free(c) for c in e.children())
-            self._xi_free_memo[e] = hit
+                hit = e.op not in ("rand", "red") and all(self._xi_free(c, syms) for c in e.children())
+            self._xi_free_memo[e, syms] = hit
         return hit
 
     def _keep_bits(self, cond: str) -> str:
@@ -159,7 +162,8 @@ class ExprWriter(writer.ExprWriter):
             raise Unsupported("cpp: a value known only after all rows is used inside them")
         if self.xo_scope is not None and target is scope and (mask is None or mask[0] in self.xo_vars) \
                 and self._xi_free(e):
-            target = self.xo_scope
+            const = self.const_scope is not None and mask is None and self._xi_free(e, (XI, XO))
+            target = self.const_scope if const else self.xo_scope
         key = (e, mask and mask[0])
         hit = target.find(key)
         if hit is not None:
@@ -175,7 +179,7 @@ class ExprWriter(writer.ExprWriter):
             code = self._code(e, target, mask, row if target is not post else None, post)
         var = self.tmp()
         target.lines.append(f"const {VALUE[e.dtype]} {var} = {code};")
-        if target is self.xo_scope:
+        if target is self.xo_scope or target is self.const_scope:
             self.xo_vars.add(var)
         if kept is not None and self.pass_no == kept[1]:
             target.lines.append(f"{kept[0]}[r] = {var};")

@@ -59,9 +59,11 @@ def _write_plan(plan, tuning: Tuning, functions: dict) -> KernelSource:
     # the philox seeds: one-element int64 tensors the graph draws once per call (``codegen.rewrite``)
     seeds = [f"seed{j}" for j in range(sum(len(k.seeds) for k in kernels))]
     body = bind_lines + launcher.restrides(inputs, plan.buffers, "cpp_build.restride", test_contiguous=True)
-    for b in plan.outputs():
-        body.append(f"{outs[b.name]} = _empty({launcher.sizes(b.shape, names)}, {launcher.sizes(b.stride, names)}, "
-                    f"dtype={b.dtype}, device=_device)")
+    reuse = launcher.reuse(plan.stored, inputs, plan.reusable) if tail is None else ()
+    for i, b in enumerate(plan.outputs()):
+        line = f"{outs[b.name]} = _empty({launcher.sizes(b.shape, names)}, {launcher.sizes(b.stride, names)}, " \
+               f"dtype={b.dtype}, device=_device)"
+        body.append(launcher.taking_into(i, line, b, reuse, True))
     sizes = [names[s] for s in sorted(names, key=str)]
     taken = 0
     for i, k in enumerate(kernels):
@@ -71,9 +73,9 @@ def _write_plan(plan, tuning: Tuning, functions: dict) -> KernelSource:
         taken += len(k.seeds)
         body += _checked(f"_k{i}({', '.join(ptrs + sizes)})", k, names)
     body.append(launcher.returns([outs[b.name] for b in plan.outputs()]))
-    lines += launcher.call(inputs, names, scalars, seeds, body)
+    lines += launcher.call(inputs, names, scalars, seeds, body, ["into=()"] if reuse else [])
     kind = "reduction" if plan.reduction else "pointwise"
-    return KernelSource("\n".join(lines) + "\n", tuple(inputs), tuple(outs), tuple(scalars), kind, (), None,
+    return KernelSource("\n".join(lines) + "\n", tuple(inputs), tuple(outs), tuple(scalars), kind, reuse, None,
                         len(seeds))
 
 

@@ -58,7 +58,9 @@ class CppKernel(ExprWriter):
         plan = self.plan
         outer, inner = pointwise_split(plan, self.tuning.cpp_min_inner)
         self.use_split(outer, inner)
-        position = Scope()   # per outer position: values that do not vary along xi (masks, row pointers)
+        n = sympy.sympify(plan.xnumel)   # once, before the loops: values that vary with no index (not when empty)
+        self.const_scope = Scope() if n.is_Integer and int(n) > 0 else None
+        position = Scope(self.const_scope)   # per outer position: values that do not vary along xi (masks...)
         scope = Scope(position)
         self.xo_scope = position
         stored = [m for m in plan.members if m.stored]
@@ -71,6 +73,7 @@ class CppKernel(ExprWriter):
             for m in stored:
                 self._store(m, assume(m.result, facts, memo), inside, None, None)
         self.xo_scope = None
+        self.body += [self.const_scope] if self.const_scope is not None else []
         b, t = self.tuning.cpp_block, self.idx_t
         head = [f"const {t} xo_n = {self.pexpr(outer)}, xi_n = {self.pexpr(inner)};",
                 f"const {t} nb = (xi_n + {b - 1}) / {b};",
@@ -397,8 +400,11 @@ class CppKernel(ExprWriter):
             scope.lines.append(code)
 
     def params(self, names) -> list:
-        ins = [f"const {MEMORY[self.plan.buffers[b].dtype]}* __restrict__ {p}" for b, p in self.inputs.items()]
-        outs = [f"{MEMORY[b.dtype]}* __restrict__ {self.out_args[b.name]}" for b in self.plan.stored]
+        shared = set().union(*self.plan.reusable)   # inputs an output may be written into: no __restrict__
+        ins = [f"const {MEMORY[self.plan.buffers[b].dtype]}*{' __restrict__' * (b not in shared)} {p}"
+               for b, p in self.inputs.items()]
+        outs = [f"{MEMORY[b.dtype]}*{' __restrict__' * (not r)} {self.out_args[b.name]}"
+                for b, r in zip(self.plan.stored, self.plan.reusable or [()] * len(self.plan.stored))]
         seeds = [f"const int64_t* __restrict__ {v}_ptr" for v in self.seeds.values()]   # philox seeds
         sizes = [f"int64_t {names[s]}" for s in sorted(names, key=str)]
         return ins + outs + seeds + sizes + ["int64_t* kiln_err"] * bool(self.checks)

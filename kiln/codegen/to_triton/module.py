@@ -229,7 +229,7 @@ def module(kernels, defs, inputs, buffers, body_fn, into=False, seeds=()):
     for d in defs:
         lines += ["", d(names)]
     body = bind_lines + launcher.restrides(inputs, buffers, "launch.restride") + body_fn(names)
-    lines += launcher.call(inputs, names, scalars, seeds, body, ["into=None"] if into else [])
+    lines += launcher.call(inputs, names, scalars, seeds, body, ["into=()"] if into else [])
     return "\n".join(lines) + "\n", scalars
 
 
@@ -288,14 +288,13 @@ def write_module(plan, flags: Flags) -> KernelSource:
     device = device_expr(k.interpret, bool(inputs), plan.device)
     tail_bufs = list(plan.tail.stored) if tail is not None else []
     counter = plan.programs is Programs.LAST or tail is not None
-    reuse = [] if tail is not None else [i for i, b in enumerate(inputs) if b in plan.reusable]
+    reuse = launcher.reuse(plan.stored, inputs, plan.reusable) if tail is None else ()
     extra, tail_lines, tail_name = _chain(k, tail) if tail is not None else ((), (), None)
 
     def body(names):
-        out = [alloc_line(outs[b.name], b, names, device) for b in plan.stored]
-        if reuse:   # the wrapper may hand over a dying input of the output's layout (``KernelPlan.reusable``)
-            st = launcher.ints(plan.stored[0].stride)
-            out[0] = f"if into is not None and into.stride() == {st}:\n    out0 = into\nelse:\n    {out[0]}"
+        # each output a new tensor, or the input the wrapper hands over (``into``, ``KernelPlan.reusable``)
+        out = [launcher.taking_into(i, alloc_line(outs[b.name], b, names, device), b, reuse)
+               for i, b in enumerate(plan.stored)]
         out += [alloc_line(f"tail{i}", b, names, device) for i, b in enumerate(tail_bufs)]
         for i, (_, _, dt, _, _) in enumerate(k.partials):   # one partial per program at most
             n = py(k.xnumel, names)
