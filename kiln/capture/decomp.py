@@ -230,7 +230,39 @@ def decomposition_table(fusion: bool = False) -> dict:
     """The op -> decomposition dict of the ATen target, or with ``fusion`` of the fusing targets (a fresh
     copy); the ``fma`` prim exists once Dynamo has registered it, so it is looked up at each call."""
     table = dict(_table(fusion))
+    if fusion:
+        table.update(_foreach_table())
     fma = getattr(getattr(torch.ops.prims, "fma", None), "default", None)
     if fma is not None:
         table[fma] = _fma
+    return table
+
+
+# torch.optim's multi-tensor steps (its default on CUDA) as one op per tensor, so that each parameter's update
+# fuses into one kernel (torch has no decomposition for them). addcmul/addcdiv's ``.Tensor`` overloads hold one
+# scalar per tensor in a tensor: they stay ATen calls.
+_FOREACH = ("add", "sub", "mul", "div", "addcmul", "addcdiv", "lerp", "sqrt", "rsqrt", "exp", "log", "neg", "abs",
+            "reciprocal", "sign", "sigmoid", "tanh", "maximum", "minimum", "clamp_min", "clamp_max", "pow", "copy")
+
+
+def _per_tensor(base, positional):
+    """The foreach op as ``base`` per tensor; its arguments after the first ``positional`` are keywords of
+    ``base`` (addcmul's ``value``)."""
+    def decompose(*args, **kwargs):
+        n = next(len(a) for a in args if isinstance(a, (list, tuple)))
+        kwargs.update(zip(("value",), args[positional:]))
+        at = lambda a, j: a[j] if isinstance(a, (list, tuple)) else a   # noqa: E731
+        return [base(*(at(a, j) for a in args[:positional]), **{k: at(v, j) for k, v in kwargs.items()})
+                for j in range(n)]
+    return decompose
+
+
+@functools.lru_cache(None)
+def _foreach_table() -> dict:
+    table = {}
+    for name in _FOREACH:
+        packet, base = getattr(aten, f"_foreach_{name}", None), getattr(aten, name, None)
+        for ov in packet.overloads() if packet is not None and base is not None else ():
+            if "out" not in ov and not (ov == "Tensor" and name in ("addcmul", "addcdiv")):
+                table[getattr(packet, ov)] = _per_tensor(base, 3 if name in ("addcmul", "addcdiv") else 99)
     return table
