@@ -28,7 +28,10 @@ class Pool:
         self._graphs: list = []
 
     def ensure(self):
-        if self.handle is None:
+        """The pool's handle; a new one once every graph captured in it has died: the allocator frees a private
+        pool with its last graph, and a capture into the freed pool's id fails an internal assert
+        (``use_count > 0``; H200, a test capturing after an earlier test's graphs were collected)."""
+        if self.handle is None or not self.graphs:
             self.handle = torch.cuda.graph_pool_handle()
         return self.handle
 
