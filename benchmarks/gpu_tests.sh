@@ -1,6 +1,6 @@
 #!/bin/bash
 # The GPU tests in N parallel shards on one GPU (compiles are host-bound; the device is shared):
-#   bash benchmarks/gpu_tests.sh [N] [LIMIT_S]     results: $OUT/gpu_shard_K.{log,xml}
+#   bash benchmarks/gpu_tests.sh [N] [LIMIT_S]     results: $OUT/gpu_shard_K.log
 set -u
 N=${1:-3}; LIMIT=${2:-420}; OUT=${OUT:-/tmp/kiln_gpu}; mkdir -p "$OUT"
 export PYTHONPATH=. KILN_ON_ERROR=raise
