@@ -9,10 +9,10 @@ step's start until its last launch returns, no synchronization inside) and peak 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+
+from probe_step import first_call, times   # benchmarks/ is the script's folder
 
 
 def _swin():
@@ -71,28 +71,14 @@ def measure(name, backend, steps):
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    t0 = time.perf_counter()
-    step()
-    torch.cuda.synchronize()
-    first = time.perf_counter() - t0
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
+    first = first_call(step)
     torch.cuda.reset_peak_memory_stats()
-    host, wall = [], []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        t1 = time.perf_counter()
-        torch.cuda.synchronize()
-        host.append(t1 - t0)
-        wall.append(time.perf_counter() - t0)
+    step_ms, host_ms, worst_ms = times(step, steps)
     peak = torch.cuda.max_memory_allocated() / 2 ** 20
     del f, model, opt
     torch._dynamo.reset()
     torch.cuda.empty_cache()
-    return dict(step=statistics.median(wall) * 1e3, worst=max(wall) * 1e3, host=statistics.median(host) * 1e3,
-                peak=peak, first=first)
+    return dict(step=step_ms, worst=worst_ms, host=host_ms, peak=peak, first=first)
 
 
 def main():

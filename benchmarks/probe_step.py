@@ -19,7 +19,21 @@ def _model(name):
     return getattr(torchvision.models, name)()
 
 
-def _times(step, n):
+def first_call(step, warm=3) -> float:
+    """Seconds of ``step``'s first call (the compile), then ``warm`` more calls."""
+    t0 = time.perf_counter()
+    step()
+    torch.cuda.synchronize()
+    first = time.perf_counter() - t0
+    for _ in range(warm):
+        step()
+    torch.cuda.synchronize()
+    return first
+
+
+def times(step, n):
+    """(median step ms, median host ms, worst step ms) of ``n`` calls of ``step``: host until it returns (no sync
+    inside), step until the GPU finished (also used by cliff_probe.py)."""
     steps, hosts = [], []
     for _ in range(n):
         torch.cuda.synchronize()
@@ -29,7 +43,7 @@ def _times(step, n):
         torch.cuda.synchronize()
         hosts.append(t1 - t0)
         steps.append(time.perf_counter() - t0)
-    return statistics.median(steps) * 1e3, statistics.median(hosts) * 1e3
+    return statistics.median(steps) * 1e3, statistics.median(hosts) * 1e3, max(steps) * 1e3
 
 
 def main():
@@ -55,13 +69,8 @@ def main():
             with torch.autocast("cuda", torch.bfloat16, enabled=a.dtype == "bf16"):
                 loss = F.cross_entropy(f(x).float(), y)
             loss.backward()
-        t0 = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        first = time.perf_counter() - t0
-        for _ in range(3):
-            step()
-        ms, host = _times(step, a.steps)
+        first = first_call(step)
+        ms, host, _ = times(step, a.steps)
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             step()
