@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -42,7 +42,7 @@ class Case:
     memory_bound: bool = False
     options: dict = field(default_factory=dict)
     needs: tuple = ()
-    about: str = ""
+    about: Union[str, Callable[[str], str]] = ""   # a text, or the text at a size ('cpu', 'gpu', 'tiny')
 
     def missing(self) -> list[str]:
         """The modules in ``needs`` that cannot be imported here."""

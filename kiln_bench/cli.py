@@ -98,11 +98,14 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _list(console, suite, device):
+def _list(console, suite, device, size=None):
+    """The cases of ``suite``, each described at the size the bench would run on ``device``."""
     from kiln_bench.suites import all_cases
+    size = size or ("gpu" if device == "cuda" else "cpu")
     for c in all_cases(suite):
         mark = "" if device in c.devices and not c.missing() else "  (not here)"
-        console.print(f"{c.suite:7} {c.name:26} {'train' if c.train else 'infer'}  {c.about}{mark}",
+        about = c.about(size) if callable(c.about) else c.about
+        console.print(f"{c.suite:7} {c.name:26} {'train' if c.train else 'infer'}  {about}{mark}",
                       markup=False, highlight=False)
     return 0
 
@@ -217,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.backends = B.check_names(args.backends)
         if args.list:
-            return _list(console, args.suite, device)
+            return _list(console, args.suite, device, args.size)
         cases, skipped = select(args.suite, device, args.cases)
     except (B.UnknownBackendError, UnknownCaseError) as e:
         console.print(str(e), markup=False)

@@ -126,7 +126,7 @@ def _embedding(device, dtype, size):
 
 def _act(name, fn, n_args=1):
     return Case(name, "micro", functools.partial(_elementwise, fn, n_args), memory_bound=True,
-                about=f"{name} forward+backward on {N['gpu']} elements (gpu)")
+                about=lambda size: f"{name} forward+backward on {N[size]} elements")
 
 
 CASES = [

@@ -43,3 +43,14 @@ def test_bench_one_case_to_json(tmp_path):
         assert k["ok"] and k["err"] < 1e-5
         assert k["compile_s"] > 0 and k["warm_compile_s"] > 0
     assert "| swish | fp32 |" in md.read_text()
+
+
+def test_list_describes_cases_at_the_devices_size(capsys):
+    """``kiln bench --list`` describes each case at the size it would run here (the CPU's micro cases are 2**20
+    elements: the list showed the GPU's 2**26 on the CPU), and at ``--size`` when given."""
+    from kiln_bench.cli import main
+    assert main(["--suite", "micro", "--device", "cpu", "--list"]) == 0
+    out = capsys.readouterr().out
+    assert "swish forward+backward on 1048576 elements" in out and "67108864" not in out, out
+    assert main(["--suite", "micro", "--device", "cpu", "--size", "gpu", "--list"]) == 0
+    assert "swish forward+backward on 67108864 elements" in capsys.readouterr().out
