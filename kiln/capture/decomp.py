@@ -245,12 +245,12 @@ _FOREACH = ("add", "sub", "mul", "div", "addcmul", "addcdiv", "lerp", "sqrt", "r
             "reciprocal", "sign", "sigmoid", "tanh", "maximum", "minimum", "clamp_min", "clamp_max", "pow", "copy")
 
 
-def _per_tensor(base, positional):
-    """The foreach op as ``base`` per tensor; its arguments after the first ``positional`` are keywords of
-    ``base`` (addcmul's ``value``)."""
+def _per_tensor(base, positional=None):
+    """The foreach op as ``base`` per tensor; its arguments after the first ``positional`` (None: all are
+    positional) are keywords of ``base`` (addcmul's ``value``)."""
     def decompose(*args, **kwargs):
         n = next(len(a) for a in args if isinstance(a, (list, tuple)))
-        kwargs.update(zip(("value",), args[positional:]))
+        kwargs.update(zip(("value",), args[positional:] if positional is not None else ()))
         at = lambda a, j: a[j] if isinstance(a, (list, tuple)) else a   # noqa: E731
         return [base(*(at(a, j) for a in args[:positional]), **{k: at(v, j) for k, v in kwargs.items()})
                 for j in range(n)]
@@ -264,5 +264,5 @@ def _foreach_table() -> dict:
         packet, base = getattr(aten, f"_foreach_{name}", None), getattr(aten, name, None)
         for ov in packet.overloads() if packet is not None and base is not None else ():
             if "out" not in ov and not (ov == "Tensor" and name in ("addcmul", "addcdiv")):
-                table[getattr(packet, ov)] = _per_tensor(base, 3 if name in ("addcmul", "addcdiv") else 99)
+                table[getattr(packet, ov)] = _per_tensor(base, 3 if name in ("addcmul", "addcdiv") else None)
     return table

@@ -94,9 +94,7 @@ class Graphed:
 
     def _disable(self, why: str):
         self.disabled = why
-        counters["cudagraph"]["refused"] += 1
-        counters["cudagraph_refused"][f"{self.name}: {why}"] += 1
-        log(1, f"cudagraph {self.name}: not captured: {why}")
+        _refuse(self.name, why)
 
     def __call__(self, args):
         self.calls += 1
@@ -233,15 +231,20 @@ def _recover(stream) -> None:
         log(1, f"cudagraph: could not reset the CUDA generator after a failed capture: {e}")
 
 
+def _refuse(name: str, why: str) -> None:
+    """A graph not captured: counted (with its reason) and logged."""
+    counters["cudagraph"]["refused"] += 1
+    counters["cudagraph_refused"][f"{name}: {why}"] += 1
+    log(1, f"cudagraph {name}: not captured: {why}")
+
+
 def wrap(compiled, example_inputs, *, kind: str, n_user: int, mutated: set, pool: Optional[Pool] = None,
          positions=None):
     """``compiled`` as a ``Graphed`` function, or unchanged (the reason logged) if it cannot be.
     ``positions``: each input's AOTAutograd position when it takes only some (freezing drops some)."""
     why = refusal(example_inputs)
     if why:
-        counters["cudagraph"]["refused"] += 1
-        counters["cudagraph_refused"][f"{compiled.name}: {why}"] += 1
-        log(1, f"cudagraph {compiled.name}: not captured: {why}")
+        _refuse(compiled.name, why)
         return compiled
     static = set()
     if kind != "backward":
