@@ -240,8 +240,9 @@ class Options:
     fold_constants: bool = _opt(True, "fold subgraphs that read no input (e.g. a mask built from Python numbers) "
                                       "into constants, with or without freezing")
     layout_optimization: bool = _opt(True, "pick channels-last for convolution nets")
-    layout_devices: str = _opt("cuda", "where layout_optimization acts: 'cuda' (where channels-last pays) or 'any' "
-                                       "(CPU graphs too, e.g. to test it)", ("cuda", "any"))
+    layout_devices: str = _opt("auto", "where layout_optimization acts: 'auto' (where channels-last pays: CUDA, and "
+                                       "the CPU for C++ kernels, whose convolutions run in oneDNN), 'cuda' or 'any' "
+                                       "(every graph, e.g. to test it)", ("auto", "cuda", "any"))
     cpp_wrapper: bool = _opt(False, "accepted for compatibility; kiln runs its Python wrapper")
     # partitioner
     activation_memory_budget: float = _opt(1.0, "fraction of the runtime-optimal saved bytes to keep, in [0, 1]",

@@ -94,9 +94,21 @@ class _Fusing(Target):
     """A target with kernels of its own (``emit``: plans -> sources)."""
     fuses = True
 
+    auto_layout = "cuda"   # what layout_devices='auto' means for this target's graphs
+
+    def joint(self, joint, trace):
+        if self.opts.layout_optimization:
+            _stage(trace, "channels_last", to_channels_last, joint, self._layout_opts())
+
     def prepare(self, gm, kind, trace):
+        if kind == "inference" and self.opts.layout_optimization:
+            _stage(trace, "channels_last", to_channels_last, gm, self._layout_opts())
         if self.opts.fold_constants:
             _stage(trace, f"fold_{kind}", fold_constants, gm)
+
+    def _layout_opts(self) -> Options:
+        auto = self.opts.layout_devices == "auto"
+        return self.opts.replace(layout_devices=self.auto_layout) if auto else self.opts
 
     def emit(self, plans, opts: Options, on_cuda: bool) -> tuple:
         """``([KernelSource per plan], Unit or None)``; a plan the emitter declines gets a source without text."""
@@ -147,15 +159,6 @@ class TritonTarget(_Fusing):
             return False
         return True
 
-    def joint(self, joint, trace):
-        if self.opts.layout_optimization:
-            _stage(trace, "channels_last", to_channels_last, joint, self.opts)
-
-    def prepare(self, gm, kind, trace):
-        if kind == "inference" and self.opts.layout_optimization:
-            _stage(trace, "channels_last", to_channels_last, gm, self.opts)
-        super().prepare(gm, kind, trace)
-
     def fuse(self, gm, inputs, kind="inference", trace=None, strict=False):
         # cuDNN adds a bias in a pass of its own; oneDNN adds it in the convolution
         _stage(trace, f"conv_bias_{kind}", split_conv_bias, gm)
@@ -193,6 +196,7 @@ class TritonTarget(_Fusing):
 class CppTarget(_Fusing):
     """C++/OpenMP kernels for CPU tensors: one translation unit per graph, built by the system compiler."""
     name = "cpp"
+    auto_layout = "any"   # oneDNN's CPU convolutions run NHWC about twice as fast as NCHW (ResNet-style blocks)
 
     def fuse(self, gm, inputs, kind="inference", trace=None, strict=False):
         if on_cuda(gm):

@@ -18,7 +18,7 @@ from kiln.passes.constant_fold import val as _val
 
 aten = torch.ops.aten
 CL = torch.channels_last
-LAYOUT_DEVICES = {"cuda": ("cuda",), "any": None}   # option layout_devices -> device types (None: any)
+LAYOUT_DEVICES = {"auto": ("cuda",), "cuda": ("cuda",), "any": None}   # layout_devices -> device types (None: any)
 VIEWS = (aten.view.default, aten._unsafe_view.default)
 STRIDED = (aten.as_strided.default,)   # reads storage through explicit strides
 # convolution op -> (index of the activation whose device decides, indices that should be NHWC)

@@ -19,7 +19,7 @@ from tests.numerics import assert_close_to_fp64
 
 aten = torch.ops.aten
 CL = torch.channels_last
-CODEGENS = ["aten", "triton"]
+CODEGENS = ["aten", "triton", "cpp"]
 
 
 @pytest.fixture
