@@ -12,6 +12,7 @@ from dataclasses import replace
 import torch
 import torch.fx
 
+from kiln.codegen.fallback import Fallback
 from kiln.codegen.generate import CodegenError, FakeMaker, members
 from kiln.codegen.schedule.plan import ScatterPlan
 from kiln.debug import counters, log
@@ -93,14 +94,20 @@ def seed_nodes(graph, kernels, position) -> list:
 def _rewrite(gm, lw, kernels, position):
     graph = gm.graph
     output = next(n for n in graph.nodes if n.op == "output")
-    produced, new_nodes, priority = {}, [], {}
+    produced, new_nodes, priority, inlined = {}, [], {}, []
     for k in kernels:
         src, vals = k.source, k.vals
         args = [produced[name] if lw.buffers[name].compute is not None else lw.buffers[name].node
                 for name in src.inputs] + list(k.symbols)
+        first = min((position[b.node] for b in members(k.plan) if b.node in position), default=len(position))
+        if isinstance(k.target, Fallback):   # declined: its ATen nodes go back into the graph, no module call
+            copies, out = _inline(graph, k.target.graph, args, output)
+            inlined += copies
+            priority.update(dict.fromkeys(copies, first))
+            produced.update(zip(src.outputs, out if len(vals) > 1 else [out]))
+            continue
         with graph.inserting_before(output):   # node names must not shadow the kernel's name
             node = graph.create_node("call_function", k.target, tuple(args), {}, name=f"fused_{src.outputs[0]}")
-        first = min((position[b.node] for b in members(k.plan) if b.node in position), default=len(position))
         priority[node] = first
         new_nodes.append(node)
         if len(vals) == 1:
@@ -118,7 +125,8 @@ def _rewrite(gm, lw, kernels, position):
         buf = lw.buffers[name]
         if buf.node is not None:
             buf.node.replace_all_uses_with(repl)
-    keep = set(lw.kept) | set(new_nodes) | set(produced.values()) | {n for n in graph.nodes if n.meta.get(SEEDS)}
+    keep = set(lw.kept) | set(new_nodes) | set(inlined) | set(produced.values()) | \
+        {n for n in graph.nodes if n.meta.get(SEEDS)}
     for n in reversed(list(graph.nodes)):
         # a kept ATen node nothing reads any more (the ``empty`` a lowered ``bernoulli_`` wrote into) goes too
         if n.op in ("placeholder", "output") or (n in keep and (n.users or n not in lw.kept or n.is_impure())):
@@ -130,6 +138,23 @@ def _rewrite(gm, lw, kernels, position):
     graph.lint()
     gm.recompile()
     return len(new_nodes)
+
+
+def _inline(graph, sub, args, before) -> list:
+    """Copy ``sub``'s nodes into ``graph`` before ``before``, its placeholders bound to ``args``: (the copies,
+    what ``sub`` outputs: a node or a tuple of them)."""
+    env, copies, placeholders = {}, [], iter(args)
+    with graph.inserting_before(before):
+        for n in sub.nodes:
+            if n.op == "placeholder":
+                env[n] = next(placeholders)
+            elif n.op == "output":
+                out = n.args[0]
+                return copies, tuple(env[o] for o in out) if isinstance(out, (tuple, list)) else env[out]
+            else:
+                env[n] = graph.node_copy(n, lambda a: env[a])
+                copies.append(env[n])
+    raise CodegenError("codegen: a fallback graph without an output")
 
 
 def _reads_before_writes(nodes) -> dict:

@@ -97,17 +97,18 @@ def test_nll_loss_and_cross_entropy(target):
     _same_error(nll, (logits, t, w), [(logits, torch.tensor([5, 0, 0, 0]), w)], target)
 
 
-def test_triton_scatters_raise():
-    """Writes through an index (Triton scatter kernels; the C++ target leaves scatters to ATen), with dynamic
-    sizes too (the write then runs under ``if out0.numel():``)."""
+@pytest.mark.parametrize("target", TARGETS)
+def test_scatters_raise(target):
+    """Writes through an index (scatter kernels of both targets), with dynamic sizes too (Triton's write then
+    runs under ``if out0.numel():``)."""
     x, v = torch.zeros(5, 3), torch.ones(2, 3)
     for fn, good, bad in [(lambda x, i, v: torch.index_put(x, (i,), v, accumulate=True), [1, -1], [1, -6]),
                           (lambda x, i, v: torch.index_copy(x, 0, i, v), [1, 4], [1, 5]),
                           (lambda x, i, v: torch.index_add(x, 0, i, v), [1, 1], [1, -1]),
                           (lambda x, i, v: torch.scatter_add(x, 0, i.view(2, 1).expand(2, 3), v), [4, 0], [5, 0])]:
-        _same_error(fn, (x, torch.tensor(good), v), [(x, torch.tensor(bad), v)], "triton")
+        _same_error(fn, (x, torch.tensor(good), v), [(x, torch.tensor(bad), v)], target)
     fn = lambda x, i: x.index_fill(0, i, 0.5) * 2  # noqa: E731
-    gm = _fused(fn, torch.zeros(6, 3), torch.tensor([1, -1]), target="triton", mode="symbolic")
+    gm = _fused(fn, torch.zeros(6, 3), torch.tensor([1, -1]), target=target, mode="symbolic")
     x = torch.randn(7, 2)
     torch.testing.assert_close(gm(x, torch.tensor([0, -7])), fn(x, torch.tensor([0, -7])))
     with pytest.raises(IndexError, match=r"^index 7 is out of bounds for dimension 0 with size 7$"):

@@ -31,13 +31,13 @@ def write_unit(plans, tuning: Tuning) -> tuple:
 
 
 def _write_plan(plan, tuning: Tuning, functions: dict) -> KernelSource:
-    if isinstance(plan, ScatterPlan):
-        raise Unsupported("cpp: scatter kernels run as ATen")
-    head = CppKernel(plan, tuning).write()
-    tail = CppKernel(plan.tail, tuning).write() if plan.tail is not None else None
-    kernels = [head] + ([tail] if tail is not None else [])
-    inputs = list(head.inputs)
-    names, bind_lines, scalars = launcher.bind_sizes(kernels, inputs, plan.buffers)
+    scatter = isinstance(plan, ScatterPlan)   # the base copied into the output, then the values written
+    parts = (plan.copy, plan.write) if scatter else (plan, plan.tail)
+    kernels = [CppKernel(p, tuning).write() for p in parts if p is not None]
+    tail = kernels[1] if len(kernels) > 1 else None
+    inputs = list(dict.fromkeys(b for k in kernels[:1 + scatter] for b in k.inputs))
+    buffers, device = (plan.write.buffers, plan.write.device) if scatter else (plan.buffers, plan.device)
+    names, bind_lines, scalars = launcher.bind_sizes(kernels, inputs, buffers)
     fnames = []
     for k in kernels:
         text = k.define(PLACEHOLDER, names)
@@ -48,17 +48,17 @@ def _write_plan(plan, tuning: Tuning, functions: dict) -> KernelSource:
     outs = {b.name: f"out{i}" for i, b in enumerate(plan.outputs())}
     # the launcher runs once per kernel call: torch's functions, the device and the C functions are
     # module globals, and the checks are the cheapest that decide (``is_contiguous`` where it does)
-    lines = [launcher.header(inputs, plan.buffers, " (C++)"), "import torch", "from kiln.runtime import cpp_build"] + \
+    lines = [launcher.header(inputs, buffers, " (C++)"), "import torch", "from kiln.runtime import cpp_build"] + \
         ["from kiln.runtime import bounds as _bounds", "_cell, _cell_at = _bounds.error_cell()"] * any(
             k.checks for k in kernels) + \
-        ["", "_empty = torch.empty_strided", f"_device = torch.device({str(plan.device)!r})"]
+        ["", "_empty = torch.empty_strided", f"_device = torch.device({str(device)!r})"]
     for i, (k, fname) in enumerate(zip(kernels, fnames)):
         n_ptr = len(k.inputs) + len(k.plan.stored) + len(k.seeds)
         lines.append(f"_k{i} = cpp_build.function({fname!r}, {n_ptr}, {len(names)}"
                      f"{', checked=True' if k.checks else ''})")
     # the philox seeds: one-element int64 tensors the graph draws once per call (``codegen.rewrite``)
     seeds = [f"seed{j}" for j in range(sum(len(k.seeds) for k in kernels))]
-    body = bind_lines + launcher.restrides(inputs, plan.buffers, "cpp_build.restride", test_contiguous=True)
+    body = bind_lines + launcher.restrides(inputs, buffers, "cpp_build.restride", test_contiguous=True)
     reuse = launcher.reuse(plan.stored, inputs, plan.reusable) if tail is None else ()
     for i, b in enumerate(plan.outputs()):
         line = f"{outs[b.name]} = _empty({launcher.sizes(b.shape, names)}, {launcher.sizes(b.stride, names)}, " \
@@ -74,7 +74,7 @@ def _write_plan(plan, tuning: Tuning, functions: dict) -> KernelSource:
         body += _checked(f"_k{i}({', '.join(ptrs + sizes)})", k, names)
     body.append(launcher.returns([outs[b.name] for b in plan.outputs()]))
     lines += launcher.call(inputs, names, scalars, seeds, body, ["into=()"] if reuse else [])
-    kind = "reduction" if plan.reduction else "pointwise"
+    kind = "scatter" if scatter else "reduction" if plan.reduction else "pointwise"
     return KernelSource("\n".join(lines) + "\n", tuple(inputs), tuple(outs), tuple(scalars), kind, reuse, None,
                         len(seeds))
 

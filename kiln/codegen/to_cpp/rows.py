@@ -10,14 +10,15 @@ from __future__ import annotations
 import dataclasses
 
 import sympy
+import torch
 
 from kiln.codegen.ir.indexing import RINDEX, XINDEX, FloorDiv, ModIdx, Ranges, prod, simplify
 from kiln.codegen.ir.loops import Unsupported, ops
 from kiln.codegen.schedule.domain import Role
 from kiln.codegen.schedule.plan import KernelPlan, Level, reds
 from kiln.codegen.schedule.planner import row_passes
-from kiln.codegen.to_cpp.emit import (R0, R1, XI, XO, ExprWriter, Scope, assume, render, row_index_other,
-                                      store_code)
+from kiln.codegen.to_cpp.emit import (R0, R1, XI, XO, ExprWriter, Scope, assume, load_code, render,
+                                      row_index_other, store_code)
 from kiln.codegen.to_cpp.ops import MEMORY, VALUE, calls_vector_math, combine, literal, neutral
 from kiln.options import Tuning
 
@@ -35,14 +36,29 @@ class CppKernel(ExprWriter):
     def write(self) -> "CppKernel":
         plan = self.plan
         if plan.scatter is not None:
-            raise Unsupported("cpp: scatter kernels run as ATen")
-        if plan.reduction:
+            self._scatter()
+        elif plan.reduction:
             self._reduction()
         else:
             if plan.outer or plan.chunks or any(m.role is not Role.ROW for m in plan.members):
                 raise Unsupported("cpp: a pointwise kernel with outer members")
             self._pointwise()
         return self
+
+    def _scatter(self):
+        """A scatter's values stored (or added) at their targets in order, on one thread (targets repeat)."""
+        w, t = self.plan.scatter, self.idx_t
+        if w.mode == "add" and w.buffer.dtype == torch.bool:
+            raise Unsupported("cpp: an accumulating scatter of bools")
+        self.use_split(sympy.Integer(1), self.plan.xnumel)
+        scope = Scope()
+        v = self.emit(w.value, scope)
+        at = self.tmp("at")
+        scope.lines.append(f"const int64_t {at} = {self.index(w.target.args[0], w.target.args[2], lambda e: self.emit(e, scope))};")
+        ptr = self.out_args[w.buffer.name]
+        new = f"({load_code(ptr, at, w.buffer.dtype)} + {v})" if w.mode == "add" else v
+        scope.lines.append(f"{ptr}[{at}] = {store_code(new, w.buffer.dtype)};")
+        self.body.append(([f"for ({t} xi = 0; xi < xnumel; xi++) {{"], scope, ["}"]))
 
     def _parallel(self, extra: str = "") -> str:
         """The loop's OpenMP pragma; none below ``cpp_parallel_min`` (entering a region costs about 2 us)."""
