@@ -24,6 +24,7 @@ from kiln.codegen.text.source import VECTOR_MATH, header_name
 from kiln.debug import counters, log
 from kiln.options import Options, active
 from kiln.runtime import private
+from kiln.compat import empty_strided_cuda_fn
 from kiln.runtime.launch import restride  # noqa: F401  (the C++ launchers call cpp_build.restride)
 from kiln.runtime.kernels import subdir
 
@@ -266,6 +267,9 @@ def _compile(cxx, flags, libs, unit, directory, path, opts_flags: str):
         _install(data, path)   # atomic: another process building the same library loses nothing
     counters["codegen"]["cpp_builds"] += 1
     log(2, f"codegen: built {path} in {time.perf_counter() - start:.2f}s")
+
+
+empty_cpu = empty_strided_cuda_fn("cpu")   # (size, stride, dtype): the C++ launchers' allocations
 
 
 def function(name: str, n_pointers: int, n_sizes: int, checked: bool = False):

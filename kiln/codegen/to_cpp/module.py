@@ -51,7 +51,7 @@ def _write_plan(plan, tuning: Tuning, functions: dict) -> KernelSource:
     lines = [launcher.header(inputs, buffers, " (C++)"), "import torch", "from kiln.runtime import cpp_build"] + \
         ["from kiln.runtime import bounds as _bounds", "_cell, _cell_at = _bounds.error_cell()"] * any(
             k.checks for k in kernels) + \
-        ["", "_empty = torch.empty_strided", f"_device = torch.device({str(device)!r})"]
+        ["", "_empty = cpp_build.empty_cpu"]
     for i, (k, fname) in enumerate(zip(kernels, fnames)):
         n_ptr = len(k.inputs) + len(k.plan.stored) + len(k.seeds)
         lines.append(f"_k{i} = cpp_build.function({fname!r}, {n_ptr}, {len(names)}"
@@ -62,7 +62,7 @@ def _write_plan(plan, tuning: Tuning, functions: dict) -> KernelSource:
     reuse = launcher.reuse(plan.stored, inputs, plan.reusable) if tail is None else ()
     for i, b in enumerate(plan.outputs()):
         line = f"{outs[b.name]} = _empty({launcher.sizes(b.shape, names)}, {launcher.sizes(b.stride, names)}, " \
-               f"dtype={b.dtype}, device=_device)"
+               f"{b.dtype})"
         body.append(launcher.taking_into(i, line, b, reuse, True))
     sizes = [names[s] for s in sorted(names, key=str)]
     taken = 0
