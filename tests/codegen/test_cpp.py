@@ -470,3 +470,23 @@ def test_scatters_are_cpp_kernels():
     assert [k.name for k in kernels(gm) if k.name.startswith("kiln_scatter")] and not [
         n for n in gm.graph.nodes if n.op == "call_function" and "index_put" in str(n.target)], gm.code
 
+
+
+
+def test_per_channel_values_of_a_channels_last_kernel_are_computed_once_per_channel():
+    """Eval conv + batch norm + ReLU goes channels-last on the CPU (layout_devices='auto'), so the kernel after
+    the convolution walks channels innermost: BN's scale (an rsqrt of the running variance) depends on the
+    channel alone and is computed into a table before the loops (16 rsqrts, not one per element), which the
+    inner loop reads; eager's values."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1, bias=False), torch.nn.BatchNorm2d(16),
+                              torch.nn.ReLU(), torch.nn.Conv2d(16, 4, 1)).eval()   # the BN's output stays NHWC
+    net[1].running_var.uniform_(0.5, 2.0)
+    x = torch.randn(2, 3, 6, 6)
+    with torch.no_grad():
+        out, code = kiln.run_and_get_code(torch.compile(net, backend="kiln", options={"codegen": "cpp"}), x)
+        torch.testing.assert_close(out, net(x), atol=1e-5, rtol=1e-5)
+    fns = [f for c in code for f in c.split('extern "C"')[1:] if "sqrtf" in f]
+    assert len(fns) == 1, code
+    prologue, loops = fns[0].split("xo_n", 1)
+    assert "[16];" in prologue and "sqrtf" in prologue and "sqrtf" not in loops, fns[0]

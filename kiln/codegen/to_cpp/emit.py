@@ -95,7 +95,7 @@ class ExprWriter(writer.ExprWriter):
         # the variables computed there (values that do not depend on ``xi`` go there); the kernel's scope,
         # before its loops (values that depend on no index: an optimizer's bias corrections)
         self.xo_scope, self.xo_vars, self.xi_n, self._xi_free_memo = None, set(), None, {}
-        self.const_scope = None
+        self.const_scope, self.xi_tables = None, {}
 
     def use_split(self, outer, inner):
         """Write ``xindex`` as ``xo * inner + xi`` (or ``xi`` alone when there is one outer position)."""
@@ -173,7 +173,10 @@ class ExprWriter(writer.ExprWriter):
         if e.op == "const":
             return literal(e.args[0], e.dtype)
         kept = self.row_cache.get(e) if mask is None and target is scope else None
-        if kept is not None and self.pass_no > kept[1]:
+        table = self._xi_table(e) if mask is None and target is scope else None
+        if table is not None:
+            code = f"{table}[{XI.name}]"
+        elif kept is not None and self.pass_no > kept[1]:
             code = f"{kept[0]}[r]"   # computed by an earlier loop over this row
         else:
             code = self._code(e, target, mask, row if target is not post else None, post)
@@ -185,6 +188,30 @@ class ExprWriter(writer.ExprWriter):
             target.lines.append(f"{kept[0]}[r] = {var};")
         target.cache[key] = var
         return var
+
+    def _xi_table(self, e: Expr):
+        """The array holding ``e`` at each ``xi`` (filled once, before the loops) when ``e`` computes something
+        from ``xi`` alone in a kernel of many outer positions (a channels-last batch norm's per-channel scale:
+        one rsqrt per channel, not per element); else None."""
+        if e in self.xi_tables:
+            return self.xi_tables[e]
+        n = sympy.sympify(self.xi_n)
+        if self.xo_scope is None or self.const_scope is None or self.subst.get(XINDEX) == XI or not n.is_Integer \
+                or int(n) > self.tuning.cpp_block or e.op in ("load", "index", "cast") \
+                or not e.dtype.is_floating_point or not any(x.op == "load" for x in e.walk()) \
+                or all(x.op in ("load", "index", "cast", "const") for x in e.children()) \
+                or not self._xi_free(e, (XO,)):
+            return None
+        body, saved, self.xo_scope = Scope(self.const_scope), self.xo_scope, None
+        try:
+            value = self.emit(e, body)
+        finally:
+            self.xo_scope = saved
+        name = self.xi_tables[e] = self.tmp("tab")
+        body.lines.append(f"{name}[{XI.name}] = {value};")
+        self.const_scope.lines += [f"{VALUE[e.dtype]} {name}[{int(n)}];",
+                                   ([f"for ({self.idx_t} {XI.name} = 0; {XI.name} < {int(n)}; {XI.name}++) {{"], body, ["}"])]
+        return name
 
     def _code(self, e, scope, mask, row, post):
         op, a = e.op, e.args
