@@ -189,17 +189,9 @@ class Ranges:
                 else sympy.floor(m / e.args[1])
         if isinstance(e, ModIdx):
             return e.args[2] - 1
-        if e.is_Add:
+        if e.is_Add or e.is_Mul and not e.as_coeff_Mul()[0].is_negative:   # of non-negative factors
             parts = [self.max(a) for a in e.args]
-            return None if any(p is None for p in parts) else sympy.Add(*parts)
-        if e.is_Mul:
-            coeff, rest = e.as_coeff_Mul()
-            if coeff.is_negative:
-                return None
-            parts = [self.max(a) for a in sympy.Mul.make_args(rest)]
-            if any(p is None for p in parts):
-                return None
-            return coeff * sympy.Mul(*parts)
+            return None if any(p is None for p in parts) else e.func(*parts)
         return None
 
 
@@ -305,12 +297,9 @@ def _join(e, r):
     while changed:
         changed = False
         for i, ti in enumerate(terms):
-            ci, ai = ti.as_coeff_Mul()
-            if not isinstance(ai, ModIdx):
-                c2, a2 = _sym_coeff(ti, ModIdx, r)
-                if a2 is None:
-                    continue
-                ci, ai = c2, a2
+            ci, ai = _sym_coeff(ti, ModIdx, r)
+            if ai is None:
+                continue
             base, d, m = ai.args
             for j, tj in enumerate(terms):
                 if j == i:
