@@ -5,6 +5,10 @@
   410 (CPU: 2 layers, d 128, vocab 4096, fp32, the lengths / 4);
 * ``cnn_batches``: torchvision's resnet18 (else ``models.ResNet18``), 128x128, forward+backward at batches
   8, 16, 12, 32, 24, 4 (CPU: ``models.CNN`` 'cpu', 32x32, batches 4, 8, 6, 16, 12, 2);
+* ``cnn_images``, ``cnn_images_infer``: the same CNN with batch, height and width all changing (H != W: three
+  symbols in the dynamic graph), training as above, or inference (eval mode, no_grad); GPU 128-pixel images
+  around (b, h, w) = (16, 128, 112), CPU ``models.CNN`` 'cpu' at (8, 32, 32), (6, 40, 28), (8, 28, 36),
+  (12, 36, 24), (4, 44, 40), (16, 24, 32);
 * ``encoder_varlen``: ``nn.TransformerEncoder`` (2 layers, d 512; CPU d 128) over 1 to 4 sequences packed in
   one row, attention kept within each by a block-diagonal mask (no padding), forward+backward;
 * ``decode_kvcache``: a decoder (4 layers, d 768; CPU 2, d 128), one new token per call against a KV cache
@@ -88,6 +92,24 @@ def _cnn(device, size):
                  f"{what}, {hw}x{hw}, cross-entropy")
 
 
+IMAGES = {"gpu": [(16, 128, 128), (12, 160, 112), (16, 112, 144), (24, 144, 96), (8, 176, 160), (32, 96, 128)],
+          "cpu": [(8, 32, 32), (6, 40, 28), (8, 28, 36), (12, 36, 24), (4, 44, 40), (16, 24, 32)],
+          "tiny": [(2, 16, 16), (3, 20, 12)]}
+
+
+def _cnn_images(device, size, train=True):
+    b = _cnn(device, size)
+    sizes = IMAGES[size]
+
+    def inputs(i):
+        g, (n, h, w) = _gen(i), sizes[i]
+        return torch.randn(n, 3, h, w, generator=g).to(device), torch.randint(0, 10, (n,), generator=g).to(device)
+    return b._replace(model=b.model.train(train), sizes=["x".join(map(str, s)) for s in sizes], inputs=inputs,
+                      run=b.run if train else lambda f, xs: f(xs[0]), train=train,
+                      what=b.what.split(",")[0] + (", batch x height x width, " +
+                                                   ("cross-entropy" if train else "inference (eval, no_grad)")))
+
+
 def _encoder(device, size):
     d, heads, layers = {"gpu": (512, 8, 2), "cpu": (128, 4, 2), "tiny": (32, 2, 1)}[size]
     packs = {"gpu": PACKS, "cpu": [tuple(n // 4 for n in p) for p in PACKS], "tiny": [(8,), (5, 7)]}[size]
@@ -143,7 +165,9 @@ def _decode(device, size):
                  f"{lengths[-1]}, {str(dtype)[6:]}")
 
 
-CASES = {"gpt2_varlen": _gpt, "cnn_batches": _cnn, "encoder_varlen": _encoder, "decode_kvcache": _decode}
+CASES = {"gpt2_varlen": _gpt, "cnn_batches": _cnn, "cnn_images": _cnn_images,
+         "cnn_images_infer": lambda device, size: _cnn_images(device, size, False), "encoder_varlen": _encoder,
+         "decode_kvcache": _decode}
 
 
 def no_pgo() -> list:

@@ -47,6 +47,9 @@ class FloorDiv(sympy.Function):
             return sympy.Integer(int(a) // int(b))
         return None
 
+    def _eval_is_positive(self):
+        return (self.args[0] - self.args[1]).is_nonnegative or None
+
 
 class ModIdx(sympy.Function):
     """``(a // d) % m`` for integers ``a >= 0``, ``d, m > 0``: one digit of a mixed-radix number."""
@@ -85,9 +88,19 @@ def size_expr(s) -> sympy.Expr:
 
 def own_floor_divs(e):
     """torch's ``FloorDiv`` of sizes (a strided conv's or pool's output size) as kiln's, which the printers
-    write (both floor non-negative operands)."""
-    return e.replace(lambda a: type(a).__name__ == "FloorDiv" and not isinstance(a, FloorDiv),
-                     lambda a: FloorDiv(*a.args)) if not e.is_Atom else e
+    write (both floor non-negative operands); ``n // d + c`` (c > 0) as ``(n + c*d) // d``, one atom that
+    expansion keeps whole (a conv's output size squared, ``(s - 1)//2 + 1`` squared, is ``((s + 1)//2)**2``,
+    not three terms that no stride or modulo matches)."""
+    if e.is_Atom:
+        return e
+    e = e.replace(lambda a: type(a).__name__ == "FloorDiv" and not isinstance(a, FloorDiv), lambda a: FloorDiv(*a.args))
+    return e.replace(lambda a: a.is_Add and any(isinstance(t, FloorDiv) for t in a.args) and a.args[0].is_Integer
+                     and a.args[0] > 0, lambda a: _absorb(*a.args))
+
+
+def _absorb(c, *terms):
+    f = next(t for t in terms if isinstance(t, FloorDiv))
+    return sympy.Add(FloorDiv(f.args[0] + c * f.args[1], f.args[1]), *[t for t in terms if t is not f])
 
 
 def same_sizes(a, b) -> bool:
@@ -159,10 +172,14 @@ class Ranges:
         self.bounds = {k: sympy.sympify(v) for k, v in bounds.items()}
         self.key = frozenset(self.bounds.items())   # what simplify's results depend on
 
+    def varies(self, e) -> bool:
+        """Whether ``e`` holds an index variable or an indirect index (else it is a size)."""
+        return any(s in self.bounds or s.name.startswith("ind") for s in e.free_symbols)
+
     def max(self, e):
         """An upper bound (inclusive) of ``e``, or None when unknown."""
-        if e.is_Integer:
-            return e
+        if not self.varies(e):
+            return e   # a size
         if e.is_Symbol:
             b = self.bounds.get(e)
             return None if b is None else b - 1
@@ -172,20 +189,9 @@ class Ranges:
                 else sympy.floor(m / e.args[1])
         if isinstance(e, ModIdx):
             return e.args[2] - 1
-        if e.is_Add:
+        if e.is_Add or e.is_Mul and not e.as_coeff_Mul()[0].is_negative:   # of non-negative factors
             parts = [self.max(a) for a in e.args]
-            return None if any(p is None for p in parts) else sympy.Add(*parts)
-        if e.is_Mul:
-            coeff, rest = e.as_coeff_Mul()
-            if coeff.is_negative:
-                return None
-            parts = [self.max(a) if a.free_symbols & set(self.bounds) or not a.is_positive else a
-                     for a in sympy.Mul.make_args(rest)]
-            if any(p is None for p in parts):
-                return None
-            return coeff * sympy.Mul(*parts)
-        if e.is_positive and not (e.free_symbols & set(self.bounds)):
-            return e  # a size symbol
+            return None if any(p is None for p in parts) else e.func(*parts)
         return None
 
 
@@ -239,11 +245,13 @@ def _floordiv(a, b, r):
 def _coarsen(a, d, r):
     """``(q, c)`` with ``a = c*q + low``, ``0 <= low < c``, ``c > 1`` the largest coefficient of ``a``
     dividing ``d`` (so ``a // d == q // (d / c)``: ``(128*x + r) // 16384`` is ``x // 128``, r < 128; with
-    a symbolic ``d``, ``(128*x + r) // (128*s)`` is ``x // s``: no division per element in a dynamic kernel)."""
-    coeffs = sorted({int(t.as_coeff_Mul()[0]) for t in sympy.Add.make_args(a)
-                     if t.as_coeff_Mul()[0].is_Integer}, reverse=True)
-    for c in coeffs:
-        if c <= 1 or not _is_multiple(d, c):
+    a symbolic ``d``, ``(128*x + r) // (128*s)`` is ``x // s`` and ``(s*x + r) // s**2`` is ``x // s``, r < s:
+    no division per element in a dynamic kernel). The candidates: each term's factors that hold no index."""
+    cands = {sympy.Mul(*[f for f in sympy.Mul.make_args(t) if not r.varies(f)])
+             for t in sympy.Add.make_args(a)}
+    degree = lambda c: sum(k for b, k in c.as_powers_dict().items() if not b.is_Number)  # noqa: E731
+    for c in sorted(cands, key=lambda c: (degree(c), c.as_coeff_Mul()[0], sympy.default_sort_key(c)), reverse=True):
+        if c == 1 or not c.is_positive or not _is_multiple(d, c):
             continue
         q, low = _split(a, c)
         if q != 0 and _neg_free(q) and _neg_free(low) and (low == 0 or leq(r.max(low), c - 1)):
@@ -289,17 +297,14 @@ def _join(e, r):
     while changed:
         changed = False
         for i, ti in enumerate(terms):
-            ci, ai = ti.as_coeff_Mul()
-            if not isinstance(ai, ModIdx):
-                c2, a2 = _sym_coeff(ti, ModIdx)
-                if a2 is None:
-                    continue
-                ci, ai = c2, a2
+            ci, ai = _sym_coeff(ti, ModIdx, r)
+            if ai is None:
+                continue
             base, d, m = ai.args
             for j, tj in enumerate(terms):
                 if j == i:
                     continue
-                cj, aj = _sym_coeff(tj, (ModIdx, FloorDiv))
+                cj, aj = _sym_coeff(tj, (ModIdx, FloorDiv), r)
                 if aj is None or aj.args[0] != base or sympy.expand(cj - ci * m) != 0:
                     continue
                 if isinstance(aj, ModIdx) and sympy.expand(aj.args[1] - d * m) == 0:
@@ -316,10 +321,10 @@ def _join(e, r):
     return sympy.Add(*terms)
 
 
-def _sym_coeff(t, kinds):
-    """Split a term into (coefficient, atom) where atom is one FloorDiv/ModIdx factor."""
+def _sym_coeff(t, kinds, r):
+    """Split a term into (coefficient, atom) where atom is its one FloorDiv/ModIdx factor of an index."""
     factors = sympy.Mul.make_args(t)
-    atoms = [f for f in factors if isinstance(f, kinds)]
+    atoms = [f for f in factors if isinstance(f, kinds) and r.varies(f)]
     if len(atoms) != 1:
         return None, None
     rest = [f for f in factors if f is not atoms[0]]

@@ -400,7 +400,8 @@ class CppKernel(ExprWriter):
         if self.split is None:
             return ([pragma] if pragma else []) + [f"for ({t} r = 0; r < rnumel; r++) {{"], ["}"]
         k = self.pexpr(self.split)
-        return ([f"for ({t} r0 = 0; r0 < rnumel / {k}; r0++) {{"] + ([pragma] if pragma else []) +
+        n = k if self.split.is_Atom else f"({k})"   # a product of sizes divides as one: rnumel / (h*w)
+        return ([f"for ({t} r0 = 0; r0 < rnumel / {n}; r0++) {{"] + ([pragma] if pragma else []) +
                 [f"for ({t} r1 = 0; r1 < {k}; r1++) {{", f"const {t} r = r0 * {k} + r1; (void)r;"], ["}", "}"])
 
     def _store(self, m, value, scope, row, post):
