@@ -126,7 +126,7 @@ def test_import_kiln_takes_under_0_3_s_after_torch():
             "import kiln\n"
             "print(time.perf_counter() - t, 'torch._dynamo' in sys.modules)\n")
     runs = []
-    for _ in range(3):
+    while len(runs) < 3 and not (runs and min(runs) < 0.3):   # up to 3 tries: the fastest must be under 0.3 s
         r = _python(code)
         assert r.returncode == 0, r.stderr[-3000:]
         seconds, dynamo = r.stdout.split()

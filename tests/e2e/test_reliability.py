@@ -254,13 +254,16 @@ def test_options_from_the_environment_and_bad_values(monkeypatch, tmp_path):
 def test_dumps_of_two_processes_never_share_a_folder(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "KILN_DUMP": str(tmp_path), "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
-    for op in ("sin", "cos"):
-        code = f"import torch, kiln; kiln.compile(lambda x: x.{op}().sum())(torch.randn(3))"
-        subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=300, capture_output=True)
+    procs = [subprocess.Popen([sys.executable, "-c", f"import torch, kiln; kiln.compile(lambda x: x.{op}().sum())"
+                               "(torch.randn(3))"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for op in ("sin", "cos")]   # at the same time: each takes a folder of its own (mkdir is atomic)
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
     folders = sorted(p for p in tmp_path.iterdir() if p.is_dir())
     assert len(folders) == 2
     captures = [(f / "00_capture.py").read_text() for f in folders]
-    assert "sin" in captures[0] and "cos" in captures[1]
+    assert sorted(("sin" in c, "cos" in c) for c in captures) == [(False, True), (True, False)], captures
 
 
 def test_complex_values_stay_aten():

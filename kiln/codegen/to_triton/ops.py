@@ -241,8 +241,11 @@ def reduce_code(kind: str, x: str, interpret: bool, axis: int = 1, floating: boo
     keep = "[:, None]" if axis == 1 else "[None, :]"
     if kind == "prod":
         return f"tl.reduce({x}, {axis}, _kiln_prod){keep}"
-    if floating and kind in ("max", "min"):
+    if floating and kind in ("max", "min") and not interpret:
         return f"tl.reduce({x}, {axis}, _kiln_{kind}_nan){keep}"
+    if floating and kind in ("max", "min"):   # numpy's nanmax/nanmin, NaN where a NaN was (not element by element)
+        return (f"tl.where(tl.reduce(({x} != {x}).to(tl.int32), {axis}, tl.standard._sum_combine) > 0, "
+                f"float('nan'), tl.reduce({x}, {axis}, tl.standard._elementwise_{kind})){keep}")
     if interpret:  # the interpreter has numpy fast paths for these standard combine functions
         comb = {"sum": "_sum_combine", "max": "_elementwise_max", "min": "_elementwise_min"}[kind]
         return f"tl.reduce({x}, {axis}, tl.standard.{comb}){keep}"
