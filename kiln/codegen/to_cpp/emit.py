@@ -173,7 +173,8 @@ class ExprWriter(writer.ExprWriter):
         if e.op == "const":
             return literal(e.args[0], e.dtype)
         kept = self.row_cache.get(e) if mask is None and target is scope else None
-        table = self._xi_table(e) if mask is None and target is scope else None
+        table = self._xi_table(e) if mask is None and target is scope and target is not self.const_scope \
+            and target is not self.xo_scope else None
         if table is not None:
             code = f"{table}[{XI.name}]"
         elif kept is not None and self.pass_no > kept[1]:
@@ -200,7 +201,7 @@ class ExprWriter(writer.ExprWriter):
                 or int(n) > self.tuning.cpp_block or e.op in ("load", "index", "cast") \
                 or not e.dtype.is_floating_point or not any(x.op == "load" for x in e.walk()) \
                 or all(x.op in ("load", "index", "cast", "const") for x in e.children()) \
-                or not self._xi_free(e, (XO,)):
+                or not self._xi_free(e, (XO,)) or self._xi_free(e):
             return None
         body, saved, self.xo_scope = Scope(self.const_scope), self.xo_scope, None
         try:
