@@ -22,7 +22,7 @@ from kiln.codegen.to_triton.emit import Flags
 from kiln.codegen.to_triton.module import write_module
 from kiln.debug import counters, log
 from kiln.options import Options
-from kiln.passes.channels_last import to_channels_last
+from kiln.passes.channels_last import CONVS, to_channels_last
 from kiln.passes.constant_fold import fold_constants
 from kiln.passes.conv_bias import split_conv_bias
 from kiln.runtime import cpp_build, precompile
@@ -90,6 +90,11 @@ class Target:
         return self.name
 
 
+def _convolves(gm) -> bool:
+    """Whether ``gm`` has a convolution (the layout stage runs, and is dumped, only then)."""
+    return any(n.target in CONVS for n in gm.graph.nodes)
+
+
 class _Fusing(Target):
     """A target with kernels of its own (``emit``: plans -> sources)."""
     fuses = True
@@ -97,11 +102,11 @@ class _Fusing(Target):
     auto_layout = "cuda"   # what layout_devices='auto' means for this target's graphs
 
     def joint(self, joint, trace):
-        if self.opts.layout_optimization:
+        if self.opts.layout_optimization and _convolves(joint):
             _stage(trace, "channels_last", to_channels_last, joint, self._layout_opts())
 
     def prepare(self, gm, kind, trace):
-        if kind == "inference" and self.opts.layout_optimization:
+        if kind == "inference" and self.opts.layout_optimization and _convolves(gm):
             _stage(trace, "channels_last", to_channels_last, gm, self._layout_opts())
         if self.opts.fold_constants:
             _stage(trace, f"fold_{kind}", fold_constants, gm)

@@ -20,11 +20,13 @@ import tempfile
 import threading
 import time
 
+import torch
+
 from kiln.codegen.text.source import VECTOR_MATH, header_name
+from kiln.compat import empty_strided_cuda_fn
 from kiln.debug import counters, log
 from kiln.options import Options, active
 from kiln.runtime import private
-from kiln.compat import empty_strided_cuda_fn
 from kiln.runtime.launch import restride  # noqa: F401  (the C++ launchers call cpp_build.restride)
 from kiln.runtime.kernels import subdir
 
@@ -269,7 +271,13 @@ def _compile(cxx, flags, libs, unit, directory, path, opts_flags: str):
     log(2, f"codegen: built {path} in {time.perf_counter() - start:.2f}s")
 
 
-empty_cpu = empty_strided_cuda_fn("cpu")   # (size, stride, dtype): the C++ launchers' allocations
+_EMPTY, _MODES = empty_strided_cuda_fn("cpu"), getattr(torch._C, "_len_torch_dispatch_stack", lambda: 1)
+
+
+def empty_cpu(size, stride, dtype):
+    """The C++ launchers' allocations: torch's C++ helper, or ``empty_strided`` where a dispatch mode (a memory or
+    FLOP counter) is active and must see the tensor made."""
+    return torch.empty_strided(size, stride, dtype=dtype) if _MODES() else _EMPTY(size, stride, dtype)
 
 
 def function(name: str, n_pointers: int, n_sizes: int, checked: bool = False):

@@ -490,3 +490,23 @@ def test_per_channel_values_of_a_channels_last_kernel_are_computed_once_per_chan
     assert len(fns) == 1, code
     prologue, loops = fns[0].split("xo_n", 1)
     assert "[16];" in prologue and "sqrtf" in prologue and "sqrtf" not in loops, fns[0]
+
+
+def test_a_dispatch_mode_sees_the_kernels_allocations():
+    """Launchers allocate through torch's C++ helper (no dispatcher), except under a dispatch mode (a memory or
+    FLOP counter, kiln_bench.livemem), which must see every tensor a kernel makes."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+    gm, n = fused(lambda x: (x.sin() * 2).exp(), torch.randn(8, 8))
+    assert n == 1
+    with Seen() as seen:
+        gm(torch.randn(8, 8))
+    assert torch.ops.aten.empty_strided.default in seen.ops, seen.ops
