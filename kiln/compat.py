@@ -51,7 +51,7 @@ def reinterpret_fn():
     return getattr(guards, "_reinterpret_tensor", None) or _reinterpret_fallback
 
 
-def empty_strided_cuda_fn(device: str = "cuda"):
+def empty_strided_fn(device: str = "cuda"):
     """``f(size, stride, dtype)`` on the current CUDA device (or the CPU), through torch's C++ helper (a third
     of ``empty_strided``'s time: no dispatcher, no argument parsing), else ``empty_strided``."""
     guards = getattr(getattr(torch._C, "_dynamo", None), "guards", None)

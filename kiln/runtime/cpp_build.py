@@ -23,7 +23,7 @@ import time
 import torch
 
 from kiln.codegen.text.source import VECTOR_MATH, header_name
-from kiln.compat import empty_strided_cuda_fn
+from kiln.compat import empty_strided_fn
 from kiln.debug import counters, log
 from kiln.options import Options, active
 from kiln.runtime import private
@@ -271,7 +271,7 @@ def _compile(cxx, flags, libs, unit, directory, path, opts_flags: str):
     log(2, f"codegen: built {path} in {time.perf_counter() - start:.2f}s")
 
 
-_EMPTY, _MODES = empty_strided_cuda_fn("cpu"), getattr(torch._C, "_len_torch_dispatch_stack", lambda: 1)
+_EMPTY, _MODES = empty_strided_fn("cpu"), getattr(torch._C, "_len_torch_dispatch_stack", lambda: 1)
 
 
 def empty_cpu(size, stride, dtype):

@@ -7,7 +7,7 @@ import threading
 import torch
 
 from kiln.codegen.text.blocks import Blocks, candidates, config, grid_of, next_pow2
-from kiln.compat import empty_strided_cuda_fn, triton_c_launcher_ok
+from kiln.compat import empty_strided_fn, triton_c_launcher_ok
 from kiln.debug import log
 from kiln.runtime.kernels import on_reset
 
@@ -215,7 +215,7 @@ def restride(t: torch.Tensor, shape, stride):
     return out
 
 
-empty_cuda = empty_strided_cuda_fn()   # (size, stride, dtype) on the current CUDA device
+empty_cuda = empty_strided_fn()   # (size, stride, dtype) on the current CUDA device
 
 
 def cuda_here() -> torch.device:

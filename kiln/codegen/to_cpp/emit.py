@@ -173,8 +173,7 @@ class ExprWriter(writer.ExprWriter):
         if e.op == "const":
             return literal(e.args[0], e.dtype)
         kept = self.row_cache.get(e) if mask is None and target is scope else None
-        table = self._xi_table(e) if mask is None and target is scope and target is not self.const_scope \
-            and target is not self.xo_scope else None
+        table = self._xi_table(e) if mask is None and target is scope else None   # (xi-free values: no table)
         if table is not None:
             code = f"{table}[{XI.name}]"
         elif kept is not None and self.pass_no > kept[1]:
