@@ -53,8 +53,8 @@ class CppKernel(ExprWriter):
         self.use_split(sympy.Integer(1), self.plan.xnumel)
         scope = Scope()
         v = self.emit(w.value, scope)
-        at = self.tmp("at")
-        scope.lines.append(f"const int64_t {at} = {self.index(w.target.args[0], w.target.args[2], lambda e: self.emit(e, scope))};")
+        at, idx = self.tmp("at"), self.index(w.target.args[0], w.target.args[2], lambda e: self.emit(e, scope))
+        scope.lines.append(f"const int64_t {at} = {idx};")
         ptr = self.out_args[w.buffer.name]
         new = f"({load_code(ptr, at, w.buffer.dtype)} + {v})" if w.mode == "add" else v
         scope.lines.append(f"{ptr}[{at}] = {store_code(new, w.buffer.dtype)};")
