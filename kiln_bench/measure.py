@@ -217,7 +217,8 @@ def cuda_peak(step) -> dict:
     step()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
-    return {"peak_bytes": peak, "peak_above_start": peak - base}
+    # reserved too: a CUDA graph's private pool writes into blocks that it does not count as allocated
+    return {"peak_bytes": peak, "peak_above_start": peak - base, "reserved_bytes": torch.cuda.max_memory_reserved()}
 
 
 def _storage_key(t):

@@ -5,8 +5,11 @@ and a tensor one graph hands to another is read in place. A ``Graphed`` function
 first call, captures it at its second and replays from then on. Parameters, buffers and pool tensors are
 read in place (if one moves, the call runs the wrapper); other inputs are copied into static buffers.
 Outputs alias the graph's static memory: a replay that could overwrite a live alias runs the wrapper
-instead (slower, never wrong). Non-tensor or CPU inputs, or a failed capture, leave the wrapper running
-normally, the reason logged (KILN_DEBUG=1).
+instead (slower, never wrong). A user output found dead when a later graph is captured (a training
+forward's logits, dropped before the backward) gives its block back to the pool, so that graph's
+temporaries reuse it as the plain path's do; it is copied out at each replay from then on. A backward
+reads the parameters its forwards read in place. Non-tensor or CPU inputs, or a failed capture, leave the
+wrapper running normally, the reason logged (KILN_DEBUG=1).
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ class Pool:
     def __init__(self):
         self.handle = None
         self._graphs: list = []
+        self.static_ptrs: set = set()   # addresses of the static inputs (parameters) graphs read in place
 
     def ensure(self):
         """The pool's handle; a new one once every graph captured in it has died: the allocator frees a private
@@ -44,6 +48,12 @@ class Pool:
         if None in live:
             self._graphs = [r for r, g in zip(self._graphs, live) if g is not None]
         return [g for g in live if g is not None]
+
+    def release_dead(self) -> None:
+        """Before a capture: user outputs only kiln holds go back to the pool (see the module docstring)."""
+        done = [g for g in self.graphs if g.graph is not None]
+        for g in done:   # a block another graph reads or returns stays (storages may differ: compare addresses)
+            g.release_dead({p for h in done if h is not g for p in (*h.storages, *h.direct.values())})
 
     def owns(self, t: torch.Tensor) -> bool:
         """``t``'s storage is an output storage of a graph captured in this pool."""
@@ -108,10 +118,11 @@ class Graphed:
             self._disable(why)
             return self.compiled(args)
         direct, copies = {}, {}
+        self.pool.release_dead()
         for i, x in enumerate(args):
             if x is None:
                 continue
-            if i in self.static or self.pool.owns(x):
+            if i in self.static or self.pool.owns(x) or x.data_ptr() in self.pool.static_ptrs:
                 direct[i] = x.data_ptr()
             else:
                 copies[i] = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
@@ -144,6 +155,7 @@ class Graphed:
         del outs
         self._baseline()
         self.graph, self.direct, self.copies, self.single = graph, direct, copies, single
+        self.pool.static_ptrs.update(direct[i] for i in self.static if i in direct)
         self.pool.add(self)
         counters["cudagraph"]["captured"] += 1
         log(1, f"cudagraph {self.name}: captured ({len(direct)} inputs in place, {len(copies)} copied)")
@@ -170,6 +182,24 @@ class Graphed:
         self._watch = {kind: [k for k in {s[1] for s in self.specs if s[0] == kind} if k not in user_ptrs]
                        for kind in ("user", "alias")}
 
+    def release_dead(self, others: set) -> None:
+        """User outputs whose storage only kiln holds, at addresses no other graph (``others``) reads or returns,
+        become views of their block, copied out at each replay; the storage itself is dropped, so the block is
+        free to the capture that follows."""
+        dead = {c for c, base in self.use["user"] if _use_count(c) == base}
+        keys = [k for k in self._watch["user"] if self.storages[k]._cdata in dead and k not in self._watch["alias"]
+                and k not in others]
+        dead = {self.storages[k]._cdata for k in keys}
+        for k in keys:
+            st = self.storages[k]
+            self.storages[k] = torch._C._construct_storage_from_data_pointer(k, st.device, st.nbytes())
+            self.specs = [("copy", *s[1:]) if s[0] == "user" and s[1] == k else s for s in self.specs]
+            self.out_ptrs.discard(k)
+        if keys:   # the alias baselines stay: aliases may be alive now (a forward's saved tensors)
+            self._watch["user"] = [k for k in self._watch["user"] if k not in keys]
+            self.use["user"] = [(c, base) for c, base in self.use["user"] if c not in dead]
+            log(2, f"cudagraph {self.name}: {len(keys)} dead user output(s) given back to the pool, copied out")
+
     def _baseline(self):
         """Use counts of watched storages while kiln alone holds them (call with no alias handed out)."""
         self.use = {kind: [(self.storages[k]._cdata, _use_count(self.storages[k]._cdata)) for k in keys]
@@ -184,7 +214,9 @@ class Graphed:
             kind, key, off, size, stride, dtype = s
             st = self.storages[key]
             t = torch.empty((0,), dtype=dtype, device=st.device).set_(st, off, size, stride)
-            out.append(t.clone() if kind == "user" and self.clone_user else t)
+            if kind == "copy" or kind == "user" and self.clone_user:
+                t = torch.empty_strided(size, stride, dtype=dtype, device=st.device).copy_(t)
+            out.append(t)
         return out[0] if self.single else out
 
     def _alive(self) -> Optional[str]:

@@ -1,0 +1,97 @@
+"""Where a training step's host time goes (GPU): bench cases, one process, one backend after another.
+
+For each backend: host ms per step (until the step returns, no sync inside), then a cProfile of ``--steps``
+steps with each function's own time summed by where its code lives (kiln's runtime, kiln's generated
+modules, Dynamo's guards and frames, AOTAutograd's runtime wrappers, the autograd engine, torch.optim,
+Triton's launchers, Inductor's runtime), and the top functions by own time.
+
+    PYTHONPATH=. python3 benchmarks/host_probe.py zoo_llama --backends inductor,kiln [--top 25]
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import time
+
+import torch
+
+BUCKETS = (("kiln generated", ("<kiln", "/kiln_pw_", "/kiln_red_", "/kiln_")), ("kiln runtime", ("kiln/runtime",)),
+           ("kiln other", ("/kiln/",)), ("dynamo", ("_dynamo",)), ("aot runtime", ("_functorch",)),
+           ("inductor runtime", ("_inductor",)), ("triton", ("triton",)), ("optim", ("torch/optim",)),
+           ("autograd", ("torch/autograd", "_tensor.py")), ("nn modules", ("torch/nn",)),
+           ("torch other", ("torch/",)))
+
+
+def bucket(filename: str) -> str:
+    for name, keys in BUCKETS:
+        if any(k in filename for k in keys):
+            return name
+    return "builtin/C" if filename.startswith("~") or filename == "" else "other"
+
+
+def host_ms(step, n):
+    hs = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        hs.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return statistics.median(hs) * 1e3
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("case")
+    ap.add_argument("--suite", default="zoo")
+    ap.add_argument("--backends", default="inductor,kiln")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--size", default="gpu")
+    a = ap.parse_args()
+    import kiln  # noqa: F401
+    from kiln_bench import backends as B
+    from kiln_bench.suites import select
+    (case,), _ = select(a.suite, "cuda", [a.case])
+    torch.manual_seed(0)
+    pristine = case.build("cuda", case.dtypes[0], a.size)
+    pristine.park()
+    for be in a.backends.split(","):
+        wl = pristine.fresh()
+        torch._dynamo.reset()
+        f = B.compile_model(be, wl.model, case.options)
+        for _ in range(4):
+            wl.step(f)
+        torch.cuda.synchronize()
+        host = host_ms(lambda: wl.step(f), 20)
+        prof = cProfile.Profile()
+        torch.cuda.synchronize()
+        prof.enable()
+        for _ in range(a.steps):
+            wl.step(f)
+        prof.disable()
+        torch.cuda.synchronize()
+        st = pstats.Stats(prof)
+        sums: dict = {}
+        rows = []
+        for (fn, line, name), (cc, nc, tt, ct, _) in st.stats.items():
+            b = bucket(fn)
+            s = sums.setdefault(b, [0.0, 0])
+            s[0] += tt
+            s[1] += nc
+            rows.append((tt, nc, f"{fn.split('site-packages/')[-1].split('/work/main/')[-1]}:{line}({name})"))
+        total = sum(s[0] for s in sums.values())
+        print(f"== {case.name} {be}: host {host:.2f} ms/step; profiled {total / a.steps * 1e3:.2f} ms/step")
+        for b, (tt, nc) in sorted(sums.items(), key=lambda kv: -kv[1][0]):
+            print(f"  {b:18s} {tt / a.steps * 1e3:8.2f} ms/step  {nc // a.steps:7d} calls/step")
+        for tt, nc, name in sorted(rows, reverse=True)[:a.top]:
+            print(f"    {tt / a.steps * 1e3:7.3f} ms {nc // a.steps:6d}x  {name}")
+        del f, wl
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
