@@ -192,6 +192,8 @@ class Tuning:
     write_mutations: bool = _opt(True, "a kernel writes a graph input's new value into the input itself (no copy "
                                        "back) where nothing reads the old value after it")
     # passes
+    graph_host_share: float = _opt(0.6, "cuda_graphs='auto' captures a graph whose timed call took at least this "
+                                        "share of its GPU time on the host", check="nonneg")
     pad_mm_min_flops: float = _opt(1e9, "pad_mm: pad only matmuls of at least this many FLOPs ...", check="nonneg")
     pad_mm_min_flops_per_byte: float = _opt(80.0, "... and this many FLOPs per byte the padding copies", check="nonneg")
     empty_mask_max_bytes: int = _opt(1 << 28, "drop_empty_masks: evaluate (at compile time, on its device) only "
@@ -275,6 +277,9 @@ class Options:
                                     "-1 auto (CUDA only), 0 off")
     mode: Optional[str] = _opt(None, "torch.compile mode: None, 'default', 'reduce-overhead', 'max-autotune'",
                                (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"))
+    cuda_graphs: str = _opt("mode", "replay compiled graphs as CUDA graphs (Triton target on CUDA): 'mode' (under "
+                                    "mode='reduce-overhead'), 'auto' (each graph whose second call shows it host-bound: "
+                                    "tuning.graph_host_share), 'always', 'never'", ("mode", "auto", "always", "never"))
     tuning: Tuning = _opt(Tuning(), "tuning constants of code generation and passes: the tuning.* rows", env=False)
     # the compile cache (kiln/cache): compiled graphs kept on disk for later processes
     cache: bool = _opt(True, "reuse graphs compiled by earlier processes (and keep new ones) in cache_dir", cache=False)
@@ -293,6 +298,11 @@ class Options:
     def __post_init__(self):
         for f in dataclasses.fields(self):
             _check_value(f, getattr(self, f.name), f.name)
+
+    @property
+    def graphs_asked(self) -> bool:
+        """CUDA graphs asked for (``cuda_graphs``, or ``mode="reduce-overhead"`` under cuda_graphs='mode')."""
+        return self.cuda_graphs in ("auto", "always") or self.cuda_graphs == "mode" and self.mode == "reduce-overhead"
 
     def replace(self, **overrides) -> "Options":
         """A copy with ``overrides`` (names as for ``patch``; tuning entries merge into this tuning)."""

@@ -122,7 +122,7 @@ def aot_compilers(opts: Options, target: Target, trace: Trace, region=None, regi
     (``region``: a ``freeze.FrozenRegion``; ``session``: a ``cache.Session``, which records)."""
     registered = passes.snapshot() if registered is None else registered
     target.start()
-    graphs = target.cuda_graphs()  # mode="reduce-overhead"
+    graphs = target.cuda_graphs()  # None, or the host share from which graphs are captured (0: always)
     n_user = {}
     layout: dict = {}   # names of saved values the forward produces with known strides (wrapper views)
 
@@ -189,15 +189,16 @@ def _record(session, kind: str, compiled):
 
 
 def lower(gm: fx.GraphModule, inputs: list, opts: Options, trace: Trace, kind: str, target: Target,
-          graphs: bool = False, n_user: int = 0, layout=None, positions=None, registered=None):
-    """Post-grad passes, fusion and wrapper of one graph; with ``graphs`` it replays as a CUDA graph.
-    ``positions``: each input's AOTAutograd position (freezing drops some)."""
+          graphs=None, n_user: int = 0, layout=None, positions=None, registered=None):
+    """Post-grad passes, fusion and wrapper of one graph; ``graphs`` (not None) replays it as a CUDA graph,
+    captured when host-bound by that share (0: always). ``positions``: each input's AOTAutograd position."""
     with using(opts):
-        if not graphs:
+        if graphs is None:
             return _lower(gm, inputs, opts, trace, kind, target, layout, registered)
         mutated = partition_ops.mutated_inputs(gm)  # before fusion hides the writes inside kernels
         compiled = _lower(gm, inputs, opts, trace, kind, target, layout, registered)
-        return cudagraph.wrap(compiled, inputs, kind=kind, n_user=n_user, mutated=mutated, positions=positions)
+        return cudagraph.wrap(compiled, inputs, kind=kind, n_user=n_user, mutated=mutated, positions=positions,
+                              host_share=graphs)
 
 
 def _lower(gm: fx.GraphModule, inputs: list, opts: Options, trace: Trace, kind: str, target: Target,

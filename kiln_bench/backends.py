@@ -5,6 +5,7 @@
   ``torch._functorch.config.patch(activation_memory_budget=b)`` around every call.
 - ``kiln``: ``torch.compile(model, backend="kiln", options={**case_options, "activation_memory_budget": b})``.
 - ``kiln-cg`` / ``inductor-cg``: the same with ``mode="reduce-overhead"`` (CUDA graphs).
+- ``kiln-auto``: kiln with ``cuda_graphs="auto"`` (a graph is captured where a timed call shows it host-bound).
 
 ``fresh_caches()`` points Inductor, Triton and kiln at an empty temporary cache so that "cold"
 compile times are cold; it links Inductor's precompiled C++ headers from the user's cache, since
@@ -20,7 +21,7 @@ import tempfile
 
 import torch
 
-BACKENDS = ("eager", "inductor", "kiln", "inductor-cg", "kiln-cg", "aot_eager")
+BACKENDS = ("eager", "inductor", "kiln", "inductor-cg", "kiln-cg", "kiln-auto", "aot_eager")
 FRESH_ROOT = "KILN_BENCH_FRESH_ROOT"   # set by fresh_caches: rows make their own cache dirs under it
 
 
@@ -48,12 +49,14 @@ def compile_model(backend: str, model, options=None, budget=None):
     if backend == "inductor-cg":
         return torch.compile(model, mode="reduce-overhead") if not options else \
             torch.compile(model, options={**options, "triton.cudagraphs": True})
-    if backend in ("kiln", "kiln-cg"):
+    if backend in ("kiln", "kiln-cg", "kiln-auto"):
         import kiln  # noqa: F401  registers the "kiln" backend with Dynamo
         if budget is not None:
             options["activation_memory_budget"] = budget
         if backend == "kiln-cg":
             options["mode"] = "reduce-overhead"
+        if backend == "kiln-auto":
+            options["cuda_graphs"] = "auto"
         return torch.compile(model, backend="kiln", options=options or None)
     raise UnknownBackendError(f"unknown backend {backend!r}; choose from {list(BACKENDS)}")
 

@@ -123,7 +123,8 @@ def markdown(meta: dict, rows: list) -> str:
     """The RESULTS.md section: header with versions, the pivot table, geometric means, errors."""
     backends = meta.get("backends") or sorted({r["backend"] for r in rows})
     compiled = [b for b in backends if b != "eager"]
-    pairs = (("kiln", "eager"), ("kiln", "inductor"), ("kiln-cg", "inductor-cg"), ("kiln-cg", "inductor"))
+    pairs = (("kiln", "eager"), ("kiln", "inductor"), ("kiln-cg", "inductor-cg"), ("kiln-cg", "inductor"),
+             ("kiln-auto", "inductor"))
     ratios = [(n, d) for n, d in pairs if n in backends and d in backends]
     limits = meta.get("guard") or GUARD
     guarded = any(b.startswith("kiln") for b in backends)
@@ -265,7 +266,7 @@ def cliff(cells, budget, limits=None):
     if budget is not None and budget < 1.0:
         return None
     found, why = None, []
-    for name in ("kiln", "kiln-cg"):
+    for name in ("kiln", "kiln-cg", "kiln-auto"):
         for other, key, row in _vs(cells, name):
             x = ratio(cells.get(name), row)
             if x is None:

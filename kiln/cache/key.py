@@ -130,7 +130,7 @@ def bypass(gm: torch.fx.GraphModule, inputs, opts, frozen: bool, registered=()) 
             return why
     if frozen:
         return "freezing turns this process's parameters into constants"
-    if opts.mode == "reduce-overhead":
+    if opts.graphs_asked:
         return "CUDA graphs record this process's memory"
     if next(iter(gm.parameters()), None) is not None or next(iter(gm.buffers()), None) is not None:
         return "the graph holds parameters or buffers of its own"

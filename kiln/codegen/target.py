@@ -58,11 +58,12 @@ class Target:
     def start(self) -> None:
         """Work begun while AOTAutograd traces."""
 
-    def cuda_graphs(self) -> bool:
-        """Whether ``mode="reduce-overhead"`` applies (CUDA graphs need the Triton target on CUDA)."""
-        if self.opts.mode == "reduce-overhead":
-            log(1, f"mode='reduce-overhead': CUDA graphs need the Triton target on CUDA (target {self.name})")
-        return False
+    def cuda_graphs(self):
+        """None (no CUDA graphs), or the host share of GPU time from which a graph is captured (0: always);
+        CUDA graphs need the Triton target on CUDA."""
+        if self.opts.graphs_asked:
+            log(1, f"CUDA graphs (mode / cuda_graphs) need the Triton target on CUDA (target {self.name})")
+        return None
 
     def joint(self, joint: fx.GraphModule, trace) -> None:
         """The target's passes on a training graph's joint graph, before partitioning."""
@@ -157,12 +158,12 @@ class TritonTarget(_Fusing):
         precompile.start(self.opts)   # the workers start while AOTAutograd traces
 
     def cuda_graphs(self):
-        if self.opts.mode != "reduce-overhead":
-            return False
+        if not self.opts.graphs_asked:
+            return None
         if not torch.cuda.is_available():
-            log(1, "mode='reduce-overhead': CUDA graphs need the Triton target on CUDA (no CUDA here)")
-            return False
-        return True
+            log(1, "CUDA graphs (mode / cuda_graphs) need the Triton target on CUDA (no CUDA here)")
+            return None
+        return self.opts.tuning.graph_host_share if self.opts.cuda_graphs == "auto" else 0.0
 
     def fuse(self, gm, inputs, kind="inference", trace=None, strict=False):
         # cuDNN adds a bias in a pass of its own; oneDNN adds it in the convolution

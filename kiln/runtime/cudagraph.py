@@ -13,6 +13,7 @@ wrapper running normally, the reason logged (KILN_DEBUG=1).
 """
 from __future__ import annotations
 
+import time
 import weakref
 from typing import List, Optional
 
@@ -85,8 +86,9 @@ def refusal(example_inputs) -> Optional[str]:
 class Graphed:
     """A boxed compiled function replayed as a CUDA graph (see the module docstring)."""
 
-    def __init__(self, compiled, *, name: str, pool: Pool, static: set, mutated: set, n_user: int):
-        self._boxed_call = True
+    def __init__(self, compiled, *, name: str, pool: Pool, static: set, mutated: set, n_user: int,
+                 host_share: float = 0.0):
+        self._boxed_call, self.host_share = True, host_share
         self.compiled, self.name, self.pool = compiled, name, pool
         self.static, self.mutated, self.n_user = set(static), set(mutated), n_user
         self.clone_user = False   # set once a user kept an output past the next call
@@ -110,7 +112,28 @@ class Graphed:
         self.calls += 1
         if self.disabled or (self.graph is None and self.calls == 1):   # the first: kernels compile
             return self.compiled(args)
+        if self.graph is None and self.host_share and self.calls == 2:
+            return self._timed(args)
         return self._replay(args) if self.graph is not None else self._capture(args)
+
+    def _timed(self, args):
+        """cuda_graphs='auto': one call timed on the host and the device; unless the host took ``host_share`` of
+        the device's time, the graph is never captured (a GPU-bound graph gains little and would hold memory)."""
+        dev = next((x.device for x in args if isinstance(x, torch.Tensor) and x.is_cuda), None)
+        torch.cuda.synchronize(dev)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t0 = time.perf_counter()
+        out = self.compiled(args)
+        host = (time.perf_counter() - t0) * 1e3
+        end.record()
+        end.synchronize()
+        gpu = start.elapsed_time(end)
+        if host < self.host_share * gpu:
+            self._disable(f"GPU-bound: a call took {host:.2f} ms on the host, {gpu:.2f} ms on the device")
+        else:
+            log(1, f"cudagraph {self.name}: host-bound ({host:.2f} ms on the host, {gpu:.2f} on the device)")
+        return out
 
     def _capture(self, args):
         why = refusal(args)
@@ -271,7 +294,7 @@ def _refuse(name: str, why: str) -> None:
 
 
 def wrap(compiled, example_inputs, *, kind: str, n_user: int, mutated: set, pool: Optional[Pool] = None,
-         positions=None):
+         positions=None, host_share: float = 0.0):
     """``compiled`` as a ``Graphed`` function, or unchanged (the reason logged) if it cannot be.
     ``positions``: each input's AOTAutograd position when it takes only some (freezing drops some)."""
     why = refusal(example_inputs)
@@ -288,4 +311,4 @@ def wrap(compiled, example_inputs, *, kind: str, n_user: int, mutated: set, pool
     n_user = {"inference": 1 << 30, "forward": n_user, "backward": 0}[kind]
     dev = next((x.device for x in example_inputs if isinstance(x, torch.Tensor)), None)
     return Graphed(compiled, name=compiled.name, pool=pool or device_pool(dev.index if dev else None),
-                   static=static, mutated=mutated, n_user=n_user)
+                   static=static, mutated=mutated, n_user=n_user, host_share=host_share)

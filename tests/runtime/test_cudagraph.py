@@ -37,12 +37,13 @@ def test_refusals():
     assert cudagraph.refusal([None]) is None
 
 
-def test_reduce_overhead_on_cpu_runs_normally():
+@pytest.mark.parametrize("asked", [dict(mode="reduce-overhead"), dict(cuda_graphs="auto"), dict(cuda_graphs="always")])
+def test_cuda_graphs_asked_on_cpu_run_normally(asked):
     m = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
     x = torch.randn(4, 8)
     ref = m(x)
-    out = kiln.compile(copy.deepcopy(m), mode="reduce-overhead")(x)
-    torch.testing.assert_close(out, ref)
+    for _ in range(3):
+        torch.testing.assert_close(kiln.compile(copy.deepcopy(m), **asked)(x), ref)
 
 
 # ----------------------------------------------------------------------------------------- GPU
@@ -254,3 +255,27 @@ def test_training_graph_memory_stays_within_the_plain_paths():
     logits = 1024 * 16384 * 4
     print(f"peak reserved: plain {plain / 2**20:.1f} MiB, graphed {graphed / 2**20:.1f} MiB")
     assert graphed <= plain * 1.05 + 2 ** 21, (plain, graphed, logits)
+
+
+@gpu
+def test_auto_captures_host_bound_graphs_only():
+    """cuda_graphs='auto': a graph of many small kernels (host-bound: its timed call keeps the device waiting) is
+    captured; one large matmul (GPU-bound) is not, and the reason is counted."""
+    torch.manual_seed(0)
+    small = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(20)]).cuda().eval()
+    f = kiln.compile(copy.deepcopy(small), cuda_graphs="auto")
+    x = torch.randn(8, 16, device="cuda")
+    counters.clear()
+    with torch.no_grad():
+        for _ in range(4):
+            torch.testing.assert_close(f(x), small(x), rtol=1e-4, atol=1e-5)
+    assert counters["cudagraph"]["captured"] == 1 and counters["cudagraph"]["replays"] == 1, dict(counters["cudagraph"])
+    big = nn.Linear(8192, 8192).cuda().eval()
+    g = kiln.compile(copy.deepcopy(big), cuda_graphs="auto")
+    y = torch.randn(8192, 8192, device="cuda")
+    counters.clear()
+    with torch.no_grad():
+        for _ in range(4):
+            g(y)
+    assert counters["cudagraph"]["captured"] == 0
+    assert any("GPU-bound" in k for k in counters["cudagraph_refused"]), dict(counters["cudagraph_refused"])
