@@ -1,7 +1,5 @@
 """The ``kiln`` command (also ``python -m kiln``): ``kiln demo``, ``kiln bench ...``, ``kiln check-ops ...``
 (the OpInfo sweep), ``kiln options [NAME]``, ``kiln cache info|clear``, ``kiln --version``."""
-from __future__ import annotations
-
 import sys
 
 

@@ -1,6 +1,4 @@
 """Every difference between the torch versions kiln supports (2.11 to 2.14) is guarded here."""
-from __future__ import annotations
-
 import os
 import re
 import warnings

@@ -2,8 +2,6 @@
 rules), counters, KILN_DUMP, the per-region ``Trace``. Messages go through torch's logging; a compile the
 cache will store keeps a ``Record`` of all it shows, which a hit replays (``Trace.replay``).
 """
-from __future__ import annotations
-
 import collections
 import contextlib
 import logging

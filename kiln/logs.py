@@ -5,8 +5,6 @@ it does not know while ``import torch`` reads ``TORCH_LOGS`` (pytorch/pytorch#17
 a program, ``torch._logging.set_logs(modules={"kiln_plans": True})``. What a compile the cache will store
 logs and traces goes to its record too (``active``, ``recording``).
 """
-from __future__ import annotations
-
 import contextlib
 import logging
 import os

@@ -3,8 +3,6 @@ and ``repro.py``, which runs the region eagerly and through kiln and exits non-z
 the original compile failed (``error.txt``) and this run did not. What cannot be written to a file
 (callable options, registered passes) is named in it and in a warning it prints.
 """
-from __future__ import annotations
-
 import ast
 import builtins
 import inspect

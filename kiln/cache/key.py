@@ -2,8 +2,6 @@
 state a trace reads, options, passes, the target's share, the versions (kiln's source too); ``bypass``
 says why a graph is not cached at all.
 """
-from __future__ import annotations
-
 import contextlib
 import dataclasses
 import functools
@@ -54,10 +52,8 @@ def _input(x) -> str:
 
 
 def _devices(inputs) -> str:
-    out = []
-    for i in sorted({t.device.index or 0 for t in inputs if isinstance(t, torch.Tensor) and t.device.type == "cuda"}):
-        out.append(f"cuda{i}={torch.cuda.get_device_name(i)}|{torch.cuda.get_device_capability(i)}")
-    return "|".join(out)
+    cuda = sorted({t.device.index or 0 for t in inputs if isinstance(t, torch.Tensor) and t.device.type == "cuda"})
+    return "|".join(f"cuda{i}={torch.cuda.get_device_name(i)}|{torch.cuda.get_device_capability(i)}" for i in cuda)
 
 
 def _flags() -> list:

@@ -1,8 +1,6 @@
 """A compiled graph (``runtime.load.Compiled``) as bytes and back: its wrapper's source and globals, pickled
 by a pickler knowing kiln's and torch's objects (else ``NotCacheable``), and its kernels' C++ units.
 """
-from __future__ import annotations
-
 import io
 import os
 import pickle

@@ -2,8 +2,6 @@
 faster library calls); the fusing targets (Triton, C++) decompose to the core ATen set plus the forward
 norms, softmax and activations, so the fusion scheduler sees pointwise ops and simple reductions.
 """
-from __future__ import annotations
-
 import functools
 
 import torch

@@ -4,8 +4,6 @@ Lower the graph to the loop IR (``lower/``), group and plan kernels (``schedule/
 emitter write each plan's text, name each kernel and extract its ATen fallback. Nothing here changes the
 graph or builds anything (``codegen.rewrite``, ``kiln.runtime`` do). Nodes without a lowering stay ATen.
 """
-from __future__ import annotations
-
 from dataclasses import dataclass, replace
 from typing import Optional
 

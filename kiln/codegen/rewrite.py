@@ -3,8 +3,6 @@ place: one node per kernel (its ``KernelRef``, or a declined kernel's ATen fallb
 for several outputs, after the philox seed draws (``seed_nodes``); the replaced ATen nodes go and the graph
 is ordered again, as it was where possible (``_stable_toposort``).
 """
-from __future__ import annotations
-
 import heapq
 import operator
 from dataclasses import replace

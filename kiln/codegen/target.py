@@ -3,8 +3,6 @@
 kernels (``fuse``: data, nothing built), how the runtime builds and loads them (``load``), its flags and
 its share of the compile cache's key. A new generator is a new subclass.
 """
-from __future__ import annotations
-
 from dataclasses import dataclass
 from typing import Optional
 

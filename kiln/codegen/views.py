@@ -6,8 +6,6 @@ meta device) and the input's strides at run time are the recorded ones (``known`
 matmul results, graph inputs, trusted saved values and views of these). A view of anything else gets a
 stride check at run time, with the ATen op as fallback.
 """
-from __future__ import annotations
-
 import operator
 
 import torch

@@ -5,8 +5,6 @@ target (bound once as module globals), deletes every buffer after its last use a
 Static views become one ``reinterpret`` call where ``views.ViewPlan`` allows. Each line carries the node's
 shape, dtype and strides as a comment.
 """
-from __future__ import annotations
-
 import builtins
 import keyword
 import math

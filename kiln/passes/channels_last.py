@@ -5,8 +5,6 @@ convolution (and ``convolution_backward``) reads channels-last inputs, so the po
 is stored in NHWC, and a KxK weight is converted once, not at every call. Outputs whose strides moved get
 eager's back (a copy, or ``as_strided`` where only size-1 dims moved). Symbolic shapes are left alone.
 """
-from __future__ import annotations
-
 import operator
 
 import torch

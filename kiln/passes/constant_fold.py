@@ -2,8 +2,6 @@
 constants folds unless ``NEVER_FOLD`` refuses it (computed once, eagerly, new constants where still read);
 also the helpers the other folding passes share (``add_constant``, ``constant_value``, ``infer_val`` ...).
 """
-from __future__ import annotations
-
 import contextlib
 
 import torch

@@ -2,8 +2,6 @@
 ``b' = b * s + t``, for constant weights and statistics, the BatchNorm as the only user, one dtype (float32
 math for half weights). ``bn_to_affine`` rewrites the BatchNorms left as ``x * s + t`` for fusing targets.
 """
-from __future__ import annotations
-
 import operator
 
 import torch

@@ -3,8 +3,6 @@ arguments merge (``x + 1`` and ``x + 1.0`` stay apart), never impure ones (rando
 ops) nor a node whose storage is written or returned. Each read is stamped with its storage's write count
 (``alias.py``): ``x.cos(); y.add_(1); x.cos()`` merges, ``x.cos(); x.add_(1); x.cos()`` does not.
 """
-from __future__ import annotations
-
 import contextlib
 import copy
 import gc

@@ -2,8 +2,6 @@
 folds (``module_region``, ``freeze_graph``, ``drop_frozen``, ``finish``: the pipeline's order). Frozen values
 are snapshots, as under Inductor; ``freezing_discard_parameters`` erases the originals (``ErasedTensor``).
 """
-from __future__ import annotations
-
 import gc
 import warnings
 from dataclasses import dataclass, field

@@ -8,8 +8,6 @@ computed in ``tuning.pad_mm_out_blocks`` blocks (``mm_rows``, ``mm_cols``), not 
 It pays (``tuning.pad_mm_min_flops*``) from 1e9 FLOPs and 80 FLOPs per byte copied (padding saves 1.5 /
 300e12 s per FLOP, costs 1 / 2.5e12 s per byte), which rejects memory-bound shapes (decode-time logits).
 """
-from __future__ import annotations
-
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor

@@ -7,8 +7,6 @@
 A pass is ``fn(graph: torch.fx.Graph)`` editing the graph in place; passes of a stage run in registration
 order. Registrations live in a context variable; ``cache_key()`` keys them (by ``uuid()``, else source).
 """
-from __future__ import annotations
-
 import contextvars
 import hashlib
 import inspect

@@ -6,8 +6,6 @@ version, flags and host CPU flags; a library whose MAC (``.so.mac``) does not ve
 loaded. A C++ target that cannot build degrades loudly, not fatally: one ``RuntimeWarning`` per cause,
 then ``CppBuildError`` (or ``unusable``'s reason) and the graph runs ATen kernels.
 """
-from __future__ import annotations
-
 import ctypes
 import ctypes.util
 import functools

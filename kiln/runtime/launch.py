@@ -1,7 +1,5 @@
 """Launching kernels: autotuning, the launch fast path and the helpers generated kernel modules call
 (``run``, ``launch``, ``restride``, ``empty_cuda``, ``semaphore``)."""
-from __future__ import annotations
-
 import threading
 
 import torch

@@ -1,7 +1,5 @@
 """Turn a generated wrapper into a callable, its kernel references bound to loaded kernels; record sources
 for ``kiln.run_and_get_code``."""
-from __future__ import annotations
-
 import hashlib
 import linecache
 

@@ -6,8 +6,6 @@ spawned processes without a CUDA context ``JITFunction.warmup`` each into Triton
 with the parent's ptxas version (``key_state``), host launchers built too. An optimization only: a kernel
 not warmed compiles at its first launch. Option ``compile_workers`` (-1: half the cores, up to 8; 0: off).
 """
-from __future__ import annotations
-
 import concurrent.futures as cf
 import contextlib
 import os

@@ -4,8 +4,6 @@ OpenMP threads take (batch, head, query tile) triples and walk the kv blocks of 
 keys at a time: ``S = Q K^T`` and ``P V`` in 4 x 16 register tiles, the mods per element in ``omp simd``
 loops, the online softmax in base 2. float64 inputs compute in double.
 """
-from __future__ import annotations
-
 import hashlib
 import math
 

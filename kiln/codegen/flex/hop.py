@@ -6,8 +6,6 @@ The block mask tuple: the lengths, eight index tensors, ``dq_*`` (torch 2.13), t
 mask_mod. The lse the ops exchange is in base 2. ``Mods(call, dialect, index)``: the op's subgraphs
 translated for one kernel, ``index`` naming its ``b, h, q_idx, kv_idx``; captured operands are ``BUF<i>``.
 """
-from __future__ import annotations
-
 import operator
 from dataclasses import dataclass, field
 

@@ -4,8 +4,6 @@ Each node becomes one statement from kiln's op templates; a value knows the tile
 load is masked by its own axes' masks only). Floats compute in float32 (float64 for C++ float64 inputs),
 as eager's dense FlexAttention does; gradients of captured tensors become ``Scatter`` values.
 """
-from __future__ import annotations
-
 import operator
 from dataclasses import dataclass, field
 

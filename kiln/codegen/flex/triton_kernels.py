@@ -9,8 +9,6 @@ in ``<name>_dqkv`` the first ``cdiv(Q_LEN, BLOCK_M2)`` programs walk the forward
 others, per (kv tile, batch x kv head), the q-side BlockMask for dk and dv over the GQA group's query heads;
 gradients of captured tensors are atomic adds of partial sums.
 """
-from __future__ import annotations
-
 import math
 import re
 

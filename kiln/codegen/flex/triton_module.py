@@ -4,8 +4,6 @@
 structure. Tile defaults follow FlexAttention's reference kernels on sm90; ``kernel_options`` override them;
 a tile is a power of two from 16 (``tl.dot``'s least) within one BlockMask block (or spanning the sequence).
 """
-from __future__ import annotations
-
 from typing import NamedTuple
 
 import torch

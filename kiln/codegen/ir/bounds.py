@@ -7,8 +7,6 @@ made non-negative where the op wraps (``x[-1]``); out of ``[0, size)`` an emitte
 so no access leaves the tensor. ``proof`` says when no check is needed, from the raw value's range (loop
 ranges, constants, ``remainder``, clamps, selects, argmax/argmin results); it only ever errs towards a check.
 """
-from __future__ import annotations
-
 from typing import NamedTuple, Optional
 
 import sympy

@@ -3,8 +3,6 @@ kept and reduced parts of a kernel's iteration space), size symbols and ``ind*``
 Unflattening uses ``FloorDiv`` and ``ModIdx``; ``simplify`` folds them back where a load walks memory in the
 kernel's order, using the variables' ranges. Every rule relies on all indices being non-negative.
 """
-from __future__ import annotations
-
 import functools
 import math
 import operator

@@ -17,8 +17,6 @@ Exprs are hash-consed (identity is structural equality; CSE in an emitter is a d
 value is a ``Pointwise`` (index -> Expr, memoized) or, once materialized, a ``Buffer`` read through loads; a
 ``Reduction`` always owns a buffer, and the scheduler decides which buffers are stored.
 """
-from __future__ import annotations
-
 import itertools
 import math
 import threading

@@ -1,6 +1,4 @@
 """Generated code as nested scopes, shared by the emitters."""
-from __future__ import annotations
-
 
 class Scope:
     """Lines of code at one loop depth and the values computed there (``find`` looks outwards). What a

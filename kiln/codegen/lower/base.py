@@ -4,8 +4,6 @@
 the modules beside this one) becomes a ``Pointwise`` (inlined into its users) or a buffer-backed value; any
 other node, or one whose lowering fails, stays an ATen call ("extern") with materialized tensor arguments.
 """
-from __future__ import annotations
-
 import functools
 import operator
 

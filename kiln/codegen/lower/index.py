@@ -3,8 +3,6 @@ select/slice_scatter), and the scatters that write through an index (scatter_add
 backward). An indirect index is an ``ind*`` symbol bound to a ``checked`` value (``ir/bounds.py``) naming
 eager's error for the op; concatenation and padding read each source under a mask (``masked``).
 """
-from __future__ import annotations
-
 import sympy
 import torch
 

@@ -3,8 +3,6 @@
 Arithmetic happens in ``upcast(out dtype)`` (fp16/bf16 compute in fp32, rounded once at the
 store); comparisons promote their operands with torch's rules.
 """
-from __future__ import annotations
-
 import math
 
 import sympy

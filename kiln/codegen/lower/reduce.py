@@ -4,8 +4,6 @@
 layer norm, var/std and losses are a few reductions plus pointwise epilogues, which the scheduler fuses
 into one kernel per row; variance is two-pass (mean, then sum of squared deviations) within it.
 """
-from __future__ import annotations
-
 import sympy
 import torch
 

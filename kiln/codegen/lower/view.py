@@ -5,8 +5,6 @@ tensor: no view call is left in the wrapper (GPT-2's made about 650 a step, a mi
 view itself must exist, ``realize`` makes it an ATen view of its stored base (``view_base``), never a copy.
 ``tuning.fuse_stored_views=False`` keeps views of stored tensors as ATen views (``KEEP``), for comparison.
 """
-from __future__ import annotations
-
 import sympy
 
 from kiln.codegen.ir.indexing import ONE, ZERO, ModIdx, contiguous_strides, size_expr, unflatten

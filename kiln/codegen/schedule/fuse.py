@@ -6,8 +6,6 @@ still fit), every read of a member is of the element the kernel computes (in reg
 reductions and epilogue share one kernel), and no path leaves the group and comes back (a cycle). A buffer
 is stored when something outside its kernel reads it.
 """
-from __future__ import annotations
-
 from dataclasses import dataclass, field
 
 import torch

@@ -6,8 +6,6 @@ address is one Expr), how the kernel walks its rows (``persistent``, or one loop
 ``passes``), its ``Programs``, 64-bit indexing, and the facts emitters read. ``describe`` prints it
 (KILN_DEBUG=4, KILN_DUMP).
 """
-from __future__ import annotations
-
 import enum
 from dataclasses import dataclass, field
 from typing import Optional

@@ -2,8 +2,6 @@
 the kernel walks its rows (persistent or looped, ``RowPass``es, online softmax pairs, ``Programs``) and the
 facts emitters read. ``plan_scatter`` makes a scatter's two kernels.
 """
-from __future__ import annotations
-
 from dataclasses import replace
 
 import sympy

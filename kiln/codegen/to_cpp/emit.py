@@ -1,8 +1,6 @@
 """C++ emitter: the expressions of a kernel plan as C++ statements, each at the loop depth its ``Level``
 says and computed once per scope (the IR is hash-consed); ``rows.py`` walks the plan around them.
 """
-from __future__ import annotations
-
 import sympy
 import torch
 

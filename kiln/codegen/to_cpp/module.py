@@ -2,8 +2,6 @@
 each kernel's Python launcher, which calls it through ``kiln.runtime.cpp_build``. A plan the emitter cannot
 write gets a source with no text (its ATen nodes run; the reason logged).
 """
-from __future__ import annotations
-
 import hashlib
 
 from kiln.codegen.ir.bounds import parts

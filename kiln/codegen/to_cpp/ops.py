@@ -5,8 +5,6 @@ NaN and signed-zero rules. ``PREAMBLE`` starts every unit: with ``KILN_LIBMVEC``
 declared ``omp declare simd``; their ``kiln_s_`` aliases have none (``emit.decides``). An op without a
 template raises ``Unsupported``: the kernel runs as ATen.
 """
-from __future__ import annotations
-
 import math
 import re
 

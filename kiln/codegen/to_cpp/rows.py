@@ -5,8 +5,6 @@ reduction kernel gives each thread whole rows, one ``omp simd`` loop over ``rind
 (a softmax takes two loops, not the online pass: the row is still in cache). Outer reductions accumulate
 per chunk of rows, combined in chunk order (independent of the thread count).
 """
-from __future__ import annotations
-
 import dataclasses
 
 import sympy

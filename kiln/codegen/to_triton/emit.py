@@ -2,8 +2,6 @@
 kernels, 2-D ``[XBLOCK, RBLOCK]`` for reductions), each at the loop depth its ``Level`` says and computed
 once per scope; ``rows.py`` walks the plan around them, ``module.py`` writes the module.
 """
-from __future__ import annotations
-
 import math
 from dataclasses import dataclass
 

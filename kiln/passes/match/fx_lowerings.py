@@ -2,8 +2,6 @@
 builds) before the node of ``inserting(graph, before)``, else after its latest FX argument (with neither,
 the op runs eagerly), and returns its ``fx.Node``, with a fake value from the arguments' when known.
 """
-from __future__ import annotations
-
 import contextlib
 import contextvars
 from typing import Any, Callable, Dict, Optional, Tuple

@@ -2,8 +2,6 @@
 ``fns`` (a packet: any overload) with matching arguments, inner nodes with exactly ``_users`` users
 (``MULTIPLE``: any). ``MultiOutputPattern([p0, ...])``: ``p0`` anchors, the others are found among users.
 """
-from __future__ import annotations
-
 from typing import Any, Iterator, List, Optional, Sequence
 
 import torch

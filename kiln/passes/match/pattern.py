@@ -1,8 +1,6 @@
 """The pattern matcher's core: ``Match``, ``MatchContext``, ``PatternExpr``, the leaf patterns binding values
 unseen (``Arg``, ``KeywordArg``, ``ExclusiveKeywordArg``, ``Ignored``), and ``replace_with_graph``.
 """
-from __future__ import annotations
-
 import itertools
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 

@@ -1,8 +1,6 @@
 """Registering rewrites into pattern passes: ``register_graph_pattern``, ``register_lowering_pattern``,
 ``register_replacement``; traced graphs as patterns (``fx_to_pattern``, ``gen_pattern``, cached).
 """
-from __future__ import annotations
-
 import inspect
 import itertools
 from typing import Any, Callable, Dict, Sequence

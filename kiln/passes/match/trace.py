@@ -1,8 +1,6 @@
 """Tracing pattern and replacement functions: ``fwd_only`` (``make_fx``), ``joint_fwd_bwd`` (AOTAutograd's
 joint graph), and ``traced``, cached so that registering a pattern again traces nothing (``CACHE_STATS``).
 """
-from __future__ import annotations
-
 from typing import Any, Dict, Sequence
 
 import torch
