@@ -130,7 +130,3 @@ def cache_command(argv) -> int:
           f"size:      {i['bytes'] / 2**20:.2f} MiB (limit {opts.cache_size_mb} MiB)\n"
           f"enabled:   {'yes' if not why else 'no: ' + why}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -145,10 +145,7 @@ def fx_graph_cse(graph: fx.Graph) -> fx.Graph:
     env: Dict[fx.Node, fx.Node] = {}
     with gc_paused():
         for node in graph.nodes:
-            if node in rep:
-                env[node] = env[rep[node]]
-            else:
-                env[node] = _copy_node(new_graph, node, env)
+            env[node] = env[rep[node]] if node in rep else _copy_node(new_graph, node, env)
     log(5, f"fx_graph_cse: {len(rep)} of {len(graph.nodes)} nodes merged")
     return new_graph
 

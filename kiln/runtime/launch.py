@@ -150,9 +150,7 @@ def _hooks_on() -> bool:
         import triton
         _RUNTIME.append(getattr(getattr(triton, "knobs", None), "runtime", None))
     rt = _RUNTIME[0]
-    if rt is None:
-        return True
-    return _hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook)
+    return rt is None or _hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook)
 
 
 def _hooked(hook) -> bool:
@@ -208,9 +206,7 @@ def restride(t: torch.Tensor, shape, stride):
     st = t.stride()
     if st == stride or all(a == b for s, a, b in zip(shape, st, stride) if s != 1):
         return t
-    out = torch.empty_strided(shape, stride, dtype=t.dtype, device=t.device)
-    out.copy_(t)
-    return out
+    return torch.empty_strided(shape, stride, dtype=t.dtype, device=t.device).copy_(t)
 
 
 empty_cuda = empty_strided_fn()   # (size, stride, dtype) on the current CUDA device

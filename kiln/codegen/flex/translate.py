@@ -74,9 +74,7 @@ class TritonDialect(Dialect):
         return str(int(v))
 
     def cast(self, code, src, dst):
-        if dst == torch.bool:
-            return f"({code} != 0)"
-        return f"({code}).to({tl_ops.TL_DTYPE[dst]})"
+        return f"({code} != 0)" if dst == torch.bool else f"({code}).to({tl_ops.TL_DTYPE[dst]})"
 
     def op(self, op, dtype, args):
         t = tl_ops.template(op, dtype, self.interpret, len(args))
@@ -152,9 +150,7 @@ CONSTANT = set(_named("full scalar_tensor new_ones new_zeros new_full ones_like 
 
 
 def _packet(target):
-    if isinstance(target, torch._ops.OpOverload):
-        return target.overloadpacket
-    return PYTHON.get(target, target)
+    return target.overloadpacket if isinstance(target, torch._ops.OpOverload) else PYTHON.get(target, target)
 
 
 def _out_dtype(node) -> torch.dtype:
@@ -344,9 +340,7 @@ class Translator:
         ref = Ref(ref.buf, ref.dims, ref.dtype, ref.index + tuple(vals))
         if len(ref.index) > ref.dims:
             raise Unsupported("flex: more indices than dims")
-        if len(ref.index) < ref.dims:
-            return ref
-        return self._load(ref)
+        return ref if len(ref.index) < ref.dims else self._load(ref)
 
     def _ints(self, idx, what: str) -> list:
         vals = [self.value(i) for i in idx]

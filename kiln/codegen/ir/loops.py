@@ -284,10 +284,7 @@ class Pointwise:
         key = tuple(sympy.sympify(i) for i in idx)
         e = self._memo.get(key)
         if e is None:
-            if self.buffer is not None:
-                e = ops.load(self.buffer, self.buffer.index(key))
-            else:
-                e = self.fn(list(key))
+            e = ops.load(self.buffer, self.buffer.index(key)) if self.buffer is not None else self.fn(list(key))
             self._memo[key] = e
         return e
 

@@ -120,9 +120,7 @@ class Lowering:
             if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
                 return sympy.sympify(val.node.expr)
             raise Unsupported(f"argument {a.name} has no lowered value")
-        if isinstance(a, (list, tuple)):
-            return type(a)(self.arg(x) for x in a)
-        return a
+        return type(a)(self.arg(x) for x in a) if isinstance(a, (list, tuple)) else a
 
     @property
     def meta(self):
@@ -299,9 +297,7 @@ def _rounded(fn, dtype, idx):
     """``fn(idx)`` rounded to 16-bit ``dtype``, kept in float32, as eager rounds every op's result (fuzz seed
     11 #9879: ``cos(x ** 3)`` of bf16 ``x`` took ``x ** 3`` unrounded)."""
     e = fn(idx)
-    if e.dtype == dtype or _exact_in(e, dtype):
-        return e
-    return ops.cast(ops.cast(e, dtype), e.dtype)
+    return e if e.dtype == dtype or _exact_in(e, dtype) else ops.cast(ops.cast(e, dtype), e.dtype)
 
 
 _SELECTS = {"where": (1, 2), "masked": (1, 2), "neg": (0,), "abs": (0,), "maximum": (0, 1), "minimum": (0, 1)}

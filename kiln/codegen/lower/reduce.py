@@ -58,9 +58,7 @@ def _mean(ctx, a, dims=None, keepdim=False, dtype=None):
 
 
 def _count(count, dtype):
-    if count.is_Integer:
-        return ops.const(int(count), dtype)
-    return ops.cast(ops.index(count), dtype)
+    return ops.const(int(count), dtype) if count.is_Integer else ops.cast(ops.index(count), dtype)
 
 
 @register(aten.amax, aten.amin, aten.max.default, aten.min.default)

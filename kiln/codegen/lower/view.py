@@ -148,9 +148,7 @@ def _clamp_index(v, size):
         if v < 0:
             v += int(size)
         return sympy.Integer(min(max(v, 0), int(size)))
-    if v.is_Integer and int(v) < 0:
-        return size + v
-    return v
+    return size + v if v.is_Integer and int(v) < 0 else v
 
 
 @register(aten.slice.Tensor, view=True)

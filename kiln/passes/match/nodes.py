@@ -182,9 +182,7 @@ class ListOf(PatternExpr):
                 continue
             matched = True
             m.extend(child.bundle())
-        if not matched:
-            return FailedMatch("list: no_match")
-        return m.bundle()
+        return FailedMatch("list: no_match") if not matched else m.bundle()
 
     def __repr__(self):
         return f"ListOf({self.pattern!r}{', partial=True' if self.partial else ''})"

@@ -270,8 +270,5 @@ def replace_by_example(match, fn, args, trace_fn=None, run_functional_passes=Tru
     """Trace ``fn`` on the example values of ``args`` and splice the result in for ``match``."""
     mode, vals = fake_values([example_value(a) for a in args])
     with mode:
-        if trace_fn is None:
-            gm = fwd_only(fn, vals, run_functional_passes=run_functional_passes)
-        else:
-            gm = trace_fn(fn, vals)
+        gm = fwd_only(fn, vals, run_functional_passes=run_functional_passes) if trace_fn is None else trace_fn(fn, vals)
     return replace_with_graph(match, match.graph, gm, args)

@@ -128,6 +128,4 @@ def example_value(value):
         if v is None:
             raise PatternTraceError(f"{value.name} has no meta['val']; run fake-tensor propagation first")
         return v
-    if isinstance(value, (list, tuple)):
-        return type(value)(example_value(v) for v in value)
-    return value
+    return type(value)(example_value(v) for v in value) if isinstance(value, (list, tuple)) else value
