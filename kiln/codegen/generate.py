@@ -229,6 +229,3 @@ def _symbol_node(graph, sym):
         if isinstance(v, torch.SymInt) and sympy.sympify(v.node.expr) == sym:
             return n
     raise Unsupported(f"no graph value carries size {sym}")
-
-
-__all__ = ["CodegenError", "Code", "Generated", "generate", "members", "FakeMaker"]

@@ -202,6 +202,3 @@ def _stable_toposort(graph, position, priority):
     for n in order[1:]:
         prev.append(n)
         prev = n
-
-
-__all__ = ["rewrite", "seed_nodes", "random_nodes", "count_random", "SEEDS"]

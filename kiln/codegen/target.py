@@ -250,6 +250,3 @@ def resolve(opts: Options, example_inputs) -> Target:
         if why:
             log(1, f"codegen: {'Triton' if cuda else 'C++'} target unavailable ({why}); running ATen kernels")
     return TARGETS[name](opts)
-
-
-__all__ = ["Target", "TritonTarget", "CppTarget", "Fused", "TARGETS", "resolve", "triton_available"]

@@ -295,7 +295,3 @@ def library(name: str) -> str:
     """The path of the loaded library holding function ``name``."""
     with _LOCK:
         return _OWNER[name]._name
-
-
-__all__ = ["CppBuildError", "build", "unusable", "function", "library", "restride", "find_compiler", "has_libmvec",
-           "host_isa"]

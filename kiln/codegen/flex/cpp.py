@@ -241,6 +241,3 @@ def cpp_forward(call: FlexCall) -> tuple:
     body = [SIZES, out] + prep + stats(call)[:2] + [KB, VB, "if B * HQ * QL:",
                                                    f"    _k({', '.join(args + bargs + sizes + bsizes)})"]
     return unit, fname, "\n".join(lines + ["    " + b for b in body + stats(call)[2:]]) + "\n"
-
-
-__all__ = ["cpp_forward", "kernel_text"]

@@ -258,6 +258,3 @@ class Mods:
                 raise Unsupported("flex: a captured-tensor gradient other than scatters of the score's gradient")
             scatters[j] = g
         return lines, dscore, scatters
-
-
-__all__ = ["FlexCall", "parse", "hop_name", "buffer_kind", "MASK_NAMES", "Mods", "buffer_names", "indices"]

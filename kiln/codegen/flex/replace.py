@@ -95,6 +95,3 @@ def lower_flex(gm: fx.GraphModule, opts, cpp: bool) -> tuple:
         graph.lint()
         gm.recompile()
     return done, tuple(units)
-
-
-__all__ = ["lower_flex"]

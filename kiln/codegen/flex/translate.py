@@ -394,7 +394,3 @@ def is_identity(gm) -> bool:
 def is_true(v) -> bool:
     """Whether a translated mask is the constant True (no mask)."""
     return isinstance(v, Val) and v.const is not None and bool(v.const) is True
-
-
-__all__ = ["Val", "Line", "Ref", "Scatter", "TritonDialect", "CppDialect", "translate", "is_identity", "is_true",
-           "Unsupported"]

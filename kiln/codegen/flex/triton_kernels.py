@@ -437,7 +437,3 @@ def _rename(lines, block_m: str, block_n: str, mult: str) -> list:
     """``lines`` with the tile sizes and mask multiplicity named as one half of the combined kernel names them."""
     names = {"BLOCK_M": block_m, "BLOCK_N": block_n, "MULT": mult}
     return [re.sub(r"\b(BLOCK_M|BLOCK_N|MULT)\b", lambda m: names[m.group(1)], ln) for ln in lines]
-
-
-
-__all__ = ["forward_kernel", "decode_kernels", "backward_kernels", "Shape", "rsum", "loop", "LOG2E"]

@@ -342,6 +342,3 @@ def backward_module(call: FlexCall, interpret: bool) -> tuple:
     body.append(f"return (dq, dk, dv, ({''.join(g + ', ' for g in grads)}))")
     params = ["q", "k", "v", "out", "lse", "dout", "dlse"] + MASK_PARAMS
     return _module(call, text, dialects, interpret, params, body), "flex_backward"
-
-__all__ = ["forward_module", "backward_module", "operands", "order", "stats", "SIZES", "KB", "VB", "RUNTIME",
-           "MASK_PARAMS"]

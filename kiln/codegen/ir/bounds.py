@@ -182,6 +182,3 @@ def _lo(x, ranges: Ranges):
         if all(p is not None and _le(ZERO, p) for p in inner):
             return ZERO
     return None
-
-
-__all__ = ["CheckInfo", "checked", "parts", "proof", "value_range"]

@@ -340,8 +340,3 @@ class Seeds:
 def contiguous_buffer(shape, dtype, device, kind, compute=None, node=None) -> Buffer:
     shape = tuple(size_expr(s) for s in shape)
     return Buffer(new_name(), shape, contiguous_strides(shape), dtype, device, kind, node, compute)
-
-
-__all__ = ["Expr", "ops", "Pointwise", "Reduction", "Scatter", "Buffer", "Unsupported", "upcast", "neutral_value",
-           "UNARY", "BINARY", "COMPARE", "meta_layout", "contiguous_buffer", "new_name",
-           "indirect_symbol", "binds_of"]

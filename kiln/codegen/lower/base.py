@@ -367,7 +367,3 @@ def result_dtype(*vals):
         elif isinstance(v, sympy.Expr):
             args.append(1.0 if type(v).__name__ == "ToFloat" or v.is_Float else 1)
     return elementwise_dtypes(*args, type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)[1]
-
-
-__all__ = ["Lowering", "register", "LOWERINGS", "VIEW_OPS", "broadcast", "value_at", "result_dtype",
-           "shape_of", "aten", "Unsupported", "is_tensor", "cheap", "KEEP"]

@@ -330,6 +330,3 @@ def _topological_rank(succ) -> dict:
 def schedule(lowering, tuning: Tuning):
     """Group ``lowering.computed`` into kernels (see the module docstring)."""
     return Scheduler(lowering, tuning).run()
-
-
-__all__ = ["Group", "Scheduler", "schedule"]

@@ -224,7 +224,3 @@ def describe(plan: KernelPlan, title: str = "kernel") -> str:
 def _short(e, limit: int = 160) -> str:
     text = repr(e)
     return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-__all__ = ["Kind", "Level", "Programs", "Member", "RowPass", "ScatterWrite", "KernelPlan", "ScatterPlan",
-           "Levels", "red_ref", "reds", "describe"]

@@ -270,6 +270,3 @@ def plan_group(group: Group, buffers: dict, tuning: Tuning, summary: tuple):
     if group.kind == "scatter":
         return plan_scatter(group, buffers, tuning, summary)
     return plan_kernel(group, buffers, tuning, summary)
-
-
-__all__ = ["plan_group", "plan_kernel", "plan_scatter", "numel_summary", "element_reads", "row_passes"]

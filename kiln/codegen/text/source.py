@@ -100,6 +100,3 @@ def declined(plan) -> KernelSource:
             symbols |= plan.tail.symbols
     outputs = [b.name for b in plan.outputs()]
     return KernelSource("", tuple(sorted(reads)), tuple(outputs), tuple(sorted(symbols, key=str)), "aten", (), None)
-
-
-__all__ = ["PLACEHOLDER", "VECTOR_MATH", "KernelSource", "Unit", "KernelRef", "Wrapper", "named", "declined"]

@@ -355,10 +355,6 @@ class ExprWriter(writer.ExprWriter):
         return f"(({self.idx_t}){n}LL)" if abs(n) >= 2 ** 31 else str(n)
 
 
-__all__ = ["Scope", "ExprWriter", "render", "load_code", "store_code", "assume", "row_index_other", "XO", "XI",
-           "R0", "R1"]
-
-
 def _truncated(e) -> bool:
     """Whether ``e`` is an integer made from a float (fuzz seed 21 #223: ``x.to(int32)`` stacked with floats)."""
     return e.op == "cast" and e.dtype != torch.bool and not e.dtype.is_floating_point \

@@ -83,6 +83,3 @@ def _checked(call: str, k, names) -> list:
         return [call]
     checks = launcher.check_list(((parts(e)[1], info) for e, (_, _, info) in k.checks.items()), names)
     return [f"_c = {call[:-1]}, _cell_at)", "if _c:", f"    _bounds.fail(_c, _cell, ({checks},))"]
-
-
-__all__ = ["write_unit"]

@@ -251,7 +251,3 @@ def combine(kind: str, acc: str, v: str, floating: bool) -> str:
             return f"kiln_{kind}_nan({acc}, {v})"
         return f"({v} {'>' if kind == 'max' else '<'} {acc} ? {v} : {acc})"
     raise Unsupported(f"cpp: no reduction {kind}")
-
-
-__all__ = ["VALUE", "MEMORY", "VECTOR_MATH", "PREAMBLE", "ZERO_ROW_BYTES", "DISCRETE", "DISCRETE_REDUCE",
-           "SCALAR_PREFIX", "template", "calls_vector_math", "scalar_math", "literal", "neutral", "combine"]

@@ -537,9 +537,6 @@ def _scope_of(lines) -> Scope:
     return s
 
 
-__all__ = ["CppKernel", "row_split"]
-
-
 def _costly(e) -> bool:
     """Whether element value ``e`` costs more to compute again than to read back from a kept row."""
     return calls_vector_math(e.op) or (e.op == "truediv" and e.dtype.is_floating_point)
