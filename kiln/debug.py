@@ -246,8 +246,7 @@ class Trace:
         return run
 
     def report(self) -> None:
-        """Where the forward compile's time went: Dynamo, AOTAutograd (less kiln's compilers), kiln, the
-        total."""
+        """Where the forward compile's time went: Dynamo, AOTAutograd (less kiln's compilers), kiln, the total."""
         frames = compat.dynamo_frame_times()
         backend = self.clock["backend"]
         frame = frames[self.frames] if len(frames) > self.frames and frames[self.frames] >= backend else None

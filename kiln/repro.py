@@ -99,8 +99,7 @@ def write_repro(trace, gm: fx.GraphModule, example_inputs, opts, registered=()) 
 
 
 def _plain_options(opts) -> tuple:
-    """``(kept, omitted)``: non-default options that can be written as literals, and those that cannot,
-    described."""
+    """``(kept, omitted)``: non-default options that can be written as literals, and those that cannot, described."""
     kept, omitted = {}, {}
     for name, value in flat_options(opts).items():
         if name in ("dump_dir", "debug") or value == FIELDS[name].default:

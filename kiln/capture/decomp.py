@@ -62,8 +62,7 @@ def _broadcast_in_dim(a, shape, broadcast_dimensions):
 
 
 def _vector_norm(decomposition):
-    """torch's ``linalg_vector_norm`` with eager's shape (2.11's keeps size-1 reduced dims; fuzz seed 10
-    #5563)."""
+    """torch's ``linalg_vector_norm`` with eager's shape (2.11's keeps size-1 reduced dims; fuzz seed 10 #5563)."""
     def decompose(x, ord=2, dim=None, keepdim=False, *, dtype=None):
         out = decomposition(x, ord, dim, keepdim, dtype=dtype)
         if keepdim or out.dim() != x.dim() or x.dim() == 0:

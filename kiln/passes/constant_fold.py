@@ -133,8 +133,7 @@ def _grows_too_much(args, kwargs, out) -> bool:
 
 
 def fold_constants(gm: fx.GraphModule, fake_mode=None) -> int:
-    """Fold every subgraph whose inputs are all constants (``_worth_evaluating``) in place; returns nodes
-    folded."""
+    """Fold every subgraph whose inputs are all constants (``_worth_evaluating``) in place; returns nodes folded."""
     fake_mode = fake_mode or fake_mode_of(gm)
     env: dict = {}
     needed, store = _worth_evaluating(gm)

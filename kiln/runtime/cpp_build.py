@@ -105,9 +105,8 @@ def missing(opts: Options) -> str:
 
 
 def unusable(opts: Options) -> str:
-    """Why ``codegen='auto'`` cannot pick C++ kernels here ('' when it can): no compiler, or one that
-    cannot build and load a small OpenMP library with ``opts.cpp_flags`` (a success is kept on disk);
-    warned once per reason."""
+    """Why ``codegen='auto'`` cannot pick C++ kernels here ('' when it can): no compiler, or one that cannot build and
+    load a small OpenMP library with ``opts.cpp_flags`` (a success is kept on disk); warned once per reason."""
     cxx = find_compiler(opts)
     why = _probe(cxx, opts.cpp_flags) if cxx else missing(opts)
     if why:

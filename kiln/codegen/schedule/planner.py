@@ -58,8 +58,7 @@ class _Resolver:
 
 
 def numel_summary(buffers: dict) -> tuple:
-    """(every buffer's numel is static, the largest one): a graph's kernels index in 32 bits by its largest
-    tensor."""
+    """(every buffer's numel is static, the largest one): a graph's kernels index in 32 bits by its largest tensor."""
     numels = [b.numel for b in buffers.values()]
     static = all(n.is_Integer for n in numels)
     return static, (max([int(n) for n in numels], default=0) if static else 0)

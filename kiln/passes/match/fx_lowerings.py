@@ -11,9 +11,8 @@ import torch.fx as fx
 
 
 class LoweringError(RuntimeError):
-    """A lowering could not place its nodes: the arguments come from different graphs, or a
-    node argument is defined after the insertion point. Fix the pattern handler so that it only
-    passes values available at the matched node."""
+    """A lowering could not place its nodes: the arguments come from different graphs, or a node argument is defined
+    after the insertion point. Fix the pattern handler so that it only passes values available at the matched node."""
 
 
 _INSERT: contextvars.ContextVar[Optional[Tuple[fx.Graph, fx.Node]]] = contextvars.ContextVar(

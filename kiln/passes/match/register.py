@@ -95,9 +95,8 @@ def gen_pattern(search_fn, example_inputs, trace_fn, scalar_workaround=(), exclu
 
 
 class PatternError(RuntimeError, UserError):
-    """A registered pattern is inconsistent with its search function (an argument of the search
-    function never reaches the pattern, so a match cannot bind it). Use every argument, or list
-    the unused one in ``scalar_workaround``."""
+    """A registered pattern is inconsistent with its search function (an argument of the search function never reaches
+    the pattern, so a match cannot bind it). Use every argument, or list the unused one in ``scalar_workaround``."""
 
 
 def register_graph_pattern(pattern: PatternExpr, extra_check: Callable = _return_true, *, pass_dict,
@@ -111,8 +110,7 @@ def register_graph_pattern(pattern: PatternExpr, extra_check: Callable = _return
 
 def register_lowering_pattern(pattern: PatternExpr, extra_check: Callable = _return_true, *, pass_dict,
                               prepend: bool = False):
-    """Decorator: ``handler(match, *args, **kwargs)`` returns the root's replacement, built with
-    ``L[op](...)``."""
+    """Decorator: ``handler(match, *args, **kwargs)`` returns the root's replacement, built with ``L[op](...)``."""
     def decorator(handler):
         LoweringPatternEntry(pattern, handler, extra_check).register(pass_dict, prepend=prepend)
         return handler

@@ -13,9 +13,8 @@ aten = torch.ops.aten
 
 
 class PatternTraceError(RuntimeError):
-    """A search or replacement function could not be turned into a pattern (it uses modules,
-    attributes or methods, or its first output is not a call). Write it with torch functions on its
-    arguments only."""
+    """A search or replacement function could not be turned into a pattern (it uses modules, attributes or methods, or
+    its first output is not a call). Write it with torch functions on its arguments only."""
 
 
 def remove_noop_aliases(graph: fx.Graph) -> int:
