@@ -161,8 +161,7 @@ class Trace:
         return result
 
     def show(self, name: str, result, note: str = "") -> None:
-        gms = [r for r in (result if isinstance(result, (tuple, list)) else (result,))
-               if isinstance(r, fx.GraphModule)]
+        gms = [r for r in (result if isinstance(result, (tuple, list)) else (result,)) if isinstance(r, fx.GraphModule)]
         for i, gm in enumerate(gms):
             label = name if len(gms) == 1 else f"{name}_{'fw' if i == 0 else 'bw'}"
             if _OBSERVERS:

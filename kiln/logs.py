@@ -46,11 +46,9 @@ def logger(artifact: str | None = None) -> logging.Logger:
     if lg is None:
         lg = logging.getLogger(NAME)
         if artifact is not None:
-            try:
+            with contextlib.suppress(Exception):   # not registered (an older torch): the kiln log itself
                 from torch._logging import getArtifactLogger
                 lg = getArtifactLogger(NAME, artifact)
-            except Exception:   # not registered (an older torch): the kiln log itself
-                pass
         _LOGGERS[artifact] = lg
     return lg
 

@@ -93,8 +93,7 @@ def _state() -> str:
 def graph_key(gm: torch.fx.GraphModule, inputs, opts, options_key: str, target: str, ident: str = None) -> str:
     """``options_key``: ``pipeline.cache_key``; ``ident``: ``identity.graph_identity(gm)`` (None: computed here)."""
     ident = identity.graph_identity(gm) if ident is None else ident
-    parts = [gm.code, ident, *(_input(x) for x in inputs), _state(), options_key, target, _versions(),
-             _devices(inputs)]
+    parts = [gm.code, ident, *(_input(x) for x in inputs), _state(), options_key, target, _versions(), _devices(inputs)]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
 

@@ -194,10 +194,7 @@ def _stable_toposort(graph, position, priority):
                 heapq.heappush(heap, (rank[u], idx[u], u))
     if len(order) != len(nodes):
         raise CodegenError("codegen: the fused graph has a cycle")
-    out = [n for n in order if n.op == "output"]
-    order = [n for n in order if n.op != "output"] + out
-    ph = [n for n in order if n.op == "placeholder"]
-    order = ph + [n for n in order if n.op != "placeholder"]
+    order.sort(key=lambda n: {"placeholder": 0, "output": 2}.get(n.op, 1))   # stable: placeholders first, output last
     prev = order[0]
     for n in order[1:]:
         prev.append(n)

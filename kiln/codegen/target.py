@@ -192,8 +192,7 @@ class TritonTarget(_Fusing):
         return not (bf16_add or self.interpreted(plan, graph_on_cuda))
 
     def emit(self, plans, opts, on_cuda):
-        return [write_module(p, self.flags(p, opts)) if self.writes(p, on_cuda) else declined(p)
-                for p in plans], None
+        return [write_module(p, self.flags(p, opts)) if self.writes(p, on_cuda) else declined(p) for p in plans], None
 
 
 class CppTarget(_Fusing):

@@ -39,9 +39,7 @@ class ViewPlan:
     ``trusted``: placeholder names to treat as known (a backward's saved values)."""
 
     def __init__(self, trusted=frozenset()):
-        self.trusted = trusted
-        self._known: dict = {}
-        self._consistent: dict = {}
+        self.trusted, self._known, self._consistent = trusted, {}, {}
 
     def base(self, n: fx.Node):
         """The tensor node view ``n`` reads: its input, or for an element of a split, the split's input."""
@@ -66,9 +64,7 @@ class ViewPlan:
             return False   # _conj, _neg_view: a view that flips a bit reinterpret would drop
         if not all(isinstance(x, int) for t in (val, src) for x in (*t.shape, *t.stride(), t.storage_offset())):
             return False
-        if not self.consistent(n, base):
-            return False
-        return not need_known or self.known(base) is not None
+        return self.consistent(n, base) and (not need_known or self.known(base) is not None)
 
     def consistent(self, n: fx.Node, base: fx.Node) -> bool:
         """Whether ``n``'s recorded value is what its op makes of ``base``'s, replayed on the meta device."""

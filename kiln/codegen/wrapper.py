@@ -204,10 +204,7 @@ class _Emitter:
         comment = describe_val(n.meta.get("val"))
         comment = f"  # {comment}" if comment else ""
         if n.op == "get_attr":
-            obj = self.gm
-            for part in n.target.split("."):
-                obj = getattr(obj, part)
-            return f"{name} = {self.bind(obj, n.target)}{comment}"
+            return f"{name} = {self.bind(operator.attrgetter(n.target)(self.gm), n.target)}{comment}"
         if n.op == "call_method":
             return f"{name} = {self.lit(n.args[0])}.{n.target}({', '.join(self._args(n, 1))}){comment}"
         if n.op == "call_module":

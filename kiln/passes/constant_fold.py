@@ -77,8 +77,7 @@ def add_constant(gm: fx.GraphModule, value: torch.Tensor, fake_mode=None) -> fx.
 
 def fake_mode_of(gm: fx.GraphModule):
     """The fake mode of ``gm``'s metadata (None when no node carries a fake value)."""
-    return next((n.meta["val"].fake_mode for n in gm.graph.nodes if isinstance(n.meta.get("val"), FakeTensor)),
-                None)
+    return next((n.meta["val"].fake_mode for n in gm.graph.nodes if isinstance(n.meta.get("val"), FakeTensor)), None)
 
 
 def drop_unused_constants(gm: fx.GraphModule) -> int:

@@ -23,8 +23,7 @@ RANDOM_OPS = frozenset({
     "_standard_gamma", "_sample_dirichlet", "uniform", "exponential", "geometric", "log_normal",
     "cauchy", "random", "seed", "philox_rand",
 })
-UNINITIALIZED = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
-                           "empty_permuted"})
+UNINITIALIZED = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted"})
 NEVER = frozenset({"placeholder", "output", "get_attr"})
 
 

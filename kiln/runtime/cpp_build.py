@@ -43,10 +43,7 @@ def find_compiler(opts: Options) -> str:
     """The compiler ``opts.cpp_compiler`` names (a path or a command), or '' when there is none."""
     spec = opts.cpp_compiler
     candidates = [os.environ.get("CXX", ""), "g++", "clang++"] if spec == "auto" else [spec]
-    for c in candidates:
-        if c and shutil.which(c):
-            return shutil.which(c)
-    return ""
+    return next((shutil.which(c) for c in candidates if c and shutil.which(c)), "")
 
 
 @functools.lru_cache(maxsize=None)
@@ -150,8 +147,7 @@ def _run(cxx, flags, libs, source, tmp, stem, timeout, headers=()):
     for name, text in ((stem + ".cpp", source), *headers):
         with open(os.path.join(tmp, name), "w") as f:
             f.write(text)
-    res = subprocess.run([cxx, *flags, src, "-o", out, *libs], capture_output=True, text=True,
-                         timeout=timeout)
+    res = subprocess.run([cxx, *flags, src, "-o", out, *libs], capture_output=True, text=True, timeout=timeout)
     if res.returncode == 0:
         return out, None
     first = next((ln for ln in res.stderr.splitlines() if "error" in ln), res.stderr.strip()[:300])

@@ -190,8 +190,7 @@ def _autotune(kernel, args, xnumel, rnumel, meta):
         if meta["persistent"] and cfg[1] != next_pow2(rnumel):
             continue
         try:
-            ms = do_bench(lambda: run(kernel, args, xnumel, rnumel, cfg, {**meta, "autotune": False}),
-                          warmup=5, rep=20)
+            ms = do_bench(lambda: run(kernel, args, xnumel, rnumel, cfg, {**meta, "autotune": False}), warmup=5, rep=20)
         except Exception:  # a config that does not compile (too many registers) is skipped
             continue
         timings.append((ms, cfg))

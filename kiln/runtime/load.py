@@ -1,5 +1,4 @@
-"""Turn a generated wrapper into a callable, its kernel references bound to loaded kernels; record sources
-for ``kiln.run_and_get_code``."""
+"""A generated wrapper as a callable, its kernel references bound to kernels; sources kept for kiln.run_and_get_code."""
 import contextlib
 import hashlib
 import linecache

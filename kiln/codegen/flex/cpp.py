@@ -36,8 +36,7 @@ def _mma(fma: str, col: str, cols: str, init: list, red: str, ptr: str, a: str, 
     """Rows ``i0`` .. ``i0 + 3`` x 16 columns from ``col`` of ``dst`` in registers ``c0`` .. ``c3``:
     ``init``, then over loop ``red``, ``c<r>[lane] += a<r> * ptr[lane]``."""
     p = ptr.split()[0]
-    upd = [" ".join(f"c{r}[{lane}] = {fma}(a{r}, {p}[{lane}], c{r}[{lane}]);" for r in rr)
-           for rr in ((0, 1), (2, 3))]
+    upd = [" ".join(f"c{r}[{lane}] = {fma}(a{r}, {p}[{lane}], c{r}[{lane}]);" for r in rr) for rr in ((0, 1), (2, 3))]
     return [f"    for (int64_t {col} = 0; {col} < {cols}; {col} += 16)",
             "      for (int64_t i0 = 0; i0 < mrr; i0 += 4) {"] + init + [
         f"        for ({red}) {{", f"          const CT* {ptr};",
@@ -229,8 +228,7 @@ def cpp_forward(call: FlexCall) -> tuple:
     unit = Unit.of(PREAMBLE, text.replace(PLACEHOLDER, fname), (fname,))
     full = call.masks["full_kv_num"] is not None
     ptrs = ["q", "k", "v", "out", "lse", "mx", "kvn", "kvi"] + (["fkvn", "fkvi"] if full else [])
-    args = [f"0 if {p} is None else {p}.data_ptr()" if p in ("lse", "mx") else f"{p}.data_ptr()"
-            for p in ptrs]
+    args = [f"0 if {p} is None else {p}.data_ptr()" if p in ("lse", "mx") else f"{p}.data_ptr()" for p in ptrs]
     sizes = ["B", "QL", "KL", "*q.stride()", "kb", "*k.stride()[1:]", "vb", "*v.stride()[1:]", "*out.stride()",
              "*_mask(kvn, kvi)"] + (["*_mask(fkvn, fkvi)"] if full else [])
     params = "".join(f", buf{i}" for i in range(len(call.score_bufs + call.mask_bufs)))

@@ -219,8 +219,7 @@ def decode_kernels(call, cfg, gp: int, interpret: bool, name: str):
     lq = call.dims()[3]
     s = Shape(call, interpret, even_n=walk_even(call.kv_bs, call.dims()[4], cfg.block_n))
     mods = s.mods(call, h_rows=gp > 1)
-    lines = _header(call, s, name, ["Q", "K", "V", "OACC", "OLSE"],
-                    ["Q_LEN", "KV_LEN", "MULT", "SPLITS"] + QKV_STRIDES)
+    lines = _header(call, s, name, ["Q", "K", "V", "OACC", "OLSE"], ["Q_LEN", "KV_LEN", "MULT", "SPLITS"] + QKV_STRIDES)
     lines += consts(GP=gp, QL=lq)
     heads = "(hg * GP + r // QL)[:, None]" if gp > 1 else "hg"
     body = ["sp = tl.program_id(0)", "bg = tl.program_id(1)", "off_b = bg // (HQ // GP)", "hg = bg % (HQ // GP)",

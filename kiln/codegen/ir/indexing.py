@@ -245,8 +245,7 @@ def _coarsen(a, d, r):
     dividing ``d`` (so ``a // d == q // (d / c)``: ``(128*x + r) // 16384`` is ``x // 128``, r < 128; with
     a symbolic ``d``, ``(128*x + r) // (128*s)`` is ``x // s`` and ``(s*x + r) // s**2`` is ``x // s``, r < s:
     no division per element in a dynamic kernel). The candidates: each term's factors that hold no index."""
-    cands = {sympy.Mul(*[f for f in sympy.Mul.make_args(t) if not r.varies(f)])
-             for t in sympy.Add.make_args(a)}
+    cands = {sympy.Mul(*[f for f in sympy.Mul.make_args(t) if not r.varies(f)]) for t in sympy.Add.make_args(a)}
     degree = lambda c: sum(k for b, k in c.as_powers_dict().items() if not b.is_Number)  # noqa: E731
     for c in sorted(cands, key=lambda c: (degree(c), c.as_coeff_Mul()[0], sympy.default_sort_key(c)), reverse=True):
         if c == 1 or not c.is_positive or not _is_multiple(d, c):

@@ -74,8 +74,7 @@ class Expr:
             return f"load({self.args[0]}, {self.args[1]})"
         if self.op == "const":
             return repr(self.args[0])
-        inner = ", ".join(repr(a) for a in self.args)
-        return f"{self.op}({inner})"
+        return f"{self.op}({', '.join(repr(a) for a in self.args)})"
 
     def walk(self):
         """Every node reachable from this one, each once, children first."""

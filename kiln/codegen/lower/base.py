@@ -289,8 +289,7 @@ def shape_of(meta) -> list:
 def broadcast(idx, in_shape, out_shape):
     """Index into a value of ``in_shape`` broadcast (right-aligned) to ``out_shape``."""
     k = len(out_shape) - len(in_shape)
-    return [ZERO if s == 1 and o != 1 else idx[k + i] for i, (s, o) in
-            enumerate(zip(in_shape, out_shape[k:]))]
+    return [ZERO if s == 1 and o != 1 else idx[k + i] for i, (s, o) in enumerate(zip(in_shape, out_shape[k:]))]
 
 
 def _rounded(fn, dtype, idx):

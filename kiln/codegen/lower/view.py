@@ -75,8 +75,7 @@ def _groups(a, b):
     return groups
 
 
-@register(aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.view_copy.default,
-          view=True)
+@register(aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.view_copy.default, view=True)
 def _view(ctx, a, shape):
     out_shape = shape_of(ctx.meta)
     return _remap(ctx, a, lambda idx: reshape_index(idx, a.shape, out_shape))

@@ -175,14 +175,11 @@ class Levels:
             syms = index.free_symbols if isinstance(index, sympy.Basic) else set()
             lv = Level.ELEMENT if RINDEX in syms else (Level.ROW if XINDEX in syms else Level.CONST)
             if e.op != "rand":
-                for _, v in e.args[2]:
-                    lv = max(lv, self(v))
+                lv = max([lv] + [self(v) for _, v in e.args[2]])
         elif e.op == "red":
             lv = Level.AFTER if e.args[0] in self.outer else Level.ROW
         else:
-            lv = Level.CONST
-            for c in e.children():
-                lv = max(lv, self(c))
+            lv = max((self(c) for c in e.children()), default=Level.CONST)
         if not self.reduction and lv is Level.ELEMENT:
             lv = Level.ROW
         self._memo[e] = lv

@@ -18,8 +18,7 @@ from kiln.passes.match.trace import PatternTraceError, example_value, joint_fwd_
 from kiln.options import UserError
 
 
-def fx_to_pattern(gm, ignore_types=(), argnames=(), scalar_workaround=None,
-                  exclusive_arg_names=()) -> PatternExpr:
+def fx_to_pattern(gm, ignore_types=(), argnames=(), scalar_workaround=None, exclusive_arg_names=()) -> PatternExpr:
     """A traced graph as a pattern: placeholders become KeywordArgs (named by ``argnames``, else their
     target), constants of ``ignore_types`` ``Ignored()``, ``scalar_workaround`` floats KeywordArgs."""
     graph = gm.graph if isinstance(gm, fx.GraphModule) else gm
@@ -184,8 +183,7 @@ def register_replacement(search_fn, replace_fn, example_inputs: Sequence[Any], t
                 if isinstance(v, torch.Tensor):
                     if grad and not (v.dtype.is_floating_point or v.dtype.is_complex):
                         return False
-                    v = torch.empty_strided(v.size(), v.stride(), dtype=v.dtype, device=v.device,
-                                            requires_grad=grad)
+                    v = torch.empty_strided(v.size(), v.stride(), dtype=v.dtype, device=v.device, requires_grad=grad)
                 args.append(v)
             try:
                 sm = specific_match(args, match)
