@@ -330,8 +330,7 @@ class Translator:
         return self.const(v, out)
 
     def _index(self, node):
-        base, idx = node.args[0], node.args[1]
-        ref = self.env[base]
+        ref, idx = self.env[node.args[0]], node.args[1]
         if not isinstance(ref, Ref):
             raise Unsupported("flex: indexing a computed value")
         if any(i is None for i in idx):

@@ -66,18 +66,15 @@ class ModIdx(sympy.Function):
 
 def next_pow2(n: int) -> int:
     """The smallest power of two at least ``n`` (1 for n <= 1)."""
-    n = max(int(n), 1)
-    return 1 << (n - 1).bit_length()
+    return 1 << (max(int(n), 1) - 1).bit_length()
 
 
 def size_expr(s) -> sympy.Expr:
     """An int or SymInt size as a sympy expression."""
     if isinstance(s, sympy.Expr):
         return s
-    if isinstance(s, bool):
+    if isinstance(s, int):   # (a bool too)
         return sympy.Integer(int(s))
-    if isinstance(s, int):
-        return sympy.Integer(s)
     node = getattr(s, "node", None)
     if node is not None and hasattr(node, "expr"):
         return own_floor_divs(sympy.sympify(node.expr))
@@ -107,10 +104,7 @@ def same_sizes(a, b) -> bool:
 
 
 def prod(xs):
-    out = ONE
-    for x in xs:
-        out = out * x
-    return out
+    return functools.reduce(operator.mul, xs, ONE)
 
 
 def numel(shape, dims):
@@ -324,8 +318,7 @@ def _sym_coeff(t, kinds, r):
     atoms = [f for f in factors if isinstance(f, kinds) and r.varies(f)]
     if len(atoms) != 1:
         return None, None
-    rest = [f for f in factors if f is not atoms[0]]
-    return sympy.Mul(*rest), atoms[0]
+    return sympy.Mul(*[f for f in factors if f is not atoms[0]]), atoms[0]
 
 
 def _evaluate(x, env):
