@@ -127,8 +127,7 @@ class Trace:
         Trace._count += 1
         self.id = Trace._count
         self.name = f"{kind}_{self.id}"
-        self.opts = opts
-        self.step = 0
+        self.opts, self.step = opts, 0
         self.dir = _dump_dir(os.fspath(opts.dump_dir), kind) if opts.dump_dir else None
         self.phase = "forward"            # "backward" while the backward compiles
         self.stages: list = []            # (phase, stage, seconds) in order

@@ -257,9 +257,7 @@ def _compile(cxx, flags, libs, unit, directory, path, opts_flags: str):
                         f" (source: {kept})", "correct cpp_flags (KILN_CPP_FLAGS) or cpp_compiler, or "
                         "codegen='aten' (KILN_CODEGEN=aten)")
         private.write(directory, os.path.basename(path)[:-3] + ".cpp", source)
-        with open(out, "rb") as f:   # in this process's own temporary folder
-            data = f.read()
-        _install(data, path)   # atomic: another process building the same library loses nothing
+        _install(private.read(out), path)   # atomic: another process building the same library loses nothing
     counters["codegen"]["cpp_builds"] += 1
     log(2, f"codegen: built {path} in {time.perf_counter() - start:.2f}s")
 
