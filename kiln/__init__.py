@@ -1,8 +1,6 @@
 """kiln: a small PyTorch compiler. ``torch.compile(model, backend="kiln")`` or ``kiln.compile(model)``;
 the public names are ``__all__``.
 """
-from __future__ import annotations
-
 import torch
 
 from kiln import compat, config

@@ -1,7 +1,5 @@
 """The ``kiln`` command (also ``python -m kiln``): ``kiln demo``, ``kiln bench ...``, ``kiln check-ops ...``
 (the OpInfo sweep), ``kiln options [NAME]``, ``kiln cache info|clear``, ``kiln --version``."""
-from __future__ import annotations
-
 import sys
 
 
@@ -132,7 +130,3 @@ def cache_command(argv) -> int:
           f"size:      {i['bytes'] / 2**20:.2f} MiB (limit {opts.cache_size_mb} MiB)\n"
           f"enabled:   {'yes' if not why else 'no: ' + why}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,4 @@
 """Every difference between the torch versions kiln supports (2.11 to 2.14) is guarded here."""
-from __future__ import annotations
-
 import os
 import re
 import warnings
@@ -10,15 +8,10 @@ import torch
 SUPPORTED_TORCH = ((2, 11), (2, 15))   # the torch versions kiln supports: from the first, up to the second
 
 
-def major_minor(version: str) -> tuple:
-    """'2.13.0+cpu' -> (2, 13)."""
-    return tuple(int(p) for p in re.match(r"(\d+)\.(\d+)", version).groups())
-
-
 def check_torch_version(version: str = torch.__version__) -> bool:
     """Whether kiln supports torch ``version``; if not, warn naming it and the supported range."""
     (a, b), (c, d) = SUPPORTED_TORCH
-    if SUPPORTED_TORCH[0] <= major_minor(version) < SUPPORTED_TORCH[1]:
+    if (a, b) <= tuple(map(int, re.match(r"(\d+)\.(\d+)", version).groups())) < (c, d):   # '2.13.0+cpu': (2, 13)
         return True
     wanted = f"torch>={a}.{b},<{c}.{d}"
     warnings.warn(f"kiln supports {wanted} ({a}.{b} to {c}.{d - 1}); this is torch {version}: compiles may fail "

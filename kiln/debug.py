@@ -2,8 +2,6 @@
 rules), counters, KILN_DUMP, the per-region ``Trace``. Messages go through torch's logging; a compile the
 cache will store keeps a ``Record`` of all it shows, which a hit replays (``Trace.replay``).
 """
-from __future__ import annotations
-
 import collections
 import contextlib
 import logging
@@ -129,8 +127,7 @@ class Trace:
         Trace._count += 1
         self.id = Trace._count
         self.name = f"{kind}_{self.id}"
-        self.opts = opts
-        self.step = 0
+        self.opts, self.step = opts, 0
         self.dir = _dump_dir(os.fspath(opts.dump_dir), kind) if opts.dump_dir else None
         self.phase = "forward"            # "backward" while the backward compiles
         self.stages: list = []            # (phase, stage, seconds) in order
@@ -163,8 +160,7 @@ class Trace:
         return result
 
     def show(self, name: str, result, note: str = "") -> None:
-        gms = [r for r in (result if isinstance(result, (tuple, list)) else (result,))
-               if isinstance(r, fx.GraphModule)]
+        gms = [r for r in (result if isinstance(result, (tuple, list)) else (result,)) if isinstance(r, fx.GraphModule)]
         for i, gm in enumerate(gms):
             label = name if len(gms) == 1 else f"{name}_{'fw' if i == 0 else 'bw'}"
             if _OBSERVERS:
@@ -248,8 +244,7 @@ class Trace:
         return run
 
     def report(self) -> None:
-        """Where the forward compile's time went: Dynamo, AOTAutograd (less kiln's compilers), kiln, the
-        total."""
+        """Where the forward compile's time went: Dynamo, AOTAutograd (less kiln's compilers), kiln, the total."""
         frames = compat.dynamo_frame_times()
         backend = self.clock["backend"]
         frame = frames[self.frames] if len(frames) > self.frames and frames[self.frames] >= backend else None

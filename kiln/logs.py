@@ -5,8 +5,6 @@ it does not know while ``import torch`` reads ``TORCH_LOGS`` (pytorch/pytorch#17
 a program, ``torch._logging.set_logs(modules={"kiln_plans": True})``. What a compile the cache will store
 logs and traces goes to its record too (``active``, ``recording``).
 """
-from __future__ import annotations
-
 import contextlib
 import logging
 import os
@@ -48,11 +46,9 @@ def logger(artifact: str | None = None) -> logging.Logger:
     if lg is None:
         lg = logging.getLogger(NAME)
         if artifact is not None:
-            try:
+            with contextlib.suppress(Exception):   # not registered (an older torch): the kiln log itself
                 from torch._logging import getArtifactLogger
                 lg = getArtifactLogger(NAME, artifact)
-            except Exception:   # not registered (an older torch): the kiln log itself
-                pass
         _LOGGERS[artifact] = lg
     return lg
 

@@ -3,8 +3,6 @@ and ``repro.py``, which runs the region eagerly and through kiln and exits non-z
 the original compile failed (``error.txt``) and this run did not. What cannot be written to a file
 (callable options, registered passes) is named in it and in a warning it prints.
 """
-from __future__ import annotations
-
 import ast
 import builtins
 import inspect
@@ -101,8 +99,7 @@ def write_repro(trace, gm: fx.GraphModule, example_inputs, opts, registered=()) 
 
 
 def _plain_options(opts) -> tuple:
-    """``(kept, omitted)``: non-default options that can be written as literals, and those that cannot,
-    described."""
+    """``(kept, omitted)``: non-default options that can be written as literals, and those that cannot, described."""
     kept, omitted = {}, {}
     for name, value in flat_options(opts).items():
         if name in ("dump_dir", "debug") or value == FIELDS[name].default:

@@ -6,8 +6,6 @@ complete, signed. A directory that is not private, or an entry that cannot be wr
 Counters (``kiln.counters['cache']``): ``hit``, ``miss``, ``saved``, ``bypass``, ``off``, ``damaged``,
 ``guard_miss``, ``load_failed``, ``write_failed``, ``replayed``.
 """
-from __future__ import annotations
-
 import pickle
 import threading
 

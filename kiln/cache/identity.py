@@ -3,8 +3,6 @@ and the identity of each callable and custom operator it calls. torch's and Pyth
 user's function by its code, defaults, closure and globals (recursively), a custom op by its Python
 functions, a value by repr, a small tensor by its bytes, an object by ``uuid()``; else ``Unkeyable``.
 """
-from __future__ import annotations
-
 import dataclasses
 import dis
 import enum

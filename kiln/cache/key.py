@@ -2,8 +2,6 @@
 state a trace reads, options, passes, the target's share, the versions (kiln's source too); ``bypass``
 says why a graph is not cached at all.
 """
-from __future__ import annotations
-
 import contextlib
 import dataclasses
 import functools
@@ -54,10 +52,8 @@ def _input(x) -> str:
 
 
 def _devices(inputs) -> str:
-    out = []
-    for i in sorted({t.device.index or 0 for t in inputs if isinstance(t, torch.Tensor) and t.device.type == "cuda"}):
-        out.append(f"cuda{i}={torch.cuda.get_device_name(i)}|{torch.cuda.get_device_capability(i)}")
-    return "|".join(out)
+    cuda = sorted({t.device.index or 0 for t in inputs if isinstance(t, torch.Tensor) and t.device.type == "cuda"})
+    return "|".join(f"cuda{i}={torch.cuda.get_device_name(i)}|{torch.cuda.get_device_capability(i)}" for i in cuda)
 
 
 def _flags() -> list:
@@ -97,8 +93,7 @@ def _state() -> str:
 def graph_key(gm: torch.fx.GraphModule, inputs, opts, options_key: str, target: str, ident: str = None) -> str:
     """``options_key``: ``pipeline.cache_key``; ``ident``: ``identity.graph_identity(gm)`` (None: computed here)."""
     ident = identity.graph_identity(gm) if ident is None else ident
-    parts = [gm.code, ident, *(_input(x) for x in inputs), _state(), options_key, target, _versions(),
-             _devices(inputs)]
+    parts = [gm.code, ident, *(_input(x) for x in inputs), _state(), options_key, target, _versions(), _devices(inputs)]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
 

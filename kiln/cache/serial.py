@@ -1,8 +1,6 @@
 """A compiled graph (``runtime.load.Compiled``) as bytes and back: its wrapper's source and globals, pickled
 by a pickler knowing kiln's and torch's objects (else ``NotCacheable``), and its kernels' C++ units.
 """
-from __future__ import annotations
-
 import io
 import os
 import pickle
@@ -85,8 +83,7 @@ def dumps(obj) -> bytes:
 def pack(compiled: Compiled, units=()) -> dict:
     """What ``unpack`` needs to rebuild ``compiled``: a dict of picklable parts (``dumps`` it)."""
     w = compiled.wrapper
-    globals_ = dict(w.globals)
-    globals_.update(w.handles)   # each handle's overload; ``unpack`` binds the handle again
+    globals_ = {**w.globals, **w.handles}   # each handle's overload; ``unpack`` binds the handle again
     fallback = compiled.fallback
     return {"name": w.name, "source": w.source, "globals": globals_, "handles": sorted(w.handles),
             "known_outputs": list(w.known_outputs),

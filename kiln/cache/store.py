@@ -3,8 +3,6 @@ and authenticated before they are read: ``kiln_<key>.kiln`` is a header (magic, 
 under the directory's key, its length) and the payload; one that fails (it could hand this process code)
 is deleted, a miss. ``evict`` (oldest read first) and ``clear`` delete only files kiln named.
 """
-from __future__ import annotations
-
 import contextlib
 import os
 import threading

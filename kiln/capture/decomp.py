@@ -2,8 +2,6 @@
 faster library calls); the fusing targets (Triton, C++) decompose to the core ATen set plus the forward
 norms, softmax and activations, so the fusion scheduler sees pointwise ops and simple reductions.
 """
-from __future__ import annotations
-
 import functools
 
 import torch
@@ -64,8 +62,7 @@ def _broadcast_in_dim(a, shape, broadcast_dimensions):
 
 
 def _vector_norm(decomposition):
-    """torch's ``linalg_vector_norm`` with eager's shape (2.11's keeps size-1 reduced dims; fuzz seed 10
-    #5563)."""
+    """torch's ``linalg_vector_norm`` with eager's shape (2.11's keeps size-1 reduced dims; fuzz seed 10 #5563)."""
     def decompose(x, ord=2, dim=None, keepdim=False, *, dtype=None):
         out = decomposition(x, ord, dim, keepdim, dtype=dtype)
         if keepdim or out.dim() != x.dim() or x.dim() == 0:

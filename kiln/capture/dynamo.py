@@ -1,8 +1,6 @@
 """The ``torch.compile`` backend named "kiln" (found through the ``torch_dynamo_backends`` entry point, so users
 never import kiln first); Dynamo calls it as ``backend(gm, example_inputs, options=..., mode=...)``.
 """
-from __future__ import annotations
-
 from kiln.options import OptionError, Options, current
 
 

@@ -2,8 +2,6 @@
 ``unfold`` (AOTAutograd's ``unfold_backward`` write-back zeroes elements no window covers: fuzz seed 10
 #4399), a write into an input sharing memory with another (synthetic bases: seed 13 #3204, #603).
 """
-from __future__ import annotations
-
 import operator
 
 import torch

@@ -1,8 +1,6 @@
 """The ATen fallback of a kernel (``extract``): the original nodes its group replaced, as a small graph
 computing the same outputs from the same arguments, run if the kernel fails on its first call.
 """
-from __future__ import annotations
-
 import torch
 import torch.fx as fx
 

@@ -4,8 +4,6 @@ Lower the graph to the loop IR (``lower/``), group and plan kernels (``schedule/
 emitter write each plan's text, name each kernel and extract its ATen fallback. Nothing here changes the
 graph or builds anything (``codegen.rewrite``, ``kiln.runtime`` do). Nodes without a lowering stay ATen.
 """
-from __future__ import annotations
-
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -146,15 +144,9 @@ def _toposort_groups(groups, lw):
     owner = {b.name: g for g in groups for b in g.nodes}
     deps = {}
     for g in groups:
-        d = set()
-        for b in g.nodes:
-            exprs = scatter_exprs(b) if g.kind == "scatter" else [body(b, g.dims, g.role(b))]
-            for e in exprs:
-                for name, _ in loads(e):
-                    o = owner.get(name)
-                    if o is not None and o is not g:
-                        d.add(id(o))
-        deps[id(g)] = d
+        exprs = [e for b in g.nodes
+                 for e in (scatter_exprs(b) if g.kind == "scatter" else [body(b, g.dims, g.role(b))])]
+        deps[id(g)] = {id(owner[name]) for e in exprs for name, _ in loads(e) if owner.get(name, g) is not g}
     order, done = [], set()
     while len(order) < len(groups):
         before = len(order)
@@ -231,6 +223,3 @@ def _symbol_node(graph, sym):
         if isinstance(v, torch.SymInt) and sympy.sympify(v.node.expr) == sym:
             return n
     raise Unsupported(f"no graph value carries size {sym}")
-
-
-__all__ = ["CodegenError", "Code", "Generated", "generate", "members", "FakeMaker"]

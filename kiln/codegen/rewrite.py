@@ -3,8 +3,6 @@ place: one node per kernel (its ``KernelRef``, or a declined kernel's ATen fallb
 for several outputs, after the philox seed draws (``seed_nodes``); the replaced ATen nodes go and the graph
 is ordered again, as it was where possible (``_stable_toposort``).
 """
-from __future__ import annotations
-
 import heapq
 import operator
 from dataclasses import replace
@@ -196,14 +194,8 @@ def _stable_toposort(graph, position, priority):
                 heapq.heappush(heap, (rank[u], idx[u], u))
     if len(order) != len(nodes):
         raise CodegenError("codegen: the fused graph has a cycle")
-    out = [n for n in order if n.op == "output"]
-    order = [n for n in order if n.op != "output"] + out
-    ph = [n for n in order if n.op == "placeholder"]
-    order = ph + [n for n in order if n.op != "placeholder"]
+    order.sort(key=lambda n: {"placeholder": 0, "output": 2}.get(n.op, 1))   # stable: placeholders first, output last
     prev = order[0]
     for n in order[1:]:
         prev.append(n)
         prev = n
-
-
-__all__ = ["rewrite", "seed_nodes", "random_nodes", "count_random", "SEEDS"]

@@ -3,8 +3,6 @@
 kernels (``fuse``: data, nothing built), how the runtime builds and loads them (``load``), its flags and
 its share of the compile cache's key. A new generator is a new subclass.
 """
-from __future__ import annotations
-
 from dataclasses import dataclass
 from typing import Optional
 
@@ -195,8 +193,7 @@ class TritonTarget(_Fusing):
         return not (bf16_add or self.interpreted(plan, graph_on_cuda))
 
     def emit(self, plans, opts, on_cuda):
-        return [write_module(p, self.flags(p, opts)) if self.writes(p, on_cuda) else declined(p)
-                for p in plans], None
+        return [write_module(p, self.flags(p, opts)) if self.writes(p, on_cuda) else declined(p) for p in plans], None
 
 
 class CppTarget(_Fusing):
@@ -253,6 +250,3 @@ def resolve(opts: Options, example_inputs) -> Target:
         if why:
             log(1, f"codegen: {'Triton' if cuda else 'C++'} target unavailable ({why}); running ATen kernels")
     return TARGETS[name](opts)
-
-
-__all__ = ["Target", "TritonTarget", "CppTarget", "Fused", "TARGETS", "resolve", "triton_available"]

@@ -6,8 +6,6 @@ meta device) and the input's strides at run time are the recorded ones (``known`
 matmul results, graph inputs, trusted saved values and views of these). A view of anything else gets a
 stride check at run time, with the ATen op as fallback.
 """
-from __future__ import annotations
-
 import operator
 
 import torch
@@ -41,9 +39,7 @@ class ViewPlan:
     ``trusted``: placeholder names to treat as known (a backward's saved values)."""
 
     def __init__(self, trusted=frozenset()):
-        self.trusted = trusted
-        self._known: dict = {}
-        self._consistent: dict = {}
+        self.trusted, self._known, self._consistent = trusted, {}, {}
 
     def base(self, n: fx.Node):
         """The tensor node view ``n`` reads: its input, or for an element of a split, the split's input."""
@@ -68,9 +64,7 @@ class ViewPlan:
             return False   # _conj, _neg_view: a view that flips a bit reinterpret would drop
         if not all(isinstance(x, int) for t in (val, src) for x in (*t.shape, *t.stride(), t.storage_offset())):
             return False
-        if not self.consistent(n, base):
-            return False
-        return not need_known or self.known(base) is not None
+        return self.consistent(n, base) and (not need_known or self.known(base) is not None)
 
     def consistent(self, n: fx.Node, base: fx.Node) -> bool:
         """Whether ``n``'s recorded value is what its op makes of ``base``'s, replayed on the meta device."""

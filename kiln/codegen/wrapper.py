@@ -5,8 +5,6 @@ target (bound once as module globals), deletes every buffer after its last use a
 Static views become one ``reinterpret`` call where ``views.ViewPlan`` allows. Each line carries the node's
 shape, dtype and strides as a comment.
 """
-from __future__ import annotations
-
 import builtins
 import keyword
 import math
@@ -206,10 +204,7 @@ class _Emitter:
         comment = describe_val(n.meta.get("val"))
         comment = f"  # {comment}" if comment else ""
         if n.op == "get_attr":
-            obj = self.gm
-            for part in n.target.split("."):
-                obj = getattr(obj, part)
-            return f"{name} = {self.bind(obj, n.target)}{comment}"
+            return f"{name} = {self.bind(operator.attrgetter(n.target)(self.gm), n.target)}{comment}"
         if n.op == "call_method":
             return f"{name} = {self.lit(n.args[0])}.{n.target}({', '.join(self._args(n, 1))}){comment}"
         if n.op == "call_module":

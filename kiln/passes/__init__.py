@@ -2,8 +2,6 @@
 take a ``torch.fx.Graph``; ``registered`` is the ``registry.snapshot()`` taken when the compile began (a
 backward compiled later, outside the registration's scope, runs the same passes as its forward).
 """
-from __future__ import annotations
-
 import torch.fx as fx
 
 from kiln.debug import counters, log

@@ -4,8 +4,6 @@
 alias; writes are read from names (``add_``, ``inplace=True``, ``out=``, ``setitem``). ``symbolic_trace``
 graphs: torch functions resolve to the ATen op of the same name; an unknown callable may alias its inputs.
 """
-from __future__ import annotations
-
 import contextlib
 import functools
 import itertools

@@ -3,8 +3,6 @@
 / ``mm`` (through a ``view`` keeping the last dim). Needs constant weights, the binary op as the only user,
 ``c`` constant along the channel dim only, and no type promotion.
 """
-from __future__ import annotations
-
 import torch
 import torch.fx as fx
 

@@ -5,8 +5,6 @@ convolution (and ``convolution_backward``) reads channels-last inputs, so the po
 is stored in NHWC, and a KxK weight is converted once, not at every call. Outputs whose strides moved get
 eager's back (a copy, or ``as_strided`` where only size-1 dims moved). Symbolic shapes are left alone.
 """
-from __future__ import annotations
-
 import operator
 
 import torch
@@ -28,8 +26,7 @@ WEIGHT = {aten.convolution.default: 1, aten.convolution_backward.default: 2}   #
 
 
 def _is_cl(v) -> bool:
-    return isinstance(v, torch.Tensor) and v.dim() == 4 and v.is_contiguous(memory_format=CL) \
-        and not v.is_contiguous()
+    return isinstance(v, torch.Tensor) and v.dim() == 4 and v.is_contiguous(memory_format=CL) and not v.is_contiguous()
 
 
 def devices(opts=None):
@@ -268,8 +265,7 @@ def pin_eager_strides(gm: fx.GraphModule, fake_mode=None) -> int:
             fmt = _memory_format(val)
             if not sensitive or fmt is None:
                 continue
-            n.replace_input_with(a, call(gm.graph, fake_mode, aten.contiguous.default, a, memory_format=fmt,
-                                         before=n))
+            n.replace_input_with(a, call(gm.graph, fake_mode, aten.contiguous.default, a, memory_format=fmt, before=n))
             pinned += 1
     if pinned:
         gm.recompile()

@@ -3,8 +3,6 @@
 A linear joins when its weight is a constant 2-D matrix with the group's K, dtype and device and its bias
 a constant row. A slice a view cannot reinterpret, or the graph returns, is copied (eager's strides).
 """
-from __future__ import annotations
-
 import torch
 import torch.fx as fx
 

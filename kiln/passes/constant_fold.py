@@ -2,8 +2,6 @@
 constants folds unless ``NEVER_FOLD`` refuses it (computed once, eagerly, new constants where still read);
 also the helpers the other folding passes share (``add_constant``, ``constant_value``, ``infer_val`` ...).
 """
-from __future__ import annotations
-
 import contextlib
 
 import torch
@@ -79,8 +77,7 @@ def add_constant(gm: fx.GraphModule, value: torch.Tensor, fake_mode=None) -> fx.
 
 def fake_mode_of(gm: fx.GraphModule):
     """The fake mode of ``gm``'s metadata (None when no node carries a fake value)."""
-    return next((n.meta["val"].fake_mode for n in gm.graph.nodes if isinstance(n.meta.get("val"), FakeTensor)),
-                None)
+    return next((n.meta["val"].fake_mode for n in gm.graph.nodes if isinstance(n.meta.get("val"), FakeTensor)), None)
 
 
 def drop_unused_constants(gm: fx.GraphModule) -> int:
@@ -135,8 +132,7 @@ def _grows_too_much(args, kwargs, out) -> bool:
 
 
 def fold_constants(gm: fx.GraphModule, fake_mode=None) -> int:
-    """Fold every subgraph whose inputs are all constants (``_worth_evaluating``) in place; returns nodes
-    folded."""
+    """Fold every subgraph whose inputs are all constants (``_worth_evaluating``) in place; returns nodes folded."""
     fake_mode = fake_mode or fake_mode_of(gm)
     env: dict = {}
     needed, store = _worth_evaluating(gm)

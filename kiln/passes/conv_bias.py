@@ -1,8 +1,6 @@
 """Take a convolution's bias out of cuDNN's call (a kernel of its own) on the Triton target: ``conv(x, w, b)``
 becomes ``conv(x, w, None) + b.view(1, C, 1, ...)``, an add that fuses into the next pointwise kernel.
 """
-from __future__ import annotations
-
 import torch
 import torch.fx as fx
 

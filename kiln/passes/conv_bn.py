@@ -2,8 +2,6 @@
 ``b' = b * s + t``, for constant weights and statistics, the BatchNorm as the only user, one dtype (float32
 math for half weights). ``bn_to_affine`` rewrites the BatchNorms left as ``x * s + t`` for fusing targets.
 """
-from __future__ import annotations
-
 import operator
 
 import torch
@@ -36,8 +34,7 @@ def _bn_parts(gm: fx.GraphModule, bn: fx.Node):
 
 def _only_output_zero(bn: fx.Node) -> "list | None":
     """The getitem(bn, 0) users, or None when some other output of the BatchNorm is used."""
-    if any(u.op != "call_function" or u.target is not operator.getitem or u.args[1] != 0 and u.users
-           for u in bn.users):
+    if any(u.op != "call_function" or u.target is not operator.getitem or u.args[1] != 0 and u.users for u in bn.users):
         return None
     return [u for u in bn.users if u.args[1] == 0]
 

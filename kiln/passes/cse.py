@@ -3,8 +3,6 @@ arguments merge (``x + 1`` and ``x + 1.0`` stay apart), never impure ones (rando
 ops) nor a node whose storage is written or returned. Each read is stamped with its storage's write count
 (``alias.py``): ``x.cos(); y.add_(1); x.cos()`` merges, ``x.cos(); x.add_(1); x.cos()`` does not.
 """
-from __future__ import annotations
-
 import contextlib
 import copy
 import gc
@@ -25,8 +23,7 @@ RANDOM_OPS = frozenset({
     "_standard_gamma", "_sample_dirichlet", "uniform", "exponential", "geometric", "log_normal",
     "cauchy", "random", "seed", "philox_rand",
 })
-UNINITIALIZED = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
-                           "empty_permuted"})
+UNINITIALIZED = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted"})
 NEVER = frozenset({"placeholder", "output", "get_attr"})
 
 
@@ -147,10 +144,7 @@ def fx_graph_cse(graph: fx.Graph) -> fx.Graph:
     env: Dict[fx.Node, fx.Node] = {}
     with gc_paused():
         for node in graph.nodes:
-            if node in rep:
-                env[node] = env[rep[node]]
-            else:
-                env[node] = _copy_node(new_graph, node, env)
+            env[node] = env[rep[node]] if node in rep else _copy_node(new_graph, node, env)
     log(5, f"fx_graph_cse: {len(rep)} of {len(graph.nodes)} nodes merged")
     return new_graph
 

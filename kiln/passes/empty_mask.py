@@ -4,8 +4,6 @@ A Hugging Face encoder called without ``attention_mask`` builds one of zeros; ea
 and runs SDPA's flash kernel, compiled that check is lost (BERT-base, H200: 3.8 ms against 2.1). A mask
 made from constants alone is evaluated at compile time (``tuning.empty_mask_max_bytes``) and dropped if empty.
 """
-from __future__ import annotations
-
 import operator
 
 import torch

@@ -2,8 +2,6 @@
 folds (``module_region``, ``freeze_graph``, ``drop_frozen``, ``finish``: the pipeline's order). Frozen values
 are snapshots, as under Inductor; ``freezing_discard_parameters`` erases the originals (``ErasedTensor``).
 """
-from __future__ import annotations
-
 import gc
 import warnings
 from dataclasses import dataclass, field
@@ -170,8 +168,7 @@ def keep_whole(decompositions: dict) -> None:
         decompositions.pop(op, None)
 
 
-def freeze_graph(gm: fx.GraphModule, inputs: list, region: FrozenRegion, opts, target, trace,
-                 registered=None) -> list:
+def freeze_graph(gm: fx.GraphModule, inputs: list, region: FrozenRegion, opts, target, trace, registered=None) -> list:
     """Freeze ``gm`` in place (constants, joint and folding passes); returns the positions of the inputs left."""
     from torch._guards import detect_fake_mode
     from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -233,8 +230,7 @@ ERASED_MESSAGE = ("Trying to run Pytorch Eager Module after Dynamo Freezing. The
 
 
 def _unguard(source) -> bool:
-    """Drop Dynamo's pending guards on frozen input ``source`` (they would fail once it is erased); False if
-    impossible."""
+    """Drop Dynamo's pending guards on frozen input ``source`` (they fail once it is erased); False if impossible."""
     guards = _dynamo_guards()
     if source is None or guards is None or not hasattr(guards, "inner"):
         return False

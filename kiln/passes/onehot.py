@@ -2,8 +2,6 @@
 when the index has size 1 along ``d`` and the output's size elsewhere. Cross-entropy's backward scatters so
 into a logits-sized buffer (GPT-2: 1.6 GB saved and read again); a compare is recomputed for free.
 """
-from __future__ import annotations
-
 import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true

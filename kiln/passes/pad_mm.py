@@ -8,8 +8,6 @@ computed in ``tuning.pad_mm_out_blocks`` blocks (``mm_rows``, ``mm_cols``), not 
 It pays (``tuning.pad_mm_min_flops*``) from 1e9 FLOPs and 80 FLOPs per byte copied (padding saves 1.5 /
 300e12 s per FLOP, costs 1 / 2.5e12 s per byte), which rejects memory-bound shapes (decode-time logits).
 """
-from __future__ import annotations
-
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
@@ -240,8 +238,7 @@ def _rewrite(b: _Builder, node: fx.Node, pads, out_blocks: int = Tuning.pad_mm_o
     else:
         new_a = b.padded(a, lead + [pad_m, pad_k])
         new_b = b.padded(bmat, lead + [pad_k, pad_n])
-        new_bias = None if bias is None else \
-            b.padded(bias, _bias_pads(bias.meta["val"], old.shape, pad_m, pad_n))
+        new_bias = None if bias is None else b.padded(bias, _bias_pads(bias.meta["val"], old.shape, pad_m, pad_n))
         if blocks:   # K padded too: blocks of rows of the padded operands
             out = b.call(mm_rows, (new_a, new_b, new_bias, n, -(-m // out_blocks)), kwargs, like=node)
         else:
@@ -267,8 +264,7 @@ def pad_matmuls(gm: fx.GraphModule, devices=("cuda",), *, min_flops: float = Tun
     fake_mode = fake_mode_of(gm)
     if fake_mode is None:
         return 0
-    todo = [(n, p) for n in gm.graph.nodes
-            if (p := plan(n, devices, min_flops, min_flops_per_byte)) is not None]
+    todo = [(n, p) for n in gm.graph.nodes if (p := plan(n, devices, min_flops, min_flops_per_byte)) is not None]
     if not todo:
         return 0
     builder = _Builder(gm, fake_mode)

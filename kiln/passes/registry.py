@@ -7,8 +7,6 @@
 A pass is ``fn(graph: torch.fx.Graph)`` editing the graph in place; passes of a stage run in registration
 order. Registrations live in a context variable; ``cache_key()`` keys them (by ``uuid()``, else source).
 """
-from __future__ import annotations
-
 import contextvars
 import hashlib
 import inspect
@@ -117,7 +115,6 @@ def run_stage(stage: str, graph_module: fx.GraphModule, hook_from_options: Optio
         except Exception as e:   # the traceback (on_error='raise', a failing backward) names the pass
             e.add_note(f"kiln: raised by custom pass {name!r} of stage {stage!r}")
             raise
-        elapsed = time.perf_counter() - start
         log(2, f"{stage}: pass {name}: {before} -> {len(graph.nodes)} nodes "
-               f"({len(graph.nodes) - before:+d}) in {elapsed * 1000:.1f} ms")
+               f"({len(graph.nodes) - before:+d}) in {(time.perf_counter() - start) * 1000:.1f} ms")
     graph_module.recompile()

@@ -7,8 +7,6 @@ and message per kind of op (``MESSAGES``: index for x[i], index_put, index_fill;
 index_add >= 2-D; self for embedding, index_select, 1-D index_add; dim1 for index_select over dim 1; nll
 for nll_loss, cross_entropy; index_copy; take). A compiled Triton kernel asserts on the device instead.
 """
-from __future__ import annotations
-
 import ctypes
 
 MESSAGES = {

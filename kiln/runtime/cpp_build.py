@@ -6,8 +6,6 @@ version, flags and host CPU flags; a library whose MAC (``.so.mac``) does not ve
 loaded. A C++ target that cannot build degrades loudly, not fatally: one ``RuntimeWarning`` per cause,
 then ``CppBuildError`` (or ``unusable``'s reason) and the graph runs ATen kernels.
 """
-from __future__ import annotations
-
 import ctypes
 import ctypes.util
 import functools
@@ -45,10 +43,7 @@ def find_compiler(opts: Options) -> str:
     """The compiler ``opts.cpp_compiler`` names (a path or a command), or '' when there is none."""
     spec = opts.cpp_compiler
     candidates = [os.environ.get("CXX", ""), "g++", "clang++"] if spec == "auto" else [spec]
-    for c in candidates:
-        if c and shutil.which(c):
-            return shutil.which(c)
-    return ""
+    return next((shutil.which(c) for c in candidates if c and shutil.which(c)), "")
 
 
 @functools.lru_cache(maxsize=None)
@@ -107,9 +102,8 @@ def missing(opts: Options) -> str:
 
 
 def unusable(opts: Options) -> str:
-    """Why ``codegen='auto'`` cannot pick C++ kernels here ('' when it can): no compiler, or one that
-    cannot build and load a small OpenMP library with ``opts.cpp_flags`` (a success is kept on disk);
-    warned once per reason."""
+    """Why ``codegen='auto'`` cannot pick C++ kernels here ('' when it can): no compiler, or one that cannot build and
+    load a small OpenMP library with ``opts.cpp_flags`` (a success is kept on disk); warned once per reason."""
     cxx = find_compiler(opts)
     why = _probe(cxx, opts.cpp_flags) if cxx else missing(opts)
     if why:
@@ -153,8 +147,7 @@ def _run(cxx, flags, libs, source, tmp, stem, timeout, headers=()):
     for name, text in ((stem + ".cpp", source), *headers):
         with open(os.path.join(tmp, name), "w") as f:
             f.write(text)
-    res = subprocess.run([cxx, *flags, src, "-o", out, *libs], capture_output=True, text=True,
-                         timeout=timeout)
+    res = subprocess.run([cxx, *flags, src, "-o", out, *libs], capture_output=True, text=True, timeout=timeout)
     if res.returncode == 0:
         return out, None
     first = next((ln for ln in res.stderr.splitlines() if "error" in ln), res.stderr.strip()[:300])
@@ -264,9 +257,7 @@ def _compile(cxx, flags, libs, unit, directory, path, opts_flags: str):
                         f" (source: {kept})", "correct cpp_flags (KILN_CPP_FLAGS) or cpp_compiler, or "
                         "codegen='aten' (KILN_CODEGEN=aten)")
         private.write(directory, os.path.basename(path)[:-3] + ".cpp", source)
-        with open(out, "rb") as f:   # in this process's own temporary folder
-            data = f.read()
-        _install(data, path)   # atomic: another process building the same library loses nothing
+        _install(private.read(out), path)   # atomic: another process building the same library loses nothing
     counters["codegen"]["cpp_builds"] += 1
     log(2, f"codegen: built {path} in {time.perf_counter() - start:.2f}s")
 
@@ -297,7 +288,3 @@ def library(name: str) -> str:
     """The path of the loaded library holding function ``name``."""
     with _LOCK:
         return _OWNER[name]._name
-
-
-__all__ = ["CppBuildError", "build", "unusable", "function", "library", "restride", "find_compiler", "has_libmvec",
-           "host_isa"]

@@ -6,8 +6,6 @@ from then on, at every call site, when the kernel fails on its first call (logge
 ``counters['codegen']['runtime_fallback']``). ``@triton.jit`` decides between compiling and interpreting
 when a module executes (``TRITON_INTERPRET``), so each module is executed with it set just for that import.
 """
-from __future__ import annotations
-
 import contextlib
 import importlib.util
 import os

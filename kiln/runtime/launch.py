@@ -1,7 +1,5 @@
 """Launching kernels: autotuning, the launch fast path and the helpers generated kernel modules call
 (``run``, ``launch``, ``restride``, ``empty_cuda``, ``semaphore``)."""
-from __future__ import annotations
-
 import threading
 
 import torch
@@ -152,9 +150,7 @@ def _hooks_on() -> bool:
         import triton
         _RUNTIME.append(getattr(getattr(triton, "knobs", None), "runtime", None))
     rt = _RUNTIME[0]
-    if rt is None:
-        return True
-    return _hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook)
+    return rt is None or _hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook)
 
 
 def _hooked(hook) -> bool:
@@ -194,8 +190,7 @@ def _autotune(kernel, args, xnumel, rnumel, meta):
         if meta["persistent"] and cfg[1] != next_pow2(rnumel):
             continue
         try:
-            ms = do_bench(lambda: run(kernel, args, xnumel, rnumel, cfg, {**meta, "autotune": False}),
-                          warmup=5, rep=20)
+            ms = do_bench(lambda: run(kernel, args, xnumel, rnumel, cfg, {**meta, "autotune": False}), warmup=5, rep=20)
         except Exception:  # a config that does not compile (too many registers) is skipped
             continue
         timings.append((ms, cfg))
@@ -210,9 +205,7 @@ def restride(t: torch.Tensor, shape, stride):
     st = t.stride()
     if st == stride or all(a == b for s, a, b in zip(shape, st, stride) if s != 1):
         return t
-    out = torch.empty_strided(shape, stride, dtype=t.dtype, device=t.device)
-    out.copy_(t)
-    return out
+    return torch.empty_strided(shape, stride, dtype=t.dtype, device=t.device).copy_(t)
 
 
 empty_cuda = empty_strided_fn()   # (size, stride, dtype) on the current CUDA device

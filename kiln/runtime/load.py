@@ -1,7 +1,5 @@
-"""Turn a generated wrapper into a callable, its kernel references bound to loaded kernels; record sources
-for ``kiln.run_and_get_code``."""
-from __future__ import annotations
-
+"""A generated wrapper as a callable, its kernel references bound to kernels; sources kept for kiln.run_and_get_code."""
+import contextlib
 import hashlib
 import linecache
 
@@ -22,12 +20,8 @@ class Compiled:
     def __init__(self, wrapper: Wrapper, fn, fallback=None):
         # An instance attribute: Dynamo's disable() wrapper copies __dict__, not class attributes.
         self._boxed_call = True
-        self.wrapper = wrapper
-        self.fn = fn
-        self.fallback = fallback
-        self.source = wrapper.source
-        self.name = wrapper.name
-        self._direct = False
+        self.wrapper, self.fn, self.fallback = wrapper, fn, fallback
+        self.source, self.name, self._direct = wrapper.source, wrapper.name, False
 
     def __call__(self, args):
         if self._direct:
@@ -51,14 +45,11 @@ class Compiled:
         return f"<kiln.Compiled {self.name}>"
 
 
-def direct_kernel_calls(namespace: dict) -> int:
-    """After a first call: bind each kernel that ran to its module's ``call``; returns how many."""
-    n = 0
+def direct_kernel_calls(namespace: dict) -> None:
+    """After a first call: bind each kernel that ran to its module's ``call``."""
     for name, obj in list(namespace.items()):
         if isinstance(obj, KernelCall) and obj.kernel.ran and obj.kernel._call is not None:
             namespace[name] = obj.kernel._call
-            n += 1
-    return n
 
 
 def _boxed(gm):
@@ -99,16 +90,12 @@ def bind_graph(gm) -> int:
     return len(nodes)
 
 
-class collect_sources:
-    """Context manager: gathers the source of every wrapper and kernel generated inside it."""
-
-    def __init__(self):
-        self.sources: list[str] = []
-
-    def __enter__(self):
-        _SOURCE_SINKS.append(self.sources)
-        return self.sources
-
-    def __exit__(self, *exc):
-        _SOURCE_SINKS.remove(self.sources)
-        return False
+@contextlib.contextmanager
+def collect_sources():
+    """The source of every wrapper and kernel generated inside the scope, as a list."""
+    sources: list[str] = []
+    _SOURCE_SINKS.append(sources)
+    try:
+        yield sources
+    finally:
+        _SOURCE_SINKS.remove(sources)

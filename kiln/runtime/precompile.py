@@ -6,8 +6,6 @@ spawned processes without a CUDA context ``JITFunction.warmup`` each into Triton
 with the parent's ptxas version (``key_state``), host launchers built too. An optimization only: a kernel
 not warmed compiles at its first launch. Option ``compile_workers`` (-1: half the cores, up to 8; 0: off).
 """
-from __future__ import annotations
-
 import concurrent.futures as cf
 import contextlib
 import os
@@ -65,8 +63,7 @@ def tasks(gm: fx.GraphModule) -> list:
             path = module_file(k.name, k.source)   # the file the runtime loads (kernel._load_module)
             for fn, args, (xb, rb, warps), _ in record_launches(compiled_module(k), example):
                 consts = {"XBLOCK": xb, **({"RBLOCK": rb} if "RBLOCK" in fn.arg_names else {})}
-                out.append((path, f"kiln_kernels.{k.name}", fn.__name__, [_arg(a) for a in args],
-                            consts, warps))
+                out.append((path, f"kiln_kernels.{k.name}", fn.__name__, [_arg(a) for a in args], consts, warps))
         except Exception as e:   # nothing to warm for this one: it compiles at its first launch
             log(2, f"precompile: {k.name} not warmed ({type(e).__name__}: {e})")
     return out

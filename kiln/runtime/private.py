@@ -6,8 +6,6 @@ all) and taking a new file; else ``DirRefused`` says why and how to fix it. File
 random name (created exclusively) and renamed into place; a built library or a cache entry is loaded only
 when its HMAC under the directory's key (``secret``) verifies, so a file someone else wrote is never run.
 """
-from __future__ import annotations
-
 import atexit
 import contextlib
 import hashlib

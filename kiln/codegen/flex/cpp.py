@@ -4,8 +4,6 @@ OpenMP threads take (batch, head, query tile) triples and walk the kv blocks of 
 keys at a time: ``S = Q K^T`` and ``P V`` in 4 x 16 register tiles, the mods per element in ``omp simd``
 loops, the online softmax in base 2. float64 inputs compute in double.
 """
-from __future__ import annotations
-
 import hashlib
 import math
 
@@ -38,8 +36,7 @@ def _mma(fma: str, col: str, cols: str, init: list, red: str, ptr: str, a: str, 
     """Rows ``i0`` .. ``i0 + 3`` x 16 columns from ``col`` of ``dst`` in registers ``c0`` .. ``c3``:
     ``init``, then over loop ``red``, ``c<r>[lane] += a<r> * ptr[lane]``."""
     p = ptr.split()[0]
-    upd = [" ".join(f"c{r}[{lane}] = {fma}(a{r}, {p}[{lane}], c{r}[{lane}]);" for r in rr)
-           for rr in ((0, 1), (2, 3))]
+    upd = [" ".join(f"c{r}[{lane}] = {fma}(a{r}, {p}[{lane}], c{r}[{lane}]);" for r in rr) for rr in ((0, 1), (2, 3))]
     return [f"    for (int64_t {col} = 0; {col} < {cols}; {col} += 16)",
             "      for (int64_t i0 = 0; i0 < mrr; i0 += 4) {"] + init + [
         f"        for ({red}) {{", f"          const CT* {ptr};",
@@ -231,8 +228,7 @@ def cpp_forward(call: FlexCall) -> tuple:
     unit = Unit.of(PREAMBLE, text.replace(PLACEHOLDER, fname), (fname,))
     full = call.masks["full_kv_num"] is not None
     ptrs = ["q", "k", "v", "out", "lse", "mx", "kvn", "kvi"] + (["fkvn", "fkvi"] if full else [])
-    args = [f"0 if {p} is None else {p}.data_ptr()" if p in ("lse", "mx") else f"{p}.data_ptr()"
-            for p in ptrs]
+    args = [f"0 if {p} is None else {p}.data_ptr()" if p in ("lse", "mx") else f"{p}.data_ptr()" for p in ptrs]
     sizes = ["B", "QL", "KL", "*q.stride()", "kb", "*k.stride()[1:]", "vb", "*v.stride()[1:]", "*out.stride()",
              "*_mask(kvn, kvi)"] + (["*_mask(fkvn, fkvi)"] if full else [])
     params = "".join(f", buf{i}" for i in range(len(call.score_bufs + call.mask_bufs)))
@@ -243,6 +239,3 @@ def cpp_forward(call: FlexCall) -> tuple:
     body = [SIZES, out] + prep + stats(call)[:2] + [KB, VB, "if B * HQ * QL:",
                                                    f"    _k({', '.join(args + bargs + sizes + bsizes)})"]
     return unit, fname, "\n".join(lines + ["    " + b for b in body + stats(call)[2:]]) + "\n"
-
-
-__all__ = ["cpp_forward", "kernel_text"]

@@ -6,8 +6,6 @@ The block mask tuple: the lengths, eight index tensors, ``dq_*`` (torch 2.13), t
 mask_mod. The lse the ops exchange is in base 2. ``Mods(call, dialect, index)``: the op's subgraphs
 translated for one kernel, ``index`` naming its ``b, h, q_idx, kv_idx``; captured operands are ``BUF<i>``.
 """
-from __future__ import annotations
-
 import operator
 from dataclasses import dataclass, field
 
@@ -260,6 +258,3 @@ class Mods:
                 raise Unsupported("flex: a captured-tensor gradient other than scatters of the score's gradient")
             scatters[j] = g
         return lines, dscore, scatters
-
-
-__all__ = ["FlexCall", "parse", "hop_name", "buffer_kind", "MASK_NAMES", "Mods", "buffer_names", "indices"]

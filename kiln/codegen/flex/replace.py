@@ -1,8 +1,6 @@
 """The graph edit: each FlexAttention op becomes one call of a kiln kernel (``lower_flex``), whose fallback
 runs the op itself; an op kiln cannot write (``Unsupported``) stays, the reason logged and counted.
 """
-from __future__ import annotations
-
 import torch
 import torch.fx as fx
 
@@ -97,6 +95,3 @@ def lower_flex(gm: fx.GraphModule, opts, cpp: bool) -> tuple:
         graph.lint()
         gm.recompile()
     return done, tuple(units)
-
-
-__all__ = ["lower_flex"]

@@ -4,8 +4,6 @@ Each node becomes one statement from kiln's op templates; a value knows the tile
 load is masked by its own axes' masks only). Floats compute in float32 (float64 for C++ float64 inputs),
 as eager's dense FlexAttention does; gradients of captured tensors become ``Scatter`` values.
 """
-from __future__ import annotations
-
 import operator
 from dataclasses import dataclass, field
 
@@ -76,9 +74,7 @@ class TritonDialect(Dialect):
         return str(int(v))
 
     def cast(self, code, src, dst):
-        if dst == torch.bool:
-            return f"({code} != 0)"
-        return f"({code}).to({tl_ops.TL_DTYPE[dst]})"
+        return f"({code} != 0)" if dst == torch.bool else f"({code}).to({tl_ops.TL_DTYPE[dst]})"
 
     def op(self, op, dtype, args):
         t = tl_ops.template(op, dtype, self.interpret, len(args))
@@ -154,9 +150,7 @@ CONSTANT = set(_named("full scalar_tensor new_ones new_zeros new_full ones_like 
 
 
 def _packet(target):
-    if isinstance(target, torch._ops.OpOverload):
-        return target.overloadpacket
-    return PYTHON.get(target, target)
+    return target.overloadpacket if isinstance(target, torch._ops.OpOverload) else PYTHON.get(target, target)
 
 
 def _out_dtype(node) -> torch.dtype:
@@ -336,8 +330,7 @@ class Translator:
         return self.const(v, out)
 
     def _index(self, node):
-        base, idx = node.args[0], node.args[1]
-        ref = self.env[base]
+        ref, idx = self.env[node.args[0]], node.args[1]
         if not isinstance(ref, Ref):
             raise Unsupported("flex: indexing a computed value")
         if any(i is None for i in idx):
@@ -346,9 +339,7 @@ class Translator:
         ref = Ref(ref.buf, ref.dims, ref.dtype, ref.index + tuple(vals))
         if len(ref.index) > ref.dims:
             raise Unsupported("flex: more indices than dims")
-        if len(ref.index) < ref.dims:
-            return ref
-        return self._load(ref)
+        return ref if len(ref.index) < ref.dims else self._load(ref)
 
     def _ints(self, idx, what: str) -> list:
         vals = [self.value(i) for i in idx]
@@ -402,7 +393,3 @@ def is_identity(gm) -> bool:
 def is_true(v) -> bool:
     """Whether a translated mask is the constant True (no mask)."""
     return isinstance(v, Val) and v.const is not None and bool(v.const) is True
-
-
-__all__ = ["Val", "Line", "Ref", "Scatter", "TritonDialect", "CppDialect", "translate", "is_identity", "is_true",
-           "Unsupported"]

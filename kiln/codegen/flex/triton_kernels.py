@@ -9,8 +9,6 @@ in ``<name>_dqkv`` the first ``cdiv(Q_LEN, BLOCK_M2)`` programs walk the forward
 others, per (kv tile, batch x kv head), the q-side BlockMask for dk and dv over the GQA group's query heads;
 gradients of captured tensors are atomic adds of partial sums.
 """
-from __future__ import annotations
-
 import math
 import re
 
@@ -221,8 +219,7 @@ def decode_kernels(call, cfg, gp: int, interpret: bool, name: str):
     lq = call.dims()[3]
     s = Shape(call, interpret, even_n=walk_even(call.kv_bs, call.dims()[4], cfg.block_n))
     mods = s.mods(call, h_rows=gp > 1)
-    lines = _header(call, s, name, ["Q", "K", "V", "OACC", "OLSE"],
-                    ["Q_LEN", "KV_LEN", "MULT", "SPLITS"] + QKV_STRIDES)
+    lines = _header(call, s, name, ["Q", "K", "V", "OACC", "OLSE"], ["Q_LEN", "KV_LEN", "MULT", "SPLITS"] + QKV_STRIDES)
     lines += consts(GP=gp, QL=lq)
     heads = "(hg * GP + r // QL)[:, None]" if gp > 1 else "hg"
     body = ["sp = tl.program_id(0)", "bg = tl.program_id(1)", "off_b = bg // (HQ // GP)", "hg = bg % (HQ // GP)",
@@ -439,7 +436,3 @@ def _rename(lines, block_m: str, block_n: str, mult: str) -> list:
     """``lines`` with the tile sizes and mask multiplicity named as one half of the combined kernel names them."""
     names = {"BLOCK_M": block_m, "BLOCK_N": block_n, "MULT": mult}
     return [re.sub(r"\b(BLOCK_M|BLOCK_N|MULT)\b", lambda m: names[m.group(1)], ln) for ln in lines]
-
-
-
-__all__ = ["forward_kernel", "decode_kernels", "backward_kernels", "Shape", "rsum", "loop", "LOG2E"]

@@ -4,8 +4,6 @@
 structure. Tile defaults follow FlexAttention's reference kernels on sm90; ``kernel_options`` override them;
 a tile is a power of two from 16 (``tl.dot``'s least) within one BlockMask block (or spanning the sequence).
 """
-from __future__ import annotations
-
 from typing import NamedTuple
 
 import torch
@@ -318,8 +316,7 @@ def backward_module(call: FlexCall, interpret: bool) -> tuple:
             "kb = 0 if BK == 1 and B > 1 else k.stride(0)", "vb = 0 if BK == 1 and B > 1 else v.stride(0)",
             QKV, "lst = lse.stride()", "gst = (0, 0, 0) if dlse is None else dlse.stride()"]
     gbufs = [f"gbuf{j}" for j in scattered]
-    body += [f"gbuf{j} = torch.zeros(tuple(buf{j}.shape), dtype=torch.float32, device=dev)"
-             for j in scattered]
+    body += [f"gbuf{j} = torch.zeros(tuple(buf{j}.shape), dtype=torch.float32, device=dev)" for j in scattered]
     ptrs = ["q", "k", "v", "dout", "lse", "delta", "dq", "dk", "dv"] + masks + bptrs + gbufs
     ints = ["QL", "KL", f"_mult({call.kv_bs}, KL, {cfg.n2})", f"_mult({call.q_bs}, QL, {cfg.m1})",
             "B if BK == 1 and B > 1 else 1", f"BK * {hkv}", "*qkv", "*dout.stride()", "*lst", "*dq.stride()",
@@ -344,6 +341,3 @@ def backward_module(call: FlexCall, interpret: bool) -> tuple:
     body.append(f"return (dq, dk, dv, ({''.join(g + ', ' for g in grads)}))")
     params = ["q", "k", "v", "out", "lse", "dout", "dlse"] + MASK_PARAMS
     return _module(call, text, dialects, interpret, params, body), "flex_backward"
-
-__all__ = ["forward_module", "backward_module", "operands", "order", "stats", "SIZES", "KB", "VB", "RUNTIME",
-           "MASK_PARAMS"]

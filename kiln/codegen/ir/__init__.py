@@ -1,2 +1,1 @@
-"""The loop-level IR: indexed expressions over a kernel's iteration space (``loops``) and index
-arithmetic (``indexing``)."""
+"""The loop IR: indexed expressions over a kernel's iteration space (``loops``), index arithmetic (``indexing``)."""

@@ -7,8 +7,6 @@ made non-negative where the op wraps (``x[-1]``); out of ``[0, size)`` an emitte
 so no access leaves the tensor. ``proof`` says when no check is needed, from the raw value's range (loop
 ranges, constants, ``remainder``, clamps, selects, argmax/argmin results); it only ever errs towards a check.
 """
-from __future__ import annotations
-
 from typing import NamedTuple, Optional
 
 import sympy
@@ -184,6 +182,3 @@ def _lo(x, ranges: Ranges):
         if all(p is not None and _le(ZERO, p) for p in inner):
             return ZERO
     return None
-
-
-__all__ = ["CheckInfo", "checked", "parts", "proof", "value_range"]

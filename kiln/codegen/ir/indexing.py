@@ -3,8 +3,6 @@ kept and reduced parts of a kernel's iteration space), size symbols and ``ind*``
 Unflattening uses ``FloorDiv`` and ``ModIdx``; ``simplify`` folds them back where a load walks memory in the
 kernel's order, using the variables' ranges. Every rule relies on all indices being non-negative.
 """
-from __future__ import annotations
-
 import functools
 import math
 import operator
@@ -68,18 +66,15 @@ class ModIdx(sympy.Function):
 
 def next_pow2(n: int) -> int:
     """The smallest power of two at least ``n`` (1 for n <= 1)."""
-    n = max(int(n), 1)
-    return 1 << (n - 1).bit_length()
+    return 1 << (max(int(n), 1) - 1).bit_length()
 
 
 def size_expr(s) -> sympy.Expr:
     """An int or SymInt size as a sympy expression."""
     if isinstance(s, sympy.Expr):
         return s
-    if isinstance(s, bool):
+    if isinstance(s, int):   # (a bool too)
         return sympy.Integer(int(s))
-    if isinstance(s, int):
-        return sympy.Integer(s)
     node = getattr(s, "node", None)
     if node is not None and hasattr(node, "expr"):
         return own_floor_divs(sympy.sympify(node.expr))
@@ -109,10 +104,7 @@ def same_sizes(a, b) -> bool:
 
 
 def prod(xs):
-    out = ONE
-    for x in xs:
-        out = out * x
-    return out
+    return functools.reduce(operator.mul, xs, ONE)
 
 
 def numel(shape, dims):
@@ -247,8 +239,7 @@ def _coarsen(a, d, r):
     dividing ``d`` (so ``a // d == q // (d / c)``: ``(128*x + r) // 16384`` is ``x // 128``, r < 128; with
     a symbolic ``d``, ``(128*x + r) // (128*s)`` is ``x // s`` and ``(s*x + r) // s**2`` is ``x // s``, r < s:
     no division per element in a dynamic kernel). The candidates: each term's factors that hold no index."""
-    cands = {sympy.Mul(*[f for f in sympy.Mul.make_args(t) if not r.varies(f)])
-             for t in sympy.Add.make_args(a)}
+    cands = {sympy.Mul(*[f for f in sympy.Mul.make_args(t) if not r.varies(f)]) for t in sympy.Add.make_args(a)}
     degree = lambda c: sum(k for b, k in c.as_powers_dict().items() if not b.is_Number)  # noqa: E731
     for c in sorted(cands, key=lambda c: (degree(c), c.as_coeff_Mul()[0], sympy.default_sort_key(c)), reverse=True):
         if c == 1 or not c.is_positive or not _is_multiple(d, c):
@@ -327,8 +318,7 @@ def _sym_coeff(t, kinds, r):
     atoms = [f for f in factors if isinstance(f, kinds) and r.varies(f)]
     if len(atoms) != 1:
         return None, None
-    rest = [f for f in factors if f is not atoms[0]]
-    return sympy.Mul(*rest), atoms[0]
+    return sympy.Mul(*[f for f in factors if f is not atoms[0]]), atoms[0]
 
 
 def _evaluate(x, env):

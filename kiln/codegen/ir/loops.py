@@ -17,8 +17,6 @@ Exprs are hash-consed (identity is structural equality; CSE in an emitter is a d
 value is a ``Pointwise`` (index -> Expr, memoized) or, once materialized, a ``Buffer`` read through loads; a
 ``Reduction`` always owns a buffer, and the scheduler decides which buffers are stored.
 """
-from __future__ import annotations
-
 import itertools
 import math
 import threading
@@ -76,8 +74,7 @@ class Expr:
             return f"load({self.args[0]}, {self.args[1]})"
         if self.op == "const":
             return repr(self.args[0])
-        inner = ", ".join(repr(a) for a in self.args)
-        return f"{self.op}({inner})"
+        return f"{self.op}({', '.join(repr(a) for a in self.args)})"
 
     def walk(self):
         """Every node reachable from this one, each once, children first."""
@@ -286,10 +283,7 @@ class Pointwise:
         key = tuple(sympy.sympify(i) for i in idx)
         e = self._memo.get(key)
         if e is None:
-            if self.buffer is not None:
-                e = ops.load(self.buffer, self.buffer.index(key))
-            else:
-                e = self.fn(list(key))
+            e = ops.load(self.buffer, self.buffer.index(key)) if self.buffer is not None else self.fn(list(key))
             self._memo[key] = e
         return e
 
@@ -345,8 +339,3 @@ class Seeds:
 def contiguous_buffer(shape, dtype, device, kind, compute=None, node=None) -> Buffer:
     shape = tuple(size_expr(s) for s in shape)
     return Buffer(new_name(), shape, contiguous_strides(shape), dtype, device, kind, node, compute)
-
-
-__all__ = ["Expr", "ops", "Pointwise", "Reduction", "Scatter", "Buffer", "Unsupported", "upcast", "neutral_value",
-           "UNARY", "BINARY", "COMPARE", "meta_layout", "contiguous_buffer", "new_name",
-           "indirect_symbol", "binds_of"]

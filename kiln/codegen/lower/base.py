@@ -4,8 +4,6 @@
 the modules beside this one) becomes a ``Pointwise`` (inlined into its users) or a buffer-backed value; any
 other node, or one whose lowering fails, stays an ATen call ("extern") with materialized tensor arguments.
 """
-from __future__ import annotations
-
 import functools
 import operator
 
@@ -122,9 +120,7 @@ class Lowering:
             if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
                 return sympy.sympify(val.node.expr)
             raise Unsupported(f"argument {a.name} has no lowered value")
-        if isinstance(a, (list, tuple)):
-            return type(a)(self.arg(x) for x in a)
-        return a
+        return type(a)(self.arg(x) for x in a) if isinstance(a, (list, tuple)) else a
 
     @property
     def meta(self):
@@ -293,17 +289,14 @@ def shape_of(meta) -> list:
 def broadcast(idx, in_shape, out_shape):
     """Index into a value of ``in_shape`` broadcast (right-aligned) to ``out_shape``."""
     k = len(out_shape) - len(in_shape)
-    return [ZERO if s == 1 and o != 1 else idx[k + i] for i, (s, o) in
-            enumerate(zip(in_shape, out_shape[k:]))]
+    return [ZERO if s == 1 and o != 1 else idx[k + i] for i, (s, o) in enumerate(zip(in_shape, out_shape[k:]))]
 
 
 def _rounded(fn, dtype, idx):
     """``fn(idx)`` rounded to 16-bit ``dtype``, kept in float32, as eager rounds every op's result (fuzz seed
     11 #9879: ``cos(x ** 3)`` of bf16 ``x`` took ``x ** 3`` unrounded)."""
     e = fn(idx)
-    if e.dtype == dtype or _exact_in(e, dtype):
-        return e
-    return ops.cast(ops.cast(e, dtype), e.dtype)
+    return e if e.dtype == dtype or _exact_in(e, dtype) else ops.cast(ops.cast(e, dtype), e.dtype)
 
 
 _SELECTS = {"where": (1, 2), "masked": (1, 2), "neg": (0,), "abs": (0,), "maximum": (0, 1), "minimum": (0, 1)}
@@ -373,7 +366,3 @@ def result_dtype(*vals):
         elif isinstance(v, sympy.Expr):
             args.append(1.0 if type(v).__name__ == "ToFloat" or v.is_Float else 1)
     return elementwise_dtypes(*args, type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)[1]
-
-
-__all__ = ["Lowering", "register", "LOWERINGS", "VIEW_OPS", "broadcast", "value_at", "result_dtype",
-           "shape_of", "aten", "Unsupported", "is_tensor", "cheap", "KEEP"]

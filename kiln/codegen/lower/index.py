@@ -3,8 +3,6 @@ select/slice_scatter), and the scatters that write through an index (scatter_add
 backward). An indirect index is an ``ind*`` symbol bound to a ``checked`` value (``ir/bounds.py``) naming
 eager's error for the op; concatenation and padding read each source under a mask (``masked``).
 """
-from __future__ import annotations
-
 import sympy
 import torch
 
@@ -89,9 +87,8 @@ def _index(ctx, x, indices):
     pos = [i for i, t in enumerate(indices) if t is not None]
     if not pos:
         raise Unsupported("index without tensors")
-    for i in pos:
-        if indices[i].dtype in (torch.bool, torch.uint8):
-            raise Unsupported("boolean mask index (data-dependent shape)")
+    if any(indices[i].dtype in (torch.bool, torch.uint8) for i in pos):
+        raise Unsupported("boolean mask index (data-dependent shape)")
     bshape = _broadcast_shape([indices[i].shape for i in pos])
     adjacent = pos == list(range(pos[0], pos[-1] + 1))
     nb = len(bshape)
@@ -186,16 +183,13 @@ def _pad(ctx, x, pad, value=0):
             ok = ops.binary("logical_and", E.bin("ge", i, 0), E.bin("lt", i, _size(x.shape[d])))
             cond = ok if cond is None else ops.binary("logical_and", cond, ok)
         val = ops.cast(x(src), compute)
-        if cond is None:
-            return val
-        return ops.masked(cond, val, ops.const(value, compute))
+        return val if cond is None else ops.masked(cond, val, ops.const(value, compute))
     return ctx.pointwise(fn)
 
 
 @register(aten.select_scatter.default)
 def _select_scatter(ctx, base, src, dim, index):
-    n = len(base.shape)
-    d = dim % n
+    d = dim % len(base.shape)
     shape = shape_of(ctx.meta)
     compute = upcast(ctx.meta.dtype)
     index = sympy.sympify(index)
@@ -211,13 +205,11 @@ def _select_scatter(ctx, base, src, dim, index):
 
 @register(aten.slice_scatter.default)
 def _slice_scatter(ctx, base, src, dim=0, start=None, end=None, step=1):
-    n = len(base.shape)
-    d = dim % n
+    d = dim % len(base.shape)
     shape = shape_of(ctx.meta)
     compute = upcast(ctx.meta.dtype)
     size = base.shape[d]
-    start = 0 if start is None else start
-    start = sympy.sympify(start)
+    start = sympy.sympify(0 if start is None else start)
     if start.is_Integer and start < 0:
         start = start + size
         if start.is_Integer and start < 0:   # clamped as slice clamps it (fuzz seed 12 #4827: [-2:1:3] of 1)
@@ -274,8 +266,7 @@ def _index_put(ctx, x, indices, values, accumulate=False):
     if pos != list(range(len(pos))):
         raise Unsupported("index_put on non-leading dims")
     bshape = _broadcast_shape([indices[i].shape for i in pos])
-    rest = list(x.shape[len(pos):])
-    shape = list(bshape) + rest
+    shape = list(bshape) + list(x.shape[len(pos):])
     compute = upcast(ctx.meta.dtype)
     nb = len(bshape)
     sym = checker(ctx, "index", True)

@@ -3,8 +3,6 @@ bernoulli, dropout). A random value is ``rand(kind, offset, slot)``: philox at t
 seeded from torch's generator on every call (``torch.manual_seed`` repeats runs, though not eager's numbers).
 A value holding RNG is computed in exactly one kernel.
 """
-from __future__ import annotations
-
 import torch
 
 from kiln.codegen.ir.indexing import contiguous_strides, flat_index

@@ -3,8 +3,6 @@
 Arithmetic happens in ``upcast(out dtype)`` (fp16/bf16 compute in fp32, rounded once at the
 store); comparisons promote their operands with torch's rules.
 """
-from __future__ import annotations
-
 import math
 
 import sympy
@@ -97,8 +95,7 @@ def _rsub(ctx, a, b, alpha=1):
     return elementwise(ctx, lambda x, y: sub(y, mul(x, alpha) if alpha != 1 else x), a, b)
 
 
-@register(aten.div.Tensor, aten.div.Scalar, aten.true_divide.Tensor, aten.div.Tensor_mode,
-          aten.div.Scalar_mode)
+@register(aten.div.Tensor, aten.div.Scalar, aten.true_divide.Tensor, aten.div.Tensor_mode, aten.div.Scalar_mode)
 @int_division   # (a true division's result is a float)
 def _div(ctx, a, b, rounding_mode=None):
     if rounding_mode is None:

@@ -2,8 +2,6 @@
 
 Elementwise prims share the ATen lowerings; views are index remaps; reductions never keep dims.
 """
-from __future__ import annotations
-
 import torch
 import torch._prims  # noqa: F401  (registers the prims namespace)
 

@@ -4,8 +4,6 @@
 layer norm, var/std and losses are a few reductions plus pointwise epilogues, which the scheduler fuses
 into one kernel per row; variance is two-pass (mean, then sum of squared deviations) within it.
 """
-from __future__ import annotations
-
 import sympy
 import torch
 
@@ -60,9 +58,7 @@ def _mean(ctx, a, dims=None, keepdim=False, dtype=None):
 
 
 def _count(count, dtype):
-    if count.is_Integer:
-        return ops.const(int(count), dtype)
-    return ops.cast(ops.index(count), dtype)
+    return ops.const(int(count), dtype) if count.is_Integer else ops.cast(ops.index(count), dtype)
 
 
 @register(aten.amax, aten.amin, aten.max.default, aten.min.default)

@@ -5,8 +5,6 @@ tensor: no view call is left in the wrapper (GPT-2's made about 650 a step, a mi
 view itself must exist, ``realize`` makes it an ATen view of its stored base (``view_base``), never a copy.
 ``tuning.fuse_stored_views=False`` keeps views of stored tensors as ATen views (``KEEP``), for comparison.
 """
-from __future__ import annotations
-
 import sympy
 
 from kiln.codegen.ir.indexing import ONE, ZERO, ModIdx, contiguous_strides, size_expr, unflatten
@@ -77,8 +75,7 @@ def _groups(a, b):
     return groups
 
 
-@register(aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.view_copy.default,
-          view=True)
+@register(aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.view_copy.default, view=True)
 def _view(ctx, a, shape):
     out_shape = shape_of(ctx.meta)
     return _remap(ctx, a, lambda idx: reshape_index(idx, a.shape, out_shape))
@@ -150,9 +147,7 @@ def _clamp_index(v, size):
         if v < 0:
             v += int(size)
         return sympy.Integer(min(max(v, 0), int(size)))
-    if v.is_Integer and int(v) < 0:
-        return size + v
-    return v
+    return size + v if v.is_Integer and int(v) < 0 else v
 
 
 @register(aten.slice.Tensor, view=True)

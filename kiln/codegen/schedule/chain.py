@@ -6,8 +6,6 @@ done, and the last to arrive runs the tail as one program (``Programs.ONE``, ``c
 the emitter's). The tail reads only what the head stores (not its inputs, which a later node could change
 in place); both have static sizes, since the tail's call passes no size symbol.
 """
-from __future__ import annotations
-
 from dataclasses import replace
 
 import sympy

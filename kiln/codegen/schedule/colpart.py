@@ -1,8 +1,6 @@
 """Where a folded column partial (role 'colpart', ``split.fold_split``) sits in a row kernel: one program
 per chunk of whole rows (``XPID``) walks its rows, accumulating per column.
 """
-from __future__ import annotations
-
 import sympy
 
 from kiln.codegen.ir.indexing import RINDEX, XINDEX, ZERO, FloorDiv, ModIdx, prod, same_sizes, unflatten

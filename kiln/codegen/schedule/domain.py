@@ -2,8 +2,6 @@
 flattened into a kept part ``xindex`` and a reduced part ``rindex``. ``body`` is the expression a buffer's
 kernel evaluates there, ``current`` the element it computes at (xindex, rindex), ``loads`` what it reads.
 """
-from __future__ import annotations
-
 import enum
 import weakref
 

@@ -6,8 +6,6 @@ still fit), every read of a member is of the element the kernel computes (in reg
 reductions and epilogue share one kernel), and no path leaves the group and comes back (a cycle). A buffer
 is stored when something outside its kernel reads it.
 """
-from __future__ import annotations
-
 from dataclasses import dataclass, field
 
 import torch
@@ -104,10 +102,8 @@ class Scheduler:
     def run(self):
         split_reductions(self.lw, self.tuning)
         for buf in self.lw.computed:
-            if isinstance(buf.compute, Scatter):
-                self.reads[buf] = {n for e in scatter_exprs(buf) for n, _ in loads(e)}
-            else:
-                self.reads[buf] = {n for n, _ in loads(body(buf, node_dims(buf)))}
+            exprs = scatter_exprs(buf) if isinstance(buf.compute, Scatter) else [body(buf, node_dims(buf))]
+            self.reads[buf] = {n for e in exprs for n, _ in loads(e)}
         self._build_graph()
         self.order = {b: i for i, b in enumerate(self.lw.computed)}
         for buf in self.lw.computed:
@@ -137,9 +133,7 @@ class Scheduler:
         self._new_group(buf, node_dims(buf), kind)
 
     def _new_group(self, buf, dims, kind):
-        g = Group(dims, [], kind)
-        if colpart_shape(buf) is not None:
-            g.roles = {buf.name: Role.COLPART}
+        g = Group(dims, [], kind, roles={buf.name: Role.COLPART} if colpart_shape(buf) is not None else {})
         self.groups.append(g)
         self._join(g, buf)
 
@@ -332,6 +326,3 @@ def _topological_rank(succ) -> dict:
 def schedule(lowering, tuning: Tuning):
     """Group ``lowering.computed`` into kernels (see the module docstring)."""
     return Scheduler(lowering, tuning).run()
-
-
-__all__ = ["Group", "Scheduler", "schedule"]

@@ -6,8 +6,6 @@ address is one Expr), how the kernel walks its rows (``persistent``, or one loop
 ``passes``), its ``Programs``, 64-bit indexing, and the facts emitters read. ``describe`` prints it
 (KILN_DEBUG=4, KILN_DUMP).
 """
-from __future__ import annotations
-
 import enum
 from dataclasses import dataclass, field
 from typing import Optional
@@ -177,14 +175,11 @@ class Levels:
             syms = index.free_symbols if isinstance(index, sympy.Basic) else set()
             lv = Level.ELEMENT if RINDEX in syms else (Level.ROW if XINDEX in syms else Level.CONST)
             if e.op != "rand":
-                for _, v in e.args[2]:
-                    lv = max(lv, self(v))
+                lv = max([lv] + [self(v) for _, v in e.args[2]])
         elif e.op == "red":
             lv = Level.AFTER if e.args[0] in self.outer else Level.ROW
         else:
-            lv = Level.CONST
-            for c in e.children():
-                lv = max(lv, self(c))
+            lv = max((self(c) for c in e.children()), default=Level.CONST)
         if not self.reduction and lv is Level.ELEMENT:
             lv = Level.ROW
         self._memo[e] = lv
@@ -226,7 +221,3 @@ def describe(plan: KernelPlan, title: str = "kernel") -> str:
 def _short(e, limit: int = 160) -> str:
     text = repr(e)
     return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-__all__ = ["Kind", "Level", "Programs", "Member", "RowPass", "ScatterWrite", "KernelPlan", "ScatterPlan",
-           "Levels", "red_ref", "reds", "describe"]

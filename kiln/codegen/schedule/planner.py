@@ -2,8 +2,6 @@
 the kernel walks its rows (persistent or looped, ``RowPass``es, online softmax pairs, ``Programs``) and the
 facts emitters read. ``plan_scatter`` makes a scatter's two kernels.
 """
-from __future__ import annotations
-
 from dataclasses import replace
 
 import sympy
@@ -24,8 +22,7 @@ class _Resolver:
     def __init__(self, group: Group, buffers: dict):
         self.group, self.buffers = group, buffers
         self.names = {b.name for b in group.nodes}
-        self.ranges = group.ranges
-        self._memo = {}
+        self.ranges, self._memo = group.ranges, {}
 
     def __call__(self, e: Expr) -> Expr:
         r = self._memo.get(e)
@@ -33,10 +30,8 @@ class _Resolver:
             return r
         if e.op == "load" and e.args[0] in self.names:
             buf = self.buffers[e.args[0]]
-            if isinstance(buf.compute, Reduction):
-                r = red_ref(buf)
-            else:
-                r = self(body(buf, self.group.dims, self.group.role(buf)))
+            r = (red_ref(buf) if isinstance(buf.compute, Reduction)
+                 else self(body(buf, self.group.dims, self.group.role(buf))))
             r = ops.cast(r, upcast(buf.dtype))
         elif e.op in ("load", "index"):
             # an index without rindex is hoisted out of the row loops; two spellings of an address: one load
@@ -51,8 +46,7 @@ class _Resolver:
             else:
                 r = ops.load(self.buffers[e.args[0]], idx) if e.op == "load" else ops.index(idx, e.dtype)
         elif e.children():
-            args = tuple(self(a) if isinstance(a, Expr) else a for a in e.args)
-            r = Expr(e.op, args, e.dtype)
+            r = Expr(e.op, tuple(self(a) if isinstance(a, Expr) else a for a in e.args), e.dtype)
         else:
             r = e
         self._memo[e] = r
@@ -60,8 +54,7 @@ class _Resolver:
 
 
 def numel_summary(buffers: dict) -> tuple:
-    """(every buffer's numel is static, the largest one): a graph's kernels index in 32 bits by its largest
-    tensor."""
+    """(every buffer's numel is static, the largest one): a graph's kernels index in 32 bits by its largest tensor."""
     numels = [b.numel for b in buffers.values()]
     static = all(n.is_Integer for n in numels)
     return static, (max([int(n) for n in numels], default=0) if static else 0)
@@ -269,9 +262,4 @@ def plan_scatter(group: Group, buffers: dict, tuning: Tuning, summary: tuple) ->
 
 def plan_group(group: Group, buffers: dict, tuning: Tuning, summary: tuple):
     """A ``KernelPlan`` (a ``ScatterPlan`` for a scatter) of one fused group."""
-    if group.kind == "scatter":
-        return plan_scatter(group, buffers, tuning, summary)
-    return plan_kernel(group, buffers, tuning, summary)
-
-
-__all__ = ["plan_group", "plan_kernel", "plan_scatter", "numel_summary", "element_reads", "row_passes"]
+    return (plan_scatter if group.kind == "scatter" else plan_kernel)(group, buffers, tuning, summary)

@@ -9,8 +9,6 @@ buffer the column reduction reads (a norm backward); elsewhere the classic split
 (GELU backward with its bias gradient, 8192x3072 bf16: 0.058 ms against 0.083). ``tuning.fold``: 'shared'
 (that rule), 'always', 'never'.
 """
-from __future__ import annotations
-
 import sympy
 import torch
 

@@ -1,8 +1,6 @@
 """Launch configurations of Triton kernels: block sizes, warps and grids, read by the Triton emitter (static
 sizes: constants of the module) and by ``kiln.runtime.launch`` (dynamic sizes, autotuning).
 """
-from __future__ import annotations
-
 from typing import NamedTuple
 
 from kiln.options import Tuning

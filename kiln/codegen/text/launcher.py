@@ -2,8 +2,6 @@
 sizes from input shapes, restrides inputs, allocates outputs (or takes the wrapper's ``into``) and launches.
 The header names the input dtypes, so equal text is an equal kernel for every argument.
 """
-from __future__ import annotations
-
 import sympy
 
 from kiln.codegen.ir.indexing import RINDEX, XINDEX

@@ -1,6 +1,4 @@
 """The one printer of index and size expressions, for every emitter and launcher (Python and C++ alike)."""
-from __future__ import annotations
-
 import sympy
 
 from kiln.codegen.ir.indexing import FloorDiv, ModIdx

@@ -2,8 +2,6 @@
 hash of its text (``named``) into the ``KernelRef`` a graph node calls (data until ``kiln.runtime`` binds
 it); a C++ ``Unit`` and the wrapper's ``Wrapper``, which the runtime builds and loads.
 """
-from __future__ import annotations
-
 import hashlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -102,6 +100,3 @@ def declined(plan) -> KernelSource:
             symbols |= plan.tail.symbols
     outputs = [b.name for b in plan.outputs()]
     return KernelSource("", tuple(sorted(reads)), tuple(outputs), tuple(sorted(symbols, key=str)), "aten", (), None)
-
-
-__all__ = ["PLACEHOLDER", "VECTOR_MATH", "KernelSource", "Unit", "KernelRef", "Wrapper", "named", "declined"]

@@ -1,7 +1,5 @@
 """What both emitters' expression writers share: a kernel's temporaries, its pointer and size parameters,
 its reduction results, its philox seeds and bounds checks, and how it prints an index (``printer``)."""
-from __future__ import annotations
-
 import sympy
 
 from kiln.codegen.ir.bounds import parts, proof
@@ -32,14 +30,10 @@ class ExprWriter:
         return f"{prefix}{self.count}"
 
     def arg_for(self, name):
-        if name not in self.inputs:
-            self.inputs[name] = f"in_ptr{len(self.inputs)}"
-        return self.inputs[name]
+        return self.inputs.setdefault(name, f"in_ptr{len(self.inputs)}")
 
     def size_arg(self, sym):
-        if sym not in self.sizes:
-            self.sizes[sym] = f"ks_{sym.name}"
-        return self.sizes[sym]
+        return self.sizes.setdefault(sym, f"ks_{sym.name}")
 
     def seed(self, slot) -> str:
         """The variable holding the philox seed of random op ``slot``."""

@@ -1,8 +1,6 @@
 """C++ emitter: the expressions of a kernel plan as C++ statements, each at the loop depth its ``Level``
 says and computed once per scope (the IR is hash-consed); ``rows.py`` walks the plan around them.
 """
-from __future__ import annotations
-
 import sympy
 import torch
 
@@ -99,13 +97,9 @@ class ExprWriter(writer.ExprWriter):
 
     def use_split(self, outer, inner):
         """Write ``xindex`` as ``xo * inner + xi`` (or ``xi`` alone when there is one outer position)."""
-        self.xi_n = inner
-        if outer == 1:
-            self.subst = {XINDEX: XI}
-            self.ranges = Ranges({XI: inner})
-        else:
-            self.subst = {XINDEX: XO * inner + XI}
-            self.ranges = Ranges({XO: outer, XI: inner})
+        self.xi_n, one = inner, outer == 1
+        self.subst = {XINDEX: XI if one else XO * inner + XI}
+        self.ranges = Ranges({XI: inner} if one else {XO: outer, XI: inner})
 
     def _split_index(self, expr):
         """Index ``expr`` over the loop variables the kernel writes (``xo``/``xi``, ``r0``/``r1``), simplified."""
@@ -226,9 +220,7 @@ class ExprWriter(writer.ExprWriter):
                 if row_ptr is not None:   # a row that does not hold reads zeros: the masked value
                     at = XI.name if row_ptr[1] == 1 else f"{row_ptr[1]}*{XI.name}"
                     return load_code(row_ptr[0], at, self.plan.buffers[a[0]].dtype)
-            ptr = self.arg_for(a[0])
-            idx = self.index(a[1], a[2], sub)
-            code = load_code(ptr, idx, self.plan.buffers[a[0]].dtype)
+            code = load_code(self.arg_for(a[0]), self.index(a[1], a[2], sub), self.plan.buffers[a[0]].dtype)
             return f"({mask[0]} ? {code} : ({VALUE[e.dtype]})0)" if mask is not None else code
         if op == "checked":
             return self._checked(e, scope, mask, sub)
@@ -237,8 +229,7 @@ class ExprWriter(writer.ExprWriter):
             return f"(({idx}) != 0)" if e.dtype == torch.bool else f"(({VALUE[e.dtype]})({idx}))"
         if op == "rand":
             kind, offset, slot = a
-            seed = self.seed(slot)
-            return f"kiln_{kind}({seed}, (uint32_t)({self.index(offset, (), sub)}))"
+            return f"kiln_{kind}({self.seed(slot)}, (uint32_t)({self.index(offset, (), sub)}))"
         if op == "cast":
             x = sub(a[0])
             if e.dtype.is_floating_point and _truncated(a[0]):   # g++ folds float -> int -> float into a
@@ -295,9 +286,7 @@ class ExprWriter(writer.ExprWriter):
         w = f"({r} < 0 ? {r} + (int64_t)({s}) : {r})" if info.wraps else r
         if how == "wrap":
             return w
-        if e not in self.checks:
-            self.checks[e] = (f"kiln_m{len(self.checks)}", s, info)
-        m = self.checks[e][0]
+        m = self.checks.setdefault(e, (f"kiln_m{len(self.checks)}", s, info))[0]
         var = self.tmp("ix")
         scope.lines.append(f"const int64_t {var} = {w};")
         seen = f"(uint64_t){var}" if mask is None else f"({mask[0]} ? (uint64_t){var} : (uint64_t)0)"
@@ -355,10 +344,6 @@ class ExprWriter(writer.ExprWriter):
 
     def integer(self, n: int) -> str:
         return f"(({self.idx_t}){n}LL)" if abs(n) >= 2 ** 31 else str(n)
-
-
-__all__ = ["Scope", "ExprWriter", "render", "load_code", "store_code", "assume", "row_index_other", "XO", "XI",
-           "R0", "R1"]
 
 
 def _truncated(e) -> bool:

@@ -2,8 +2,6 @@
 each kernel's Python launcher, which calls it through ``kiln.runtime.cpp_build``. A plan the emitter cannot
 write gets a source with no text (its ATen nodes run; the reason logged).
 """
-from __future__ import annotations
-
 import hashlib
 
 from kiln.codegen.ir.bounds import parts
@@ -85,6 +83,3 @@ def _checked(call: str, k, names) -> list:
         return [call]
     checks = launcher.check_list(((parts(e)[1], info) for e, (_, _, info) in k.checks.items()), names)
     return [f"_c = {call[:-1]}, _cell_at)", "if _c:", f"    _bounds.fail(_c, _cell, ({checks},))"]
-
-
-__all__ = ["write_unit"]

@@ -5,8 +5,6 @@ NaN and signed-zero rules. ``PREAMBLE`` starts every unit: with ``KILN_LIBMVEC``
 declared ``omp declare simd``; their ``kiln_s_`` aliases have none (``emit.decides``). An op without a
 template raises ``Unsupported``: the kernel runs as ATen.
 """
-from __future__ import annotations
-
 import math
 import re
 
@@ -253,7 +251,3 @@ def combine(kind: str, acc: str, v: str, floating: bool) -> str:
             return f"kiln_{kind}_nan({acc}, {v})"
         return f"({v} {'>' if kind == 'max' else '<'} {acc} ? {v} : {acc})"
     raise Unsupported(f"cpp: no reduction {kind}")
-
-
-__all__ = ["VALUE", "MEMORY", "VECTOR_MATH", "PREAMBLE", "ZERO_ROW_BYTES", "DISCRETE", "DISCRETE_REDUCE",
-           "SCALAR_PREFIX", "template", "calls_vector_math", "scalar_math", "literal", "neutral", "combine"]

@@ -5,8 +5,6 @@ reduction kernel gives each thread whole rows, one ``omp simd`` loop over ``rind
 (a softmax takes two loops, not the online pass: the row is still in cache). Outer reductions accumulate
 per chunk of rows, combined in chunk order (independent of the thread count).
 """
-from __future__ import annotations
-
 import dataclasses
 
 import sympy
@@ -325,7 +323,7 @@ class CppKernel(ExprWriter):
                        f"{store_code(f'{m.name}_col[r]', dt)};")
         rows = ([f"for ({t} xo = 0; xo < {chunk}; xo++) {{", f"  const {t} x = xpid * {chunk} + xo;"], row, ["}"])
         self.body.append(([self._parallel(), f"for ({t} xpid = 0; xpid < {programs}; xpid++) {{"],
-                          _scope_of(start + [rows] + end), ["}"]))
+                          Scope(lines=start + [rows] + end), ["}"]))
 
     def _outer_rows(self, outers, row, post):
         """Reductions over all rows: a partial per chunk of rows, combined in chunk order, then ``post``."""
@@ -338,9 +336,7 @@ class CppKernel(ExprWriter):
                 raise Unsupported(f"cpp: outer reduction {m.reduce}")
             ct, fl = VALUE[m.acc], m.acc.is_floating_point
             acc = self.tmp("oacc")
-            v = self.emit(m.value, row, None, row, None)
-            v = v if m.value.dtype == m.acc else f"(({ct}){v})"
-            row.lines.append(f"{acc} = {combine(m.reduce, acc, v, fl)};")
+            row.lines.append(f"{acc} = {combine(m.reduce, acc, self._reduce_value(m, row), fl)};")
             start.append(f"{ct} {acc} = {neutral(m.reduce, m.acc)};")
             end.append(f"{acc}_part[c] = {acc};")
             var = self.tmp("red")
@@ -353,7 +349,7 @@ class CppKernel(ExprWriter):
                 self._store(m, m.result, post, None, post)
         rows = ([f"const {t} x0 = ({t})((int64_t)c * xnumel / nch), x1 = ({t})((int64_t)(c + 1) * xnumel / nch);",
                  f"for ({t} x = x0; x < x1; x++) {{"], row, ["}"])
-        body = _scope_of(start + [rows] + end)
+        body = Scope(lines=start + [rows] + end)
         # nch is opaque: with xnumel <= n each chunk is one row, and g++ 12, proving the row loop runs once,
         # left the row's exp loop scalar (cross-entropy's forward over 64 rows: 94 us, eager's 18)
         self.body += [f"{t} nch = xnumel < {n} ? xnumel : {n};", "KILN_OPAQUE(nch);"] + combine_lines
@@ -364,8 +360,7 @@ class CppKernel(ExprWriter):
         """Costly values (vector math, float division) that two loops over a static row of at most
         ``tuning.cpp_row_cache`` elements compute: the first keeps them in an array, later ones read it."""
         n = sympy.sympify(self.plan.rnumel)
-        limit = self.tuning.cpp_row_cache
-        if not n.is_Integer or int(n) > limit:
+        if not n.is_Integer or int(n) > self.tuning.cpp_row_cache:
             return
         first: dict = {}   # Expr -> the first pass computing it
         again: set = set()
@@ -412,7 +407,7 @@ class CppKernel(ExprWriter):
         code = f"{self.out_args[m.name]}[{self.index(idx, (), None)}] = {store_code(v, m.buffer.dtype)};"
         if self.plan.reduction and RINDEX in idx.free_symbols and scope is row:
             head, tail = self._r_loop("#pragma omp simd")
-            scope.lines.append((head, _scope_of([code]), tail))
+            scope.lines.append((head, Scope(lines=[code]), tail))
         else:
             scope.lines.append(code)
 
@@ -455,16 +450,9 @@ def _divides(exprs, subst, ranges, inner) -> bool:
 
 def _index_exprs(plan) -> list:
     """Every load, index and store expression of ``plan``'s row members, simplified in its ranges."""
-    out = []
-    for m in plan.members:
-        for n in m.value.walk():
-            if n.op == "load":
-                out.append(n.args[1])
-            elif n.op == "index":
-                out.append(n.args[0])
-        if m.index is not None:
-            out.append(m.index)
-    return [simplify(e, plan.ranges) for e in out]
+    out = [n.args[1] if n.op == "load" else n.args[0] for m in plan.members for n in m.value.walk()
+           if n.op in ("load", "index")]
+    return [simplify(e, plan.ranges) for e in out + [m.index for m in plan.members if m.index is not None]]
 
 
 def pointwise_split(plan, min_inner: int):
@@ -525,21 +513,12 @@ def _reducing(lines, clause: str) -> tuple:
             if updates:
                 header = [h + clause if h.lstrip().startswith(("#pragma omp parallel for", "#pragma omp simd"))
                           else h for h in header]
-            out.append((header, _scope_of(inner), trailer))
+            out.append((header, Scope(lines=inner), trailer))
             hit |= updates
         else:
             out.append(ln)
             hit |= ln.startswith("kiln_m")
     return out, hit
-
-
-def _scope_of(lines) -> Scope:
-    s = Scope()
-    s.lines = list(lines)
-    return s
-
-
-__all__ = ["CppKernel", "row_split"]
 
 
 def _costly(e) -> bool:

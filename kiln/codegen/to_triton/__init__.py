@@ -1,2 +1,1 @@
-"""The Triton emitter: a kernel plan as a module of ``@triton.jit`` functions and a launcher
-(``module.write_module``)."""
+"""The Triton emitter: a plan as a module of ``@triton.jit`` functions and a launcher (``module.write_module``)."""

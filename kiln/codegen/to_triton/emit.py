@@ -2,8 +2,6 @@
 kernels, 2-D ``[XBLOCK, RBLOCK]`` for reductions), each at the loop depth its ``Level`` says and computed
 once per scope; ``rows.py`` walks the plan around them, ``module.py`` writes the module.
 """
-from __future__ import annotations
-
 import math
 from dataclasses import dataclass
 
@@ -43,9 +41,8 @@ class ExprWriter(writer.ExprWriter):
         # a chained tail reads its head's stores of this launch: past L1
         self.load_suffix = past_l1(self.interpret) if plan.chained else ""
         self.helpers, self.libdevice = set(), False
-        self.top = Scope()
+        self.top, self.pre = Scope(), []
         self.post = Scope() if plan.outer or plan.chunks else None
-        self.pre = []
         self.pass_index = None   # the plan's row pass being written (looped kernels)
 
     def emit(self, e: Expr, scope: Scope, mask=None) -> str:

@@ -1,8 +1,6 @@
 """Kernel module text (``write_module``): the ``@triton.jit`` functions of a plan and the launcher around
 them, which launches through ``kiln.runtime.launch``. Everything a launch depends on is in the text.
 """
-from __future__ import annotations
-
 import sympy
 import torch
 

@@ -1,8 +1,6 @@
 """How each loop-IR op is written in Triton, for GPUs and for the CPU interpreter (no libdevice there:
 ``tl`` primitives or ``HELPERS``). An op without a template raises ``Unsupported``.
 """
-from __future__ import annotations
-
 import re
 
 import torch

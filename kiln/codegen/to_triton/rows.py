@@ -2,8 +2,6 @@
 code, one loop over ``rindex`` per pass (a softmax's max and sum share one online pass), outer reductions
 and column partials accumulated across row blocks, or a scatter through computed indices.
 """
-from __future__ import annotations
-
 import torch
 
 from kiln.codegen.ir.indexing import RINDEX, XINDEX

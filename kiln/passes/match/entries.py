@@ -4,8 +4,6 @@
 it rejects a match when an in-place op between its nodes writes a storage the match reads (``alias.py``),
 then runs ``extra_check`` and the rewrite, counted in ``counters["kiln"]["pattern_matcher_count"]``.
 """
-from __future__ import annotations
-
 import collections
 import hashlib
 import inspect

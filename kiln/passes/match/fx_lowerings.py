@@ -2,8 +2,6 @@
 builds) before the node of ``inserting(graph, before)``, else after its latest FX argument (with neither,
 the op runs eagerly), and returns its ``fx.Node``, with a fake value from the arguments' when known.
 """
-from __future__ import annotations
-
 import contextlib
 import contextvars
 from typing import Any, Callable, Dict, Optional, Tuple
@@ -13,9 +11,8 @@ import torch.fx as fx
 
 
 class LoweringError(RuntimeError):
-    """A lowering could not place its nodes: the arguments come from different graphs, or a
-    node argument is defined after the insertion point. Fix the pattern handler so that it only
-    passes values available at the matched node."""
+    """A lowering could not place its nodes: the arguments come from different graphs, or a node argument is defined
+    after the insertion point. Fix the pattern handler so that it only passes values available at the matched node."""
 
 
 _INSERT: contextvars.ContextVar[Optional[Tuple[fx.Graph, fx.Node]]] = contextvars.ContextVar(

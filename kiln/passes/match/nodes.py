@@ -2,8 +2,6 @@
 ``fns`` (a packet: any overload) with matching arguments, inner nodes with exactly ``_users`` users
 (``MULTIPLE``: any). ``MultiOutputPattern([p0, ...])``: ``p0`` anchors, the others are found among users.
 """
-from __future__ import annotations
-
 from typing import Any, Iterator, List, Optional, Sequence
 
 import torch
@@ -184,9 +182,7 @@ class ListOf(PatternExpr):
                 continue
             matched = True
             m.extend(child.bundle())
-        if not matched:
-            return FailedMatch("list: no_match")
-        return m.bundle()
+        return FailedMatch("list: no_match") if not matched else m.bundle()
 
     def __repr__(self):
         return f"ListOf({self.pattern!r}{', partial=True' if self.partial else ''})"

@@ -1,8 +1,6 @@
 """The pattern matcher's core: ``Match``, ``MatchContext``, ``PatternExpr``, the leaf patterns binding values
 unseen (``Arg``, ``KeywordArg``, ``ExclusiveKeywordArg``, ``Ignored``), and ``replace_with_graph``.
 """
-from __future__ import annotations
-
 import itertools
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
@@ -272,8 +270,5 @@ def replace_by_example(match, fn, args, trace_fn=None, run_functional_passes=Tru
     """Trace ``fn`` on the example values of ``args`` and splice the result in for ``match``."""
     mode, vals = fake_values([example_value(a) for a in args])
     with mode:
-        if trace_fn is None:
-            gm = fwd_only(fn, vals, run_functional_passes=run_functional_passes)
-        else:
-            gm = trace_fn(fn, vals)
+        gm = fwd_only(fn, vals, run_functional_passes=run_functional_passes) if trace_fn is None else trace_fn(fn, vals)
     return replace_with_graph(match, match.graph, gm, args)

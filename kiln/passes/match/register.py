@@ -1,8 +1,6 @@
 """Registering rewrites into pattern passes: ``register_graph_pattern``, ``register_lowering_pattern``,
 ``register_replacement``; traced graphs as patterns (``fx_to_pattern``, ``gen_pattern``, cached).
 """
-from __future__ import annotations
-
 import inspect
 import itertools
 from typing import Any, Callable, Dict, Sequence
@@ -20,8 +18,7 @@ from kiln.passes.match.trace import PatternTraceError, example_value, joint_fwd_
 from kiln.options import UserError
 
 
-def fx_to_pattern(gm, ignore_types=(), argnames=(), scalar_workaround=None,
-                  exclusive_arg_names=()) -> PatternExpr:
+def fx_to_pattern(gm, ignore_types=(), argnames=(), scalar_workaround=None, exclusive_arg_names=()) -> PatternExpr:
     """A traced graph as a pattern: placeholders become KeywordArgs (named by ``argnames``, else their
     target), constants of ``ignore_types`` ``Ignored()``, ``scalar_workaround`` floats KeywordArgs."""
     graph = gm.graph if isinstance(gm, fx.GraphModule) else gm
@@ -97,9 +94,8 @@ def gen_pattern(search_fn, example_inputs, trace_fn, scalar_workaround=(), exclu
 
 
 class PatternError(RuntimeError, UserError):
-    """A registered pattern is inconsistent with its search function (an argument of the search
-    function never reaches the pattern, so a match cannot bind it). Use every argument, or list
-    the unused one in ``scalar_workaround``."""
+    """A registered pattern is inconsistent with its search function (an argument of the search function never reaches
+    the pattern, so a match cannot bind it). Use every argument, or list the unused one in ``scalar_workaround``."""
 
 
 def register_graph_pattern(pattern: PatternExpr, extra_check: Callable = _return_true, *, pass_dict,
@@ -113,8 +109,7 @@ def register_graph_pattern(pattern: PatternExpr, extra_check: Callable = _return
 
 def register_lowering_pattern(pattern: PatternExpr, extra_check: Callable = _return_true, *, pass_dict,
                               prepend: bool = False):
-    """Decorator: ``handler(match, *args, **kwargs)`` returns the root's replacement, built with
-    ``L[op](...)``."""
+    """Decorator: ``handler(match, *args, **kwargs)`` returns the root's replacement, built with ``L[op](...)``."""
     def decorator(handler):
         LoweringPatternEntry(pattern, handler, extra_check).register(pass_dict, prepend=prepend)
         return handler
@@ -188,8 +183,7 @@ def register_replacement(search_fn, replace_fn, example_inputs: Sequence[Any], t
                 if isinstance(v, torch.Tensor):
                     if grad and not (v.dtype.is_floating_point or v.dtype.is_complex):
                         return False
-                    v = torch.empty_strided(v.size(), v.stride(), dtype=v.dtype, device=v.device,
-                                            requires_grad=grad)
+                    v = torch.empty_strided(v.size(), v.stride(), dtype=v.dtype, device=v.device, requires_grad=grad)
                 args.append(v)
             try:
                 sm = specific_match(args, match)

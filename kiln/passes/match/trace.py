@@ -1,8 +1,6 @@
 """Tracing pattern and replacement functions: ``fwd_only`` (``make_fx``), ``joint_fwd_bwd`` (AOTAutograd's
 joint graph), and ``traced``, cached so that registering a pattern again traces nothing (``CACHE_STATS``).
 """
-from __future__ import annotations
-
 from typing import Any, Dict, Sequence
 
 import torch
@@ -15,9 +13,8 @@ aten = torch.ops.aten
 
 
 class PatternTraceError(RuntimeError):
-    """A search or replacement function could not be turned into a pattern (it uses modules,
-    attributes or methods, or its first output is not a call). Write it with torch functions on its
-    arguments only."""
+    """A search or replacement function could not be turned into a pattern (it uses modules, attributes or methods, or
+    its first output is not a call). Write it with torch functions on its arguments only."""
 
 
 def remove_noop_aliases(graph: fx.Graph) -> int:
@@ -130,6 +127,4 @@ def example_value(value):
         if v is None:
             raise PatternTraceError(f"{value.name} has no meta['val']; run fake-tensor propagation first")
         return v
-    if isinstance(value, (list, tuple)):
-        return type(value)(example_value(v) for v in value)
-    return value
+    return type(value)(example_value(v) for v in value) if isinstance(value, (list, tuple)) else value

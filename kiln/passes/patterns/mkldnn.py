@@ -2,8 +2,6 @@
 supported bfloat16) with a constant weight gets it reordered once into a new constant and becomes
 ``mkldnn._convolution_pointwise.default(..., "none", [], "")``.
 """
-from __future__ import annotations
-
 import torch
 import torch.fx as fx
 
