@@ -247,6 +247,7 @@ def _peak_reserved(model, mode, x):
             torch.cuda.reset_peak_memory_stats()
         f(x)[0].backward()
         model.zero_grad(set_to_none=True)
+        x.grad = None
     torch.cuda.synchronize()
     graphs = [g for g in cudagraph.device_pool().graphs if id(g) not in earlier]
     return torch.cuda.max_memory_reserved(), sum(b.nbytes for g in graphs for b in getattr(g, "copies", {}).values())
