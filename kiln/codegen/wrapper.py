@@ -154,6 +154,9 @@ class _Emitter:
             lhs = ", ".join(self.names[n] for n in placeholders)
             body.append(f"{lhs}, = args" if len(placeholders) == 1 else f"{lhs} = args")
         body.append("args.clear()")
+        unread = [self.names[n] for n in placeholders if n not in last_use]   # e.g. a saved value a backward drops
+        if unread:
+            body.append("del " + ", ".join(unread))
         guard = _kernel_devices(nodes)
         shared = len(set(guard.values())) == 1
         if shared:   # every compiled kernel runs on one GPU: enter it once (kernels allocate and launch there)

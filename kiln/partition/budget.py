@@ -5,10 +5,12 @@
 - b in between: the first of the "more aggressive" and "aggressive" cuts saving at most ``b * max``; else
   an exact 0/1 knapsack (ties to more bytes: monotone in b) keeps the heavy ops of largest runtime that fit.
 
-The hold set (issue #5): below budget 1 a layered model reran its whole forward at the start of the
+The hold set (issues #5, #37): below budget 1 a layered model reran its whole forward at the start of the
 backward, and the peak rose as the budget fell. The forward still saves the budget's set, but the backward
-may first rebuild from it the saved set of a higher budget of the ``LADDER`` (``extract.hold_steps``): the
-one (or none) of lowest modelled peak (tests/partition/test_monotone.py measures the curve).
+may first rebuild from it the saved set of a higher budget of the ``LADDER``, then run that budget's backward
+(``extract.hold_steps``). The knapsack's sets are not nested (GPT's budget 0.4 saved matmuls that 0.5
+recomputes, alive until their late use: 7.5 -> 9.0 MB), so without the hold a lower budget could model a
+higher peak. The hold (or none) of lowest modelled peak wins (tests/partition/test_monotone.py).
 """
 from __future__ import annotations
 
@@ -204,28 +206,31 @@ def ladder_saved(info, budget: float, opts) -> list:
 
 
 def plan_with_hold(info, saved: List[fx.Node], budget: float, opts) -> Saved:
-    """``saved`` with the hold set (or none) of lowest modelled peak, searched even below budget 1's peak (issue
-    #37: a CNN's peak, modelled and measured, rose from 4.5 MB at 0.4 to 6.3 at 0.2). A hold changes only the
-    backward, where all of it is alive once rebuilt: the forward's peak and its saved bytes (growing with the
-    rung) bound the peak, so the rungs are tried upwards until that bound is within ``_GAIN`` of the best."""
-    n = info.num_fwd_outputs
-    plain = Saved.of(saved)
-    p = model_peak(info.gm, plain, n, info)
-    best, best_key, tried = plain, (p.peak, p.recompute_flops), set()
+    """``saved`` with the hold set (or none) of lowest modelled peak, then FLOPs, searched below budget 1's peak
+    too (a CNN's rose 4.5 -> 6.3 MB from 0.4 to 0.2). All of a hold is alive once rebuilt: the forward's peak
+    and its bytes (growing with the rung) bound the peak, so the rungs are tried upwards until that bound is
+    within ``_GAIN`` of the best; the best is tried again holding ``saved`` too (nothing saved is recomputed)."""
+    n, tried, best = info.num_fwd_outputs, set(), [None, (math.inf,)]
+
+    def consider(hold):
+        plan = Saved.of(saved, hold=hold)
+        q = model_peak(info.gm, plan, n, info)
+        if (q.peak, q.recompute_flops) < best[1]:
+            best[:] = plan, (q.peak, q.recompute_flops)
+        return q
+
+    p = consider(None)
     for b in (r for r in reversed(LADDER) if r > budget):
-        hold = [h for h in normalize_saved(ladder_saved(info, b, opts)) if h.op != "placeholder"]
-        if max(p.forward, saved_bytes(hold)) >= best_key[0] * (1 - _GAIN):
+        rung = [h for h in normalize_saved(ladder_saved(info, b, opts)) if h.op != "placeholder"]
+        if max(p.forward, saved_bytes(rung)) >= best[1][0] * (1 - _GAIN):
             break
-        if frozenset(hold) in tried:   # rungs often share a cut
-            continue
-        tried.add(frozenset(hold))
-        cand = Saved.of(saved, hold=hold)
-        q = model_peak(info.gm, cand, n, info)
-        log(3, f"remat: budget {budget}: hold the budget-{b} set -> modelled peak {q.peak} B "
-               f"(no hold {p.peak} B)", artifact="kiln_remat")
-        if (q.peak, q.recompute_flops) < best_key:
-            best, best_key = cand, (q.peak, q.recompute_flops)
-    if best.hold is not None:
-        log(3, f"remat: budget {budget}: the backward rebuilds {len(best.hold)} values first "
-               f"(modelled peak {p.peak} -> {best_key[0]} B)", artifact="kiln_remat")
-    return best
+        if frozenset(rung) not in tried:   # rungs often share a cut
+            tried.add(frozenset(rung))
+            q = consider(rung)
+            log(3, f"remat: budget {budget}: hold the budget-{b} set -> modelled peak {q.peak} B "
+                   f"(no hold {p.peak} B)", artifact="kiln_remat")
+    if best[0].hold is not None:
+        consider(normalize_saved(best[0].hold + [s for s in saved if s.op != "placeholder"]))
+        log(3, f"remat: budget {budget}: the backward rebuilds {len(best[0].hold)} values first "
+               f"(modelled peak {p.peak} -> {best[1][0]} B)", artifact="kiln_remat")
+    return best[0]

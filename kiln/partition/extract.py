@@ -155,29 +155,20 @@ class Saved(list):
 def hold_steps(nodes: Sequence[fx.Node], saved: Sequence[fx.Node], hold: Sequence[fx.Node],
                roots: Sequence[fx.Node], anchors: set) -> list:
     """The backward's ``[(key, node, {input: key})]`` rebuilding ``hold``: phase 1 ``(n, 1)`` computes it from
-    ``saved`` and inputs ``(n, 0)``; phase 2 ``(n, 2)`` what ``roots`` need (``lazy_order``), reading both."""
+    ``saved`` and inputs ``(n, 0)``; phase 2 ``(n, 2)`` what ``roots`` need (``lazy_order``) from ``hold`` and
+    inputs alone (a saved value outside ``hold`` dies with phase 1: phase 2 is a higher budget's backward)."""
     ph = {n for n in nodes if n.op == "placeholder"}
     avail1 = set(saved) | ph
     hold = normalize_saved(hold) if hold else []
     need1 = _ancestors(hold, avail1)
     p1 = [n for n in nodes if n in need1 and n not in avail1]
-    k1 = {n: ((n, 1) if n in set(p1) else (n, 0)) for n in need1}
-    avail2 = set(hold) | avail1
+    k1 = {n: (n, 0 if n in avail1 else 1) for n in need1}
+    avail2 = set(hold) | ph
     need2 = _ancestors(roots, avail2)
     p2 = lazy_order(nodes, need2, anchors, avail2)
     p2set = set(p2)
     steps = [((n, 1), n, {a: k1[a] for a in _inputs(n)}) for n in p1]
-
-    def key2(a):
-        return (a, 2) if a in p2set else k1.get(a, (a, 0))
-
-    steps += [((n, 2), n, {a: key2(a) for a in _inputs(n)}) for n in p2]
-    return steps
-
-
-def phase_key(steps) -> dict:
-    """node -> the key of its last copy in ``steps`` (what the graph's outputs refer to)."""
-    return {n: k for k, n, _ in steps}
+    return steps + [((n, 2), n, {a: (a, 2) if a in p2set else k1.get(a, (a, 0)) for a in _inputs(n)}) for n in p2]
 
 
 def _subgraph(joint: fx.Graph, inputs: Sequence[fx.Node], outputs: Sequence, keep, what: str,
@@ -205,7 +196,7 @@ def _subgraph(joint: fx.Graph, inputs: Sequence[fx.Node], outputs: Sequence, kee
         if missing:
             raise PartitionError(f"partition: the {what} graph needs inputs {missing}, which it does not get")
         env[key] = g.node_copy(n, lambda a, ins=ins: env[ins[a]])
-    last = phase_key(steps)
+    last = {n: k for k, n, _ in steps}   # the last copy of each node: what the outputs read
     g.output(tuple(env[last.get(o, (o, 0))] if isinstance(o, fx.Node) else o for o in outputs))
     dce(g)
     g.lint()
@@ -265,14 +256,11 @@ def read_saved(joint_gm: fx.GraphModule, saved, num_fwd_outputs: int, tang: Opti
     roots += [n for n in tang if is_impure(n)]
     hold = getattr(saved, "hold", None)
     saved = normalize_saved(saved)
-    if hold is None:
-        need = _ancestors(roots, set(saved) | set(bwd_in))
-        return [n for n in saved if n in need]
-    nodes = [n for n in joint.nodes if n.op != "output"]
-    steps = hold_steps(nodes, saved, hold, roots, tang)
-    start = {a for _, _, ins in steps for a, k in ins.items() if k[1] == 0}
-    start |= {o for o in roots if o not in phase_key(steps)}
-    return normalize_saved(start - set(bwd_in))
+    need = _ancestors(roots, set(saved) | set(bwd_in))
+    if hold is not None:   # a hold keeps the budget's saved bytes (what phase 2 does not read dies with phase 1)
+        nodes = [n for n in joint.nodes if n.op != "output"]
+        need |= {a for _, _, ins in hold_steps(nodes, saved, hold, roots, tang) for a, k in ins.items() if k[1] == 0}
+    return [n for n in saved if n in need]
 
 
 def extract(joint_gm: fx.GraphModule, saved: Iterable[fx.Node], *, num_fwd_outputs: int

@@ -11,7 +11,7 @@ import torch.fx as fx
 
 from kiln.partition import ops
 from kiln.partition.estimate import node_flops, size_bytes
-from kiln.partition.extract import (_ancestors, _inputs, hold_steps, is_impure, lazy_order, normalize_saved, phase_key,
+from kiln.partition.extract import (_ancestors, _inputs, hold_steps, is_impure, lazy_order, normalize_saved,
                                     split_outputs, tangent_closure)
 
 
@@ -92,12 +92,12 @@ def _model_hold(graph, saved, hold, grads, tang, fwd: int) -> Peak:
     nodes = [n for n in graph.nodes if n.op != "output"]
     roots = [g for g in grads if isinstance(g, fx.Node)] + [n for n in nodes if n in tang and is_impure(n)]
     steps = hold_steps(nodes, saved, hold, roots, tang)
-    start = {k: size_bytes(a) for _, _, ins in steps for a, k in ins.items()
-             if k[1] == 0 and a.op != "placeholder" and _root(a) is a}
+    start = {(a, 0): size_bytes(a) for a in saved if a.op != "placeholder" and _root(a) is a}
     start.update({(t, 0): size_bytes(t) for t in nodes if t.op == "placeholder" and t in tang})
-    last = phase_key(steps)
+    last = {n: k for k, n, _ in steps}
     keep = {last.get(_root(g), (_root(g), 0)) for g in grads if isinstance(g, fx.Node)}
-    bwd = _replay(steps, start, keep)
+    read = {k for _, _, ins in steps for k in ins.values()}   # a saved value no step reads dies at the start
+    bwd = max(sum(start.values()), _replay(steps, {k: b for k, b in start.items() if k in read or k in keep}, keep))
     flops = sum(node_flops(n) for _, n, _ in steps if n not in tang)
     return Peak(fwd, bwd, saved_bytes(saved), flops)
 
