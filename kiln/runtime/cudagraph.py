@@ -30,7 +30,6 @@ class Pool:
     def __init__(self):
         self.handle = None
         self._graphs: list = []
-        self.static_ptrs: set = set()   # addresses of the static inputs (parameters) graphs read in place
 
     def ensure(self):
         """The pool's handle; a new one once every graph captured in it has died: the allocator frees a private
@@ -49,6 +48,11 @@ class Pool:
         if None in live:
             self._graphs = [r for r, g in zip(self._graphs, live) if g is not None]
         return [g for g in live if g is not None]
+
+    @property
+    def static_ptrs(self) -> set:
+        """Addresses of the static inputs (parameters) the live graphs read in place."""
+        return {g.direct[i] for g in self.graphs if g.graph is not None for i in g.static if i in g.direct}
 
     def release_dead(self) -> None:
         """Before a capture: user outputs only kiln holds go back to the pool (see the module docstring)."""
@@ -142,10 +146,11 @@ class Graphed:
             return self.compiled(args)
         direct, copies = {}, {}
         self.pool.release_dead()
+        params = self.pool.static_ptrs
         for i, x in enumerate(args):
             if x is None:
                 continue
-            if i in self.static or self.pool.owns(x) or x.data_ptr() in self.pool.static_ptrs:
+            if i in self.static or self.pool.owns(x) or x.data_ptr() in params:
                 direct[i] = x.data_ptr()
             else:
                 copies[i] = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
@@ -178,7 +183,6 @@ class Graphed:
         del outs
         self._baseline()
         self.graph, self.direct, self.copies, self.single = graph, direct, copies, single
-        self.pool.static_ptrs.update(direct[i] for i in self.static if i in direct)
         self.pool.add(self)
         counters["cudagraph"]["captured"] += 1
         log(1, f"cudagraph {self.name}: captured ({len(direct)} inputs in place, {len(copies)} copied)")
