@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import os
 import pstats
-import statistics
-import time
+import sys
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from probe_step import times  # noqa: E402  (step and host ms per step, as probe_step measures them)
 
 BUCKETS = (("kiln generated", ("<kiln", "/kiln_pw_", "/kiln_red_", "/kiln_")), ("kiln runtime", ("kiln/runtime",)),
            ("kiln other", ("/kiln/",)), ("dynamo", ("_dynamo",)), ("aot runtime", ("_functorch",)),
@@ -29,17 +32,6 @@ def bucket(filename: str) -> str:
         if any(k in filename for k in keys):
             return name
     return "builtin/C" if filename.startswith("~") or filename == "" else "other"
-
-
-def host_ms(step, n):
-    hs = []
-    for _ in range(n):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        step()
-        hs.append(time.perf_counter() - t0)
-    torch.cuda.synchronize()
-    return statistics.median(hs) * 1e3
 
 
 def main():
@@ -65,7 +57,7 @@ def main():
         for _ in range(4):
             wl.step(f)
         torch.cuda.synchronize()
-        host = host_ms(lambda: wl.step(f), 20)
+        host = times(lambda: wl.step(f), 20)[1]
         prof = cProfile.Profile()
         torch.cuda.synchronize()
         prof.enable()

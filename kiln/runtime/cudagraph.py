@@ -50,13 +50,17 @@ class Pool:
         return [g for g in live if g is not None]
 
     @property
+    def captured(self) -> List["Graphed"]:
+        return [g for g in self.graphs if g.graph is not None]
+
+    @property
     def static_ptrs(self) -> set:
         """Addresses of the static inputs (parameters) the live graphs read in place."""
-        return {g.direct[i] for g in self.graphs if g.graph is not None for i in g.static if i in g.direct}
+        return {g.direct[i] for g in self.captured for i in g.static if i in g.direct}
 
     def release_dead(self) -> None:
         """Before a capture: user outputs only kiln holds go back to the pool (see the module docstring)."""
-        done = [g for g in self.graphs if g.graph is not None]
+        done = self.captured
         for g in done:   # a block another graph reads or returns stays (storages may differ: compare addresses)
             g.release_dead({p for h in done if h is not g for p in (*h.storages, *h.direct.values())})
 
@@ -216,7 +220,7 @@ class Graphed:
         dead = {c for c, base in self.use["user"] if _use_count(c) == base}
         keys = [k for k in self._watch["user"] if self.storages[k]._cdata in dead and k not in self._watch["alias"]
                 and k not in others]
-        dead = {self.storages[k]._cdata for k in keys}
+        gone = {self.storages[k]._cdata for k in keys}
         for k in keys:
             st = self.storages[k]
             self.storages[k] = torch._C._construct_storage_from_data_pointer(k, st.device, st.nbytes())
@@ -224,7 +228,7 @@ class Graphed:
             self.out_ptrs.discard(k)
         if keys:   # the alias baselines stay: aliases may be alive now (a forward's saved tensors)
             self._watch["user"] = [k for k in self._watch["user"] if k not in keys]
-            self.use["user"] = [(c, base) for c, base in self.use["user"] if c not in dead]
+            self.use["user"] = [(c, base) for c, base in self.use["user"] if c not in gone]
             log(2, f"cudagraph {self.name}: {len(keys)} dead user output(s) given back to the pool, copied out")
 
     def _baseline(self):
