@@ -42,6 +42,7 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--size", default="gpu")
+    ap.add_argument("--api", type=int, default=0, help="also list this many CUDA API calls by host time")
     a = ap.parse_args()
     import kiln  # noqa: F401
     from kiln_bench import backends as B
@@ -80,6 +81,15 @@ def main():
             print(f"  {b:18s} {tt / a.steps * 1e3:8.2f} ms/step  {nc // a.steps:7d} calls/step")
         for tt, nc, name in sorted(rows, reverse=True)[:a.top]:
             print(f"    {tt / a.steps * 1e3:7.3f} ms {nc // a.steps:6d}x  {name}")
+        if a.api:   # CUDA runtime and driver calls of a few steps (a synchronizing call shows here)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                    torch.profiler.ProfilerActivity.CUDA]) as p:
+                for _ in range(a.steps):
+                    wl.step(f)
+                torch.cuda.synchronize()
+            ev = [e for e in p.key_averages() if e.key.startswith(("cuda", "cu")) and e.count]
+            for e in sorted(ev, key=lambda e: -e.cpu_time_total)[:a.api]:
+                print(f"    api {e.key[:40]:40s} {e.count // a.steps:6d}x/step {e.cpu_time_total / a.steps / 1e3:7.3f} ms/step")
         del f, wl
         torch._dynamo.reset()
         torch.cuda.empty_cache()

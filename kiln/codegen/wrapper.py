@@ -236,7 +236,24 @@ class _Emitter:
         args = self._args(n)
         if any(a is not None for a in self.into.get(n, ())):
             args.append(f"into={self.lit(tuple(self.into[n]))}")
+        if is_kernel(n.target) and self._known_layouts(n):
+            args.append("known=True")
         return f"{self.target_name(n.target)}({', '.join(args)})"
+
+    def _known_layouts(self, n: fx.Node) -> bool:
+        """Whether each input kernel node ``n`` checks (``KernelRef.layouts``) has the layout it checks for at run
+        time: its recorded one (``ViewPlan.known``), equal to the kernel's."""
+        layouts = getattr(n.target, "layouts", ())
+        if not layouts:
+            return False
+        for a, layout in zip(n.args, layouts):
+            if layout is None:
+                continue
+            val = a.meta.get("val") if isinstance(a, fx.Node) else None
+            if not isinstance(val, torch.Tensor) or self.views.known(a) is None or \
+                    (tuple(val.shape), tuple(val.stride())) != layout:
+                return False
+        return True
 
     def _args(self, n: fx.Node, skip: int = 0) -> list:
         return [self.lit(a) for a in n.args[skip:]] + [f"{k}={self.lit(v)}" for k, v in n.kwargs.items()]

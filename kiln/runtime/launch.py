@@ -146,16 +146,17 @@ _RUNTIME: list = []
 
 
 def _hooks_on() -> bool:
+    """Whether a Triton launch hook is installed (Triton 3.6 keeps an empty ``HookChain`` when none is): one
+    call per launch, the knobs object looked up once."""
     if not _RUNTIME:
         import triton
         _RUNTIME.append(getattr(getattr(triton, "knobs", None), "runtime", None))
     rt = _RUNTIME[0]
-    return rt is None or _hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook)
-
-
-def _hooked(hook) -> bool:
-    """Whether a Triton launch hook is installed (Triton 3.6 keeps an empty ``HookChain``)."""
-    return hook is not None and bool(getattr(hook, "calls", True))
+    if rt is None:
+        return True
+    enter, leave = rt.launch_enter_hook, rt.launch_exit_hook
+    return enter is not None and bool(getattr(enter, "calls", True)) or \
+        leave is not None and bool(getattr(leave, "calls", True))
 
 
 def _launch(kernel, grid, args, consts, warps):
@@ -211,8 +212,16 @@ def restride(t: torch.Tensor, shape, stride):
 empty_cuda = empty_strided_fn()   # (size, stride, dtype) on the current CUDA device
 
 
+_HERE: dict = {}
+
+
 def cuda_here() -> torch.device:
-    return torch.device("cuda", _device())
+    """The current CUDA device (one ``torch.device`` per index, made once)."""
+    i = _device()
+    d = _HERE.get(i)
+    if d is None:
+        d = _HERE[i] = torch.device("cuda", i)
+    return d
 
 
 def semaphore(cache: dict, device) -> torch.Tensor:

@@ -161,6 +161,28 @@ def test_random_op_left_in_the_check_fails_every_row():
     assert "RandomCheckError" in rows[1]["error"] and "differs from itself" in rows[1]["error"]
 
 
+class _Atomics(torch.nn.Module):
+    """Run-to-run noise only while nondeterministic kernels are allowed, as GPU atomics give a bf16 backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        out = self.lin(x)
+        if not torch.are_deterministic_algorithms_enabled():
+            out = out + torch.randn_like(out)   # differs from run to run, unlike a deterministic kernel
+        return out
+
+
+def test_nondeterministic_kernels_are_not_random_ops():
+    from kiln_bench.runner import _reference
+    from kiln_bench.case import ModelWorkload
+    w = ModelWorkload(_Atomics(), (torch.randn(4, 8),), "fp32", loss=lambda out, b: out.sum())
+    assert _reference(w)   # equal with deterministic kernels: no random op left, the check stands
+    assert not torch.are_deterministic_algorithms_enabled()   # restored
+
+
 @pytest.mark.slow
 def test_dropout_case_through_inductor():
     """The same case through the three backends of the table (inductor's CPU compile takes minutes here)."""

@@ -61,17 +61,30 @@ def contiguous(shape, stride) -> bool:
     return True
 
 
-def restrides(inputs, buffers, fn: str, test_contiguous: bool = False) -> list:
-    """Lines restriding each input of a static layout with ``fn`` (``test_contiguous``: if not contiguous)."""
+def layouts(inputs, buffers) -> tuple:
+    """Per input, the static ``(shape, stride)`` its launcher checks (``restrides``), or None (no check); empty
+    when no input is checked. The wrapper passes ``known=True`` where each checked input's run-time layout is
+    its recorded one (``codegen.views``), and the checks are skipped."""
     out = []
-    for i, b in enumerate(inputs):
+    for b in inputs:
         buf = buffers[b]
-        if buf.shape and all(sympy.sympify(x).is_Integer for x in buf.shape + buf.stride):
-            st = ints(buf.stride)
-            test = f"not in{i}.is_contiguous()" if test_contiguous and contiguous(buf.shape, buf.stride) \
-                else f"in{i}.stride() != {st}"
-            out += [f"if {test}:", f"    in{i} = {fn}(in{i}, {ints(buf.shape)}, {st})"]
-    return out
+        static = buf.shape and all(sympy.sympify(x).is_Integer for x in buf.shape + buf.stride)
+        out.append((tuple(int(x) for x in buf.shape), tuple(int(x) for x in buf.stride)) if static else None)
+    return tuple(out) if any(x is not None for x in out) else ()
+
+
+def restrides(inputs, buffers, fn: str, test_contiguous: bool = False) -> list:
+    """Lines restriding each input of a static layout with ``fn`` (``test_contiguous``: if not contiguous),
+    unless the caller says the layouts are ``known`` (``call`` then takes that argument)."""
+    out = []
+    for i, layout in enumerate(layouts(inputs, buffers)):
+        if layout is None:
+            continue
+        shape, stride = layout
+        test = f"not in{i}.is_contiguous()" if test_contiguous and contiguous(shape, stride) \
+            else f"in{i}.stride() != {ints(stride)}"
+        out += [f"    if {test}:", f"        in{i} = {fn}(in{i}, {ints(shape)}, {ints(stride)})"]
+    return ["if not known:"] + out if out else []
 
 
 def reuse(stored, inputs, reusable) -> tuple:
@@ -100,7 +113,9 @@ def check_list(checks, names) -> str:
     return ", ".join(f"({info.kind!r}, {info.dim}, {py(size, names)}, {info.wraps})" for size, info in checks)
 
 
-def call(inputs, names, scalars, seeds, body, extra=()) -> list:
-    """The ``call`` function: its arguments (inputs, size scalars, seeds, ``extra``), then ``body``."""
-    args = [f"in{i}" for i in range(len(inputs))] + [names[s] for s in scalars] + list(seeds) + list(extra)
+def call(inputs, names, scalars, seeds, body, extra=(), known=False) -> list:
+    """The ``call`` function: its arguments (inputs, size scalars, seeds, ``extra``, ``known`` where ``body``
+    checks layouts: ``restrides``), then ``body``."""
+    args = [f"in{i}" for i in range(len(inputs))] + [names[s] for s in scalars] + list(seeds) + list(extra) + \
+        ["known=False"] * known
     return ["", "", f"def call({', '.join(args)}):"] + ["    " + ln for b in body for ln in b.split("\n")]

@@ -19,8 +19,8 @@ VECTOR_MATH = ("exp", "log", "sin", "cos", "tan", "asin", "acos", "atan", "sinh"
 class KernelSource:
     """What an emitter makes of a plan: a module's ``text``, the buffers ``call`` takes and returns, its extra
     size arguments (``scalars``), per output the positions of the inputs it may be written into (``reuse``:
-    ``call``'s ``into``) and how many philox seed tensors ``call`` takes last (``seeds``). A declined plan has
-    no text (``declined``)."""
+    ``call``'s ``into``), how many philox seed tensors ``call`` takes last (``seeds``) and the input layouts
+    it checks unless told they are ``known`` (``launcher.layouts``). A declined plan has no text (``declined``)."""
     text: str
     inputs: tuple
     outputs: tuple
@@ -29,6 +29,7 @@ class KernelSource:
     reuse: tuple = ()
     interpret: bool = False
     seeds: int = 0
+    layouts: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class KernelRef:
     interpret: bool
     reuse: tuple = ()
     fallback: Any = None
+    layouts: tuple = ()   # ``KernelSource.layouts``
 
     @property
     def __name__(self) -> str:   # how torch.fx names the node's target
@@ -85,7 +87,7 @@ def named(src: KernelSource, fallback=None) -> KernelRef:
     """``src`` named by a hash of its text: ``kiln_pw_``, ``kiln_red_``... and 12 hex digits."""
     digest = hashlib.sha256(src.text.encode()).hexdigest()[:12]
     name = f"kiln_{'flex' if src.kind.startswith('flex') else _PREFIX.get(src.kind, 'pw')}_{digest}"
-    return KernelRef(name, src.text.replace(PLACEHOLDER, name), src.interpret, src.reuse, fallback)
+    return KernelRef(name, src.text.replace(PLACEHOLDER, name), src.interpret, src.reuse, fallback, src.layouts)
 
 
 def declined(plan) -> KernelSource:

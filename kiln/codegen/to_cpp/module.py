@@ -71,10 +71,11 @@ def _write_plan(plan, tuning: Tuning, functions: dict) -> KernelSource:
         taken += len(k.seeds)
         body += _checked(f"_k{i}({', '.join(ptrs + sizes)})", k, names)
     body.append(launcher.returns([outs[b.name] for b in plan.outputs()]))
-    lines += launcher.call(inputs, names, scalars, seeds, body, ["into=()"] if reuse else [])
+    lines += launcher.call(inputs, names, scalars, seeds, body, ["into=()"] if reuse else [],
+                           bool(launcher.layouts(inputs, buffers)))
     kind = "scatter" if scatter else "reduction" if plan.reduction else "pointwise"
     return KernelSource("\n".join(lines) + "\n", tuple(inputs), tuple(outs), tuple(scalars), kind, reuse, None,
-                        len(seeds))
+                        len(seeds), launcher.layouts(inputs, buffers))
 
 
 def _checked(call: str, k, names) -> list:

@@ -227,7 +227,8 @@ def module(kernels, defs, inputs, buffers, body_fn, into=False, seeds=()):
     for d in defs:
         lines += ["", d(names)]
     body = bind_lines + launcher.restrides(inputs, buffers, "launch.restride") + body_fn(names)
-    lines += launcher.call(inputs, names, scalars, seeds, body, ["into=()"] if into else [])
+    lines += launcher.call(inputs, names, scalars, seeds, body, ["into=()"] if into else [],
+                           bool(launcher.layouts(inputs, buffers)))
     return "\n".join(lines) + "\n", scalars
 
 
@@ -312,7 +313,7 @@ def write_module(plan, flags: Flags) -> KernelSource:
                            into=bool(reuse), seeds=k.seeds.values())
     kind = "reduction" if k.red else "pointwise"
     return KernelSource(text, tuple(inputs), tuple(b.name for b in plan.stored + tuple(tail_bufs)), tuple(scalars),
-                        kind, tuple(reuse), flags.interpret, len(k.seeds))
+                        kind, tuple(reuse), flags.interpret, len(k.seeds), launcher.layouts(inputs, plan.buffers))
 
 
 def _scatter_module(plan: ScatterPlan, flags: Flags) -> KernelSource:
@@ -345,5 +346,5 @@ def _scatter_module(plan: ScatterPlan, flags: Flags) -> KernelSource:
     defs += [lambda names: "\n".join(asserts)] * bool(asserts)
     text, scalars = module([copy, scatter], defs, inputs, plan.write.buffers, body, seeds=scatter.seeds.values())
     return KernelSource(text, tuple(inputs), (buf.name,), tuple(scalars), "scatter", (), flags.interpret,
-                        len(scatter.seeds))
+                        len(scatter.seeds), launcher.layouts(inputs, plan.write.buffers))
 
