@@ -204,10 +204,24 @@ def _reference(pristine) -> list:
                 det = M.compare(first, _host(eager.check(eager.model)), pristine.tol)
         finally:
             torch.use_deterministic_algorithms(was)
-        if not det["ok"]:
+        if not det["ok"] and not _both_near_fp64(pristine, first, ref):
             raise RandomCheckError(f"eager's check differs from itself, also with deterministic kernels "
                                    f"({det['check']}): random ops still on in the check; see kiln_bench.dropout")
     return ref
+
+
+def _both_near_fp64(pristine, a: list, b: list) -> bool:
+    """Whether two eager runs that differ are both within the check's tolerance (RMSE, relative to each
+    tensor's scale) of the float64 run: summation order (flash attention's backward has no deterministic
+    kernel) rather than a random op, which leaves eager O(1) away from float64 in every tensor it reaches."""
+    truth = _host(pristine.reference64())
+    for x, y, t in zip(a, b, truth):
+        fin = torch.isfinite(t)
+        x, y, t = x.detach().to(t.device)[fin], y.detach().to(t.device)[fin], t[fin]
+        scale = t.abs().max().item() if t.numel() else 0.0
+        if max(M._rmse(x, t), M._rmse(y, t)) > pristine.tol * scale:
+            return False
+    return True
 
 
 def run_case(case, dtype: str, backend_names, budgets, cfg: RunConfig, on_start=None, compile_model=None):

@@ -166,12 +166,13 @@ class _Atomics(torch.nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.lin = torch.nn.Linear(8, 8)
+        self.lin, self.calls = torch.nn.Linear(8, 8), 0   # the check seeds the RNG: count calls instead
 
     def forward(self, x):
         out = self.lin(x)
+        self.calls += 1
         if not torch.are_deterministic_algorithms_enabled():
-            out = out + torch.randn_like(out)   # differs from run to run, unlike a deterministic kernel
+            out = out + self.calls   # differs from run to run, unlike a deterministic kernel
         return out
 
 
@@ -181,6 +182,50 @@ def test_nondeterministic_kernels_are_not_random_ops():
     w = ModelWorkload(_Atomics(), (torch.randn(4, 8),), "fp32", loss=lambda out, b: out.sum())
     assert _reference(w)   # equal with deterministic kernels: no random op left, the check stands
     assert not torch.are_deterministic_algorithms_enabled()   # restored
+
+
+class _GradNoise(torch.autograd.Function):
+    """Identity whose backward adds ``noise`` (times the gradient's largest magnitude) to the gradient."""
+
+    @staticmethod
+    def forward(ctx, w, noise):
+        ctx.save_for_backward(noise)
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, g):
+        (noise,) = ctx.saved_tensors
+        return g + noise * g.abs().max(), None
+
+
+class _Rounding(torch.nn.Module):
+    """Run-to-run noise in one weight-gradient element of 4096 (summation order that deterministic kernels
+    do not fix: flash attention's backward), or in every element (``big``: a random op left on)."""
+
+    def __init__(self, tol, big=False):
+        super().__init__()
+        self.lin, self.tol, self.big, self.calls = torch.nn.Linear(64, 64), tol, big, 0
+
+    def forward(self, x):
+        self.calls += 1   # the check seeds the RNG: the noise follows the call count
+        w = self.lin.weight
+        if self.big:
+            noise = torch.randn(w.shape, generator=torch.Generator().manual_seed(self.calls)).to(w.dtype)
+        else:
+            noise = torch.zeros_like(w)
+            noise.view(-1)[0] = 5 * self.tol * (self.calls % 2 + 1)   # beyond tol, too small for the RMSE
+        return torch.nn.functional.linear(x, _GradNoise.apply(w, noise), self.lin.bias)
+
+
+def test_rounding_noise_passes_and_random_noise_fails():
+    from kiln_bench.case import ModelWorkload
+    from kiln_bench.runner import RandomCheckError, _reference
+    x = torch.randn(16, 64)
+    tol = ModelWorkload(torch.nn.Linear(1, 1), (x,), "fp32").tol
+    loss = lambda out, b: (out * out).sum()   # noqa: E731
+    assert _reference(ModelWorkload(_Rounding(tol), (x,), "fp32", loss=loss))
+    with pytest.raises(RandomCheckError, match="also with deterministic kernels"):
+        _reference(ModelWorkload(_Rounding(tol, big=True), (x,), "fp32", loss=loss))
 
 
 @pytest.mark.slow
