@@ -14,6 +14,9 @@ from __future__ import annotations
 from kiln.pipeline import compile_graph  # noqa: F401
 from kiln.runtime.load import collect_sources  # noqa: F401
 
+# profile --launch: a compiled graph's generated function, called below Dynamo and AOTAutograd
+from kiln.runtime.load import Compiled  # noqa: F401
+
 # the kernels this process compiled: ``kernels.reset()`` makes the next compile cold (bench rows under
 # --fresh-caches, each fuzz program); ``kernel_cache`` holds their text by name (profile --sources)
 from kiln.runtime import kernels  # noqa: F401

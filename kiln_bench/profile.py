@@ -94,25 +94,77 @@ def profile_backend(case, dtype, backend, steps=3, top=25, host=False):
             "host_ops": prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top) if host_text else None}
 
 
-def launch_probe(backends, n=2000):
-    """Microseconds per call of ``sigmoid(x) * x + 1`` on 1024 floats: host overhead per launch."""
+def launch_probe(backends, n=2000, chain=32):
+    """Host microseconds per launch: ``call`` per call of ``sigmoid(x) * x + 1`` on 1024 floats through
+    ``torch.compile`` (Dynamo's guards and the wrapper included), and ``kernel`` per kernel of a graph of
+    ``chain`` steps reducing columns and rows in turn (neither backend fuses them), its generated function
+    called directly on a reused input list, below Dynamo and AOTAutograd."""
     out = {}
     x = torch.randn(1024, device="cuda")
+    xs = torch.randn(64, 256, device="cuda")
 
     def fn(x):
         return torch.sigmoid(x) * x + 1.0
-    for backend in backends:
-        torch._dynamo.reset()
-        f = B.compile_model(backend, fn)
+
+    def steps(x):
+        for i in range(chain):
+            x = torch.sin(x - x.amax(0, keepdim=True)) if i % 2 else torch.cos(x - x.sum(-1, keepdim=True) * 1e-3)
+        return x
+
+    def per(f, arg, k):
         for _ in range(20):
-            f(x)
+            f(arg)
         M.sync("cuda")
         t = time.perf_counter()
-        for _ in range(n):
-            f(x)
+        for _ in range(k):
+            f(arg)
+        us = (time.perf_counter() - t) / k * 1e6
         M.sync("cuda")
-        out[backend] = round((time.perf_counter() - t) / n * 1e6, 2)
+        return us
+    with torch.no_grad():
+        for backend in backends:
+            torch._dynamo.reset()
+            row = {"call": round(per(B.compile_model(backend, fn), x, n), 2)}
+            graph = _graph_fn(backend, steps, xs)
+            if graph is not None:
+                prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+                with prof:
+                    graph([xs])
+                    M.sync("cuda")
+                kernels = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+                row["kernels"] = kernels
+                row["kernel"] = round(per(lambda a: graph([a]), xs, max(n // chain, 50)) / max(kernels, 1), 2)
+            out[backend] = row
     return out
+
+
+def _graph_fn(backend, fn, x):
+    """The generated graph function ``call(args)`` of ``backend`` compiling ``fn`` on ``x`` (None: not known)."""
+    torch._dynamo.reset()
+    if backend == "kiln":
+        from kiln_bench._internal import Compiled
+        seen, init = [], Compiled.__init__
+
+        def record(self, *a, **k):
+            init(self, *a, **k)
+            seen.append(self)
+        Compiled.__init__ = record
+        try:
+            B.compile_model("kiln", fn)(x)
+        finally:
+            Compiled.__init__ = init
+        return seen[-1] if seen else None
+    if backend == "inductor":
+        import torch._inductor.codecache as cc
+
+        def modules():
+            m = getattr(cc.PyCodeCache, "modules", None) or getattr(cc.PyCodeCache, "cache", {})
+            return list(m.values()) if isinstance(m, dict) else list(m)
+        before = {id(m) for m in modules()}
+        B.compile_model("inductor", fn)(x)
+        new = [m for m in modules() if id(m) not in before and hasattr(m, "call")]
+        return new[-1].call if new else None
+    return None
 
 
 def main(argv=None):
@@ -130,7 +182,8 @@ def main(argv=None):
     results = {"versions": B.versions(), "device": torch.cuda.get_device_name(), "rows": []}
     if a.launch:
         results["launch_us"] = launch_probe(backends)
-        print("per-call us (1024-element pointwise fn):", results["launch_us"], flush=True)
+        print("host us per call through torch.compile (one 1024-element kernel) and per kernel below Dynamo:",
+              results["launch_us"], flush=True)
     for name in a.cases.split(","):
         if not name:
             continue
