@@ -175,6 +175,13 @@ class Tuning:
     chain: bool = _opt(True, "run a small kernel that reads one kernel's results in that kernel's last program")
     tail_max: int = _opt(1 << 16, "elements a chained tail may reduce or write", check="pos")
     tail_tile: int = _opt(4096, "elements of a reducing chained tail's tile on the GPU", check="pow2")
+    # grouped kernels
+    group_kernels: bool = _opt(True, "launch independent pointwise kernels as one (Triton): those reading graph "
+                                     "inputs only (a training step's weight casts), and those whose results only "
+                                     "the graph returns (its gradients' casts)")
+    group_max: int = _opt(16, "kernels per grouped kernel, at most", check="pos")
+    group_live_bytes: int = _opt(32 << 20, "bytes a grouped kernel keeps alive beyond its members' own kernels, at "
+                                           "most (results made early, inputs freed late)", check="nonneg")
     # fusion
     max_group: int = _opt(64, "buffers per kernel, at most", check="pos")
     near: int = _opt(32, "graph nodes between a kernel's members, at most (see schedule's _far rule)", check="pos")

@@ -17,6 +17,7 @@ from kiln.codegen.lower import Lowering, is_tensor
 from kiln.codegen.schedule.chain import chain_plans
 from kiln.codegen.schedule.domain import body, loads, scatter_exprs
 from kiln.codegen.schedule.fuse import schedule
+from kiln.codegen.schedule.group import GroupPlan, group_plans
 from kiln.codegen.schedule.plan import ScatterPlan
 from kiln.codegen.schedule.planner import numel_summary, plan_group
 from kiln.codegen.text.source import Unit, named
@@ -56,22 +57,25 @@ class Code:
         return [k.plan for k in self.kernels]
 
 
-def generate(gm: torch.fx.GraphModule, opts, emit) -> Code:
-    """The kernels of ``gm``; ``emit(plans, on_cuda) -> (sources, unit)``: the target's emitter."""
+def generate(gm: torch.fx.GraphModule, opts, emit, group: bool = False) -> Code:
+    """The kernels of ``gm``; ``emit(plans, on_cuda) -> (sources, unit)``: the target's emitter, which takes
+    ``GroupPlan``s where ``group``."""
     try:
-        return _generate(gm, opts, emit)
+        return _generate(gm, opts, emit, group)
     finally:
         release_indirect()   # the indirect symbols of this graph's lowering
 
 
-def _generate(gm, opts, emit) -> Code:
+def _generate(gm, opts, emit, group) -> Code:
     lw = Lowering(gm, opts).run()
     groups = _toposort_groups(schedule(lw, opts.tuning), lw)
     summary = numel_summary(lw.buffers)
     plans = [plan_group(g, lw.buffers, opts.tuning, summary) for g in groups]
     plans = chain_plans(groups, plans, opts.tuning)   # small kernels chained into the one they read
-    sources, unit = emit(plans, on_cuda(gm))
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    if group:   # independent small kernels launched as one
+        plans = group_plans(plans, lw.buffers, position, opts.tuning)
+    sources, unit = emit(plans, on_cuda(gm))
     fakes = FakeMaker(gm.graph)
     kernels = []
     for plan, src in zip(plans, sources):
@@ -114,9 +118,11 @@ def _kernel(lw, position, plan, src, symbols, vals) -> Generated:
 
 
 def members(plan) -> list:
-    """The buffers a plan's kernel computes (its tail's too)."""
+    """The buffers a plan's kernel computes (its tail's or its group members' too)."""
     if isinstance(plan, ScatterPlan):
         return [plan.write.scatter.buffer]
+    if isinstance(plan, GroupPlan):
+        return [b for p in plan.plans for b in members(p)]
     return [m.buffer for m in plan.members] + (members(plan.tail) if plan.tail is not None else [])
 
 

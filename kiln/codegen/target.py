@@ -13,10 +13,12 @@ from kiln.capture.decomp import decomposition_table
 from kiln.codegen.flex import lower_flex
 from kiln.codegen.generate import generate, on_cuda
 from kiln.codegen.rewrite import random_nodes, rewrite
+from kiln.codegen.schedule.group import GroupPlan
 from kiln.codegen.schedule.plan import ScatterPlan
 from kiln.codegen.text.source import declined
 from kiln.codegen.to_cpp.module import write_unit
 from kiln.codegen.to_triton.emit import Flags
+from kiln.codegen.to_triton.group import write_group
 from kiln.codegen.to_triton.module import write_module
 from kiln.debug import counters, log
 from kiln.options import Options
@@ -99,6 +101,7 @@ class _Fusing(Target):
     fuses = True
 
     auto_layout = "cuda"   # what layout_devices='auto' means for this target's graphs
+    groups = False         # launches independent pointwise kernels as one (``schedule.group``)
 
     def joint(self, joint, trace):
         if self.opts.layout_optimization and _convolves(joint):
@@ -130,7 +133,7 @@ class _Fusing(Target):
     def _fuse(self, gm, opts, strict) -> Fused:
         gm.graph.eliminate_dead_code()
         try:
-            code = generate(gm, opts, lambda plans, on_cuda: self.emit(plans, opts, on_cuda))
+            code = generate(gm, opts, lambda plans, on_cuda: self.emit(plans, opts, on_cuda), self.groups)
         except Exception as e:
             if strict:
                 raise
@@ -151,6 +154,7 @@ class TritonTarget(_Fusing):
     """Triton kernels: compiled for CUDA, or run in Triton's CPU interpreter (unless ``emit_for='cuda'``)."""
     name = "triton"
     mkldnn = False
+    groups = True
 
     def start(self):
         precompile.start(self.opts)   # the workers start while AOTAutograd traces
@@ -193,7 +197,8 @@ class TritonTarget(_Fusing):
         return not (bf16_add or self.interpreted(plan, graph_on_cuda))
 
     def emit(self, plans, opts, on_cuda):
-        return [write_module(p, self.flags(p, opts)) if self.writes(p, on_cuda) else declined(p) for p in plans], None
+        return [(write_group if isinstance(p, GroupPlan) else write_module)(p, self.flags(p, opts))
+                if self.writes(p, on_cuda) else declined(p) for p in plans], None
 
 
 class CppTarget(_Fusing):

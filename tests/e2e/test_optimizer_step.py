@@ -72,10 +72,11 @@ def _kernel_calls(src):
 def test_adam_writes_in_place_in_one_kernel_per_shape(codegen, inplace):
     """Adam over three Linear layers (weights 8x8, 8x8, 4x8; biases 8, 8, 4): the steps (scalars), the 8x8
     weights, the 4x8 weight and each bias shape: 5 kernels, no copy of state or parameters, no allocation
-    (C++: ATen runs nothing at all). Without ``write_mutations``/``merge_updates``: 2 kernels per parameter and
-    every new value copied back. In place (the default options): values as eager's too (the compile
-    ``test_compiled_step_equals_eager`` would repeat for adam)."""
-    options = {"codegen": codegen, "tuning.write_mutations": inplace, "tuning.merge_updates": 4096 * inplace}
+    (C++: ATen runs nothing at all). Without ``write_mutations``/``merge_updates``/``group_kernels``: 2 kernels
+    per parameter and every new value copied back. In place (the default options): values as eager's too (the
+    compile ``test_compiled_step_equals_eager`` would repeat for adam)."""
+    options = {"codegen": codegen, "tuning.write_mutations": inplace, "tuning.merge_updates": 4096 * inplace,
+               "tuning.group_kernels": inplace}
     got, step, src = _train("adam", **options)
     if inplace:   # before the profiled step below, which moves the parameters on
         _assert_equals_eager("adam", got, src)

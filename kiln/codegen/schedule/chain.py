@@ -24,13 +24,13 @@ def fits(head: KernelPlan, tail: KernelPlan, tuning: Tuning) -> bool:
     if not (total.is_Integer and 0 < int(total) <= tuning.tail_max) or tail.symbols or tail.random:
         return False
     # not a head that may not launch at all; static sizes: the tail's call passes no size arguments
-    if not (head.xnumel.is_Integer and int(head.xnumel) > 0 and _static(head) and _static(tail)):
+    if not (head.xnumel.is_Integer and int(head.xnumel) > 0 and static_sizes(head) and static_sizes(tail)):
         return False
     stored = {b.name for b in head.stored}
     return bool(tail.reads) and tail.reads <= stored and not head.random and tail.device == head.device
 
 
-def _static(plan: KernelPlan) -> bool:
+def static_sizes(plan: KernelPlan) -> bool:
     """Whether ``plan`` has no size symbol: not in its indices, numels, nor its stored buffers' layouts."""
     sizes = [plan.xnumel, plan.rnumel] + [x for b in plan.stored for x in (*b.shape, *b.stride)]
     return not plan.symbols and all(sympy.sympify(x).is_Integer for x in sizes)

@@ -80,7 +80,7 @@ class Wrapper:
     known_outputs: list = field(default_factory=list)  # per output: strides at run time = example's
 
 
-_PREFIX = {"reduction": "red", "scatter": "scatter"}
+_PREFIX = {"reduction": "red", "scatter": "scatter", "group": "grp"}
 
 
 def named(src: KernelSource, fallback=None) -> KernelRef:

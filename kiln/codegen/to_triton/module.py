@@ -65,8 +65,9 @@ def _signature(k, names, ins=None, outs=None, extra=(), err="err") -> list:
         k.red and not static_r)
 
 
-def kernel_def(k: TritonKernel, name, names, extra=(), tail_lines=()):
-    """The ``@triton.jit`` function of ``k`` (``extra``/``tail_lines``: a chained tail's)."""
+def kernel_def(k: TritonKernel, name, names, extra=(), tail_lines=(), grouped=False):
+    """The ``@triton.jit`` function of ``k`` (``extra``/``tail_lines``: a chained tail's; ``grouped``: a member
+    of a grouped kernel, which takes its program's number in its range, ``xpid``)."""
     plan = k.plan
     even = k.tuning.even_masks
     static_x, static_r = _static(k)
@@ -74,7 +75,7 @@ def kernel_def(k: TritonKernel, name, names, extra=(), tail_lines=()):
     # empty one must keep its real mask (all false): a constant-true mask would let loads run past it
     known_x, known_r = _nonempty(k.xnumel), _nonempty(k.rnumel)
     last = plan.programs is Programs.LAST
-    params = [p for p, _ in _signature(k, names, extra=extra)] + ["XBLOCK: tl.constexpr"]
+    params = [p for p, _ in _signature(k, names, extra=extra)] + ["xpid"] * grouped + ["XBLOCK: tl.constexpr"]
     params += ["RBLOCK: tl.constexpr"] * bool(k.red)
     body = [f"{s} = tl.load({s}_ptr)" for s in k.seeds.values()]
     body += ([f"xnumel = {int(k.xnumel)}"] if static_x else []) + (
@@ -85,7 +86,7 @@ def kernel_def(k: TritonKernel, name, names, extra=(), tail_lines=()):
         body.append(f"rbase = tl.arange(0, RBLOCK)[None, :]{cast}")
         if k.persistent:
             body += ["rindex = rbase"] + mask_lines("rmask", "rindex", "rnumel", "[1, RBLOCK]", known_r, even)
-    pid = "tl.program_id(0).to(tl.int64)" if plan.wide_index else "tl.program_id(0)"
+    pid = ("xpid" if grouped else "tl.program_id(0)") + (".to(tl.int64)" if plan.wide_index else "")
     xshape = "[XBLOCK, 1]" if k.red else "[XBLOCK]"
     xrange = "tl.arange(0, XBLOCK)[:, None]" if k.red else "tl.arange(0, XBLOCK)"
     xmask = mask_lines("xmask", "xindex", "xnumel", xshape, known_x, even)
