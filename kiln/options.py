@@ -133,7 +133,7 @@ class Tuning:
     evict_policies: bool = _opt(True, "L2 eviction policies on loads of kernels with several row loops")
     evict_single_pass: bool = _opt(False, "also stream (evict_first) buffers a kernel reads in one pass only")
     # C++ kernels (codegen="cpp")
-    cpp_parallel_min: int = _opt(32768, "C++ kernels run their rows on OpenMP threads from this many elements on",
+    cpp_parallel_min: int = _opt(32768, "C++ kernels run their rows on OpenMP threads from this many elements read on",
                                  check="nonneg")
     cpp_block: int = _opt(4096, "elements of a C++ pointwise kernel's vectorized block (a thread's unit of work)",
                           check="pos")

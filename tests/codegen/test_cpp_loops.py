@@ -1,6 +1,6 @@
 """Loop shapes of the C++ emitter that decide its speed: a reduction row read at ``r / K`` and ``r % K``
-runs as nested loops over contiguous K-element pieces (``rows.row_split``), a pointwise kernel's inner
-loop covers the trailing dims its per-channel loads do not depend on (``rows.pointwise_split``)."""
+runs as nested loops over contiguous K-element pieces (``splits.row_split``), a pointwise kernel's inner
+loop covers the trailing dims its per-channel loads do not depend on (``splits.pointwise_split``)."""
 import re
 
 import pytest
@@ -207,3 +207,41 @@ def test_rows_over_symbolic_spatial_sizes_run_without_division(stride):
     assert body.count('extern "C"') == 1 and "r0 < rnumel / (" in body, code
     loads = [re.sub(r"\(\(1 \+ ks_s\d+\) / 2\)", "H", i) for i in _inner_loop_indices(body)]   # H' is a size
     assert loads and not [i for i in loads if "/" in i or "%" in i], loads
+
+
+def _cnn_tail(x, w, mean, var, g, b):   # conv, eval BatchNorm, ReLU, 2x2 max-pool, global average pool
+    y = F.relu(F.batch_norm(F.conv2d(x, w, padding=1), mean, var, g, b, training=False))
+    return F.adaptive_avg_pool2d(F.max_pool2d(y, 2), 1).flatten(1)
+
+
+def test_a_channels_last_pool_sums_columns_without_division():
+    """A CNN's last BatchNorm + ReLU + max-pool fused into its global average pool is a reduction over H, W of
+    a channels-last tensor, the channel innermost: its columns run as ``xo * C + xi`` (``splits.column_split``),
+    each channel's BatchNorm scale once in a table, no division in the vectorized loop (it divided by C at every
+    element and computed a rsqrt per element: 300 us of the user suite's 4 ms CNN step, inductor's kernel 45).
+    Its 1024 elements read 4 values each: 4096 reads reach ``cpp_parallel_min`` 2048, so the threads share it."""
+    import kiln
+    args = [torch.randn(2, 8, 8, 8), torch.randn(32, 8, 3, 3), torch.randn(32), torch.rand(32) + 0.5,
+            torch.randn(32), torch.randn(32)]
+    opts = {"codegen": "cpp", "tuning": {"cpp_parallel_min": 2048}}
+    out, code = kiln.run_and_get_code(torch.compile(_cnn_tail, backend="kiln", options=opts), *args)
+    assert_close(out, _cnn_tail(*args), 1e-5, 1e-5)
+    body = next(f for c in code for f in c.split('extern "C"')[1:] if "acc" in f)   # the pool's reduction
+    assert "rnumel = 16;" in body and "#pragma omp parallel for collapse(2)" in body, body
+    loop = body[body.index("for (int32_t r = 0"):]
+    assert "tab" in body and "sqrtf" not in loop, body
+    big = [i for i in _inner_loop_indices(loop) if "xi" in i]   # (a row position r may be divided)
+    assert big and not [i for i in big if re.search(r"\bxi? [/%]", i)], body
+
+
+def test_an_image_goes_channels_last_in_its_read_order():
+    """NCHW to channels-last with 3 channels (a CNN's input image): the copy walks the image as it lies,
+    xo over N * C and a vectorized xi over H * W (``splits.load_order_split``), not as one loop over the output
+    dividing each position by 3 and by H * W to find what to read (127 us against inductor's 44)."""
+    x = torch.randn(2, 3, 8, 16)
+    gm, src = compiled(lambda x: x.contiguous(memory_format=torch.channels_last) * 2, x)
+    out = gm(x)
+    assert out.stride() == (384, 1, 48, 3)
+    torch.testing.assert_close(out, x * 2, atol=0, rtol=0)
+    assert "xo_n = 6, xi_n = 128;" in src, src
+    assert _inner_loop_indices(src) == ["xi + 128*xo"], src

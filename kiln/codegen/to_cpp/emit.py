@@ -16,7 +16,7 @@ from kiln.options import Tuning
 
 XO = sympy.Symbol("xo", integer=True, nonnegative=True)   # a pointwise kernel's outer position
 XI = sympy.Symbol("xi", integer=True, nonnegative=True)   # ... and its inner (vectorized) position
-R0 = sympy.Symbol("r0", integer=True, nonnegative=True)   # a split row's outer position (``rows.row_split``)
+R0 = sympy.Symbol("r0", integer=True, nonnegative=True)   # a split row's outer position (``splits.row_split``)
 R1 = sympy.Symbol("r1", integer=True, nonnegative=True)   # ... and its inner (contiguous) position
 
 
@@ -94,6 +94,7 @@ class ExprWriter(writer.ExprWriter):
         # before its loops (values that depend on no index: an optimizer's bias corrections)
         self.xo_scope, self.xo_vars, self.xi_n, self._xi_free_memo = None, set(), None, {}
         self.const_scope, self.xi_tables = None, {}
+        self.vary = ()   # index symbols besides ``xi`` that a value hoisted out of the inner loop must not read
 
     def use_split(self, outer, inner):
         """Write ``xindex`` as ``xo * inner + xi`` (or ``xi`` alone when there is one outer position)."""
@@ -138,7 +139,7 @@ class ExprWriter(writer.ExprWriter):
         dtype = self.plan.buffers[buf].dtype
         n = sympy.sympify(self.xi_n)
         if not (step.is_Integer and step > 0) or sympy.expand(e - base - step * XI) != 0 or not n.is_Integer \
-                or int(step) * int(n) * dtype.itemsize > ZERO_ROW_BYTES:
+                or int(step) * int(n) * dtype.itemsize > ZERO_ROW_BYTES or base.free_symbols & set(self.vary):
             return None
         name, mem = self.tmp("row"), MEMORY[dtype]
         self.xo_scope.lines.append(f"const {mem}* {name} = {cond} ? {self.arg_for(buf)} + ({self.pexpr(base)}) : "
@@ -155,8 +156,8 @@ class ExprWriter(writer.ExprWriter):
         if target is None:
             raise Unsupported("cpp: a value known only after all rows is used inside them")
         if self.xo_scope is not None and target is scope and (mask is None or mask[0] in self.xo_vars) \
-                and self._xi_free(e):
-            const = self.const_scope is not None and mask is None and self._xi_free(e, (XI, XO))
+                and self._xi_free(e, (XI, *self.vary)):
+            const = self.const_scope is not None and mask is None and self._xi_free(e, (XI, XO, *self.vary))
             target = self.const_scope if const else self.xo_scope
         key = (e, mask and mask[0])
         hit = target.find(key)
@@ -194,7 +195,7 @@ class ExprWriter(writer.ExprWriter):
                 or int(n) > self.tuning.cpp_block or e.op in ("load", "index", "cast") \
                 or not e.dtype.is_floating_point or not any(x.op == "load" for x in e.walk()) \
                 or all(x.op in ("load", "index", "cast", "const") for x in e.children()) \
-                or not self._xi_free(e, (XO,)) or self._xi_free(e):
+                or not self._xi_free(e, (XO, *self.vary)) or self._xi_free(e):
             return None
         body, saved, self.xo_scope = Scope(self.const_scope), self.xo_scope, None
         try:

@@ -10,14 +10,15 @@ import dataclasses
 import sympy
 import torch
 
-from kiln.codegen.ir.indexing import RINDEX, XINDEX, FloorDiv, ModIdx, Ranges, prod, simplify
+from kiln.codegen.ir.indexing import RINDEX, Ranges
 from kiln.codegen.ir.loops import Unsupported, ops
 from kiln.codegen.schedule.domain import Role
 from kiln.codegen.schedule.plan import KernelPlan, Level, reds
 from kiln.codegen.schedule.planner import row_passes
-from kiln.codegen.to_cpp.emit import (R0, R1, XI, XO, ExprWriter, Scope, assume, load_code, render,
-                                      row_index_other, store_code)
+from kiln.codegen.to_cpp.emit import (XI, ExprWriter, Scope, assume, load_code, render, row_index_other,
+                                      store_code)
 from kiln.codegen.to_cpp.ops import MEMORY, VALUE, calls_vector_math, combine, literal, neutral
+from kiln.codegen.to_cpp.splits import column_split, load_order_split, pointwise_split, row_split
 from kiln.options import Tuning
 
 SIMD_REDUCE = {"sum": "+", "prod": "*", "max": "max", "min": "min"}
@@ -59,10 +60,13 @@ class CppKernel(ExprWriter):
         self.body.append(([f"for ({t} xi = 0; xi < xnumel; xi++) {{"], scope, ["}"]))
 
     def _parallel(self, extra: str = "") -> str:
-        """The loop's OpenMP pragma; none below ``cpp_parallel_min`` (entering a region costs about 2 us)."""
+        """The loop's OpenMP pragma; none below ``cpp_parallel_min`` elements read (entering a region costs about
+        2 us; a CNN's fused max-pool reads 4 per element, its global average pool 16 x 4: 60 us on one thread)."""
         static = sympy.sympify(self.plan.xnumel * self.plan.rnumel)
         if static.is_Integer:
-            if int(static) < self.tuning.cpp_parallel_min:
+            reads = len({n for m in self.plan.members for n in m.value.walk()
+                         if n.op == "load" and self.level(n) is Level.ELEMENT})
+            if int(static) * max(1, reads) < self.tuning.cpp_parallel_min:
                 return f"// one thread: {int(static)} elements"
             return f"#pragma omp parallel for{extra} schedule(static)"
         work = f"(int64_t)({self.pexpr(self.plan.xnumel)}) * (int64_t)({self.pexpr(self.plan.rnumel)})"
@@ -71,7 +75,11 @@ class CppKernel(ExprWriter):
     def _pointwise(self):
         plan = self.plan
         outer, inner = pointwise_split(plan, self.tuning.cpp_min_inner)
+        walk = load_order_split(plan, self.tuning.cpp_min_inner) if outer == 1 else None
+        if walk is not None:   # a short innermost dim (an image's 3 channels): walk a read's memory order
+            outer, inner = walk[:2]
         self.use_split(outer, inner)
+        self.subst = walk[2] if walk is not None else self.subst
         n = sympy.sympify(plan.xnumel)   # once, before the loops: values that vary with no index (not when empty)
         self.const_scope = Scope() if n.is_Integer and int(n) > 0 else None
         position = Scope(self.const_scope)   # per outer position: values that do not vary along xi (masks...)
@@ -234,17 +242,24 @@ class CppKernel(ExprWriter):
             self.red_vars[m.name] = var
 
     def _columns(self, passes, row_stores):
-        """A reduction over a non-innermost dim (a bias gradient): blocks of columns, simd along them."""
-        plan, t, xb = self.plan, self.idx_t, self.tuning.cpp_col_block
+        """A reduction over a non-innermost dim (a bias gradient, a channels-last average pool): blocks of
+        columns, simd along them, the columns as ``xo * inner + xi`` (``column_split``: no division in the inner
+        loop, a channel's BatchNorm scale in a table, not a rsqrt per element)."""
+        plan, t, xb, x = self.plan, self.idx_t, self.tuning.cpp_col_block, XI.name
         self.row = None   # every value is computed in the inner loop over columns
-        body = Scope()
+        split = column_split(plan, self.tuning.cpp_min_inner)
+        self.use_split(*split)
+        self.ranges, self.vary = Ranges({**self.ranges.bounds, RINDEX: plan.rnumel}), (RINDEX,)
+        n = sympy.sympify(plan.xnumel * plan.rnumel)   # values that vary with no index: before the loops
+        self.const_scope = Scope() if n.is_Integer and int(n) > 0 else None
+        body = self.xo_scope = Scope(self.const_scope)
         for p in passes:
             outer = Scope(body)
             inner = Scope(outer)
             for name in p.reduce:
                 m = plan.member(name)
                 kind, acc_t, fl = m.reduce, m.acc, m.acc.is_floating_point
-                acc, at = self.tmp("acc"), "[x - x0]"
+                acc, at = self.tmp("acc"), f"[{x} - x0]"
                 body.lines.append(f"{VALUE[acc_t]} {acc}[{xb}];")
                 body.lines.append(f"for ({t} i = 0; i < {xb}; i++) {acc}[i] = {neutral(kind.replace('arg', ''), acc_t)};")
                 v = self._reduce_value(m, inner)
@@ -264,7 +279,7 @@ class CppKernel(ExprWriter):
             for name in p.stores:
                 m = plan.member(name)
                 self._store(m, m.result, inner, None, None)
-            outer.lines.append((["#pragma omp simd", f"for ({t} x = x0; x < xe; x++) {{"], inner, ["}"]))
+            outer.lines.append((["#pragma omp simd", f"for ({t} {x} = x0; {x} < xe; {x}++) {{"], inner, ["}"]))
             body.lines.append(([f"for ({t} r = 0; r < rnumel; r++) {{"], outer, ["}"]))
         last, rows = Scope(body), Scope(body)
         spread = Scope(rows)
@@ -272,14 +287,18 @@ class CppKernel(ExprWriter):
             m = plan.member(name)
             along = m.index is not None and RINDEX in m.index.free_symbols
             self._store(m, m.result, spread if along else last, None, None)
-        columns = ["#pragma omp simd", f"for ({t} x = x0; x < xe; x++) {{"]
+        columns = ["#pragma omp simd", f"for ({t} {x} = x0; {x} < xe; {x}++) {{"]
         if last.lines:
             body.lines.append((columns, last, ["}"]))
         if spread.lines:
             rows.lines.append((columns, spread, ["}"]))
             body.lines.append(([f"for ({t} r = 0; r < rnumel; r++) {{"], rows, ["}"]))
-        head = [self._parallel(), f"for ({t} xb = 0; xb < (xnumel + {xb - 1}) / {xb}; xb++) {{",
-                f"  const {t} x0 = xb * {xb}, xe = x0 + {xb} < xnumel ? x0 + {xb} : xnumel;"]
+        self.xo_scope = None
+        self.body += [self.const_scope] if self.const_scope is not None else []
+        head = [f"const {t} xo_n = {self.pexpr(split[0])}, xi_n = {self.pexpr(split[1])};",
+                self._parallel(" collapse(2)"), f"for ({t} xo = 0; xo < xo_n; xo++)",
+                f"for ({t} xb = 0; xb < (xi_n + {xb - 1}) / {xb}; xb++) {{",
+                f"  const {t} x0 = xb * {xb}, xe = x0 + {xb} < xi_n ? x0 + {xb} : xi_n;"]
         self.body.append((head, body, ["}"]))
 
     def _one_hot(self, m):
@@ -440,67 +459,6 @@ class CppKernel(ExprWriter):
                 lines.append(f"  if ({m} >= (uint64_t)({s})) {{ kiln_err[0] = (int64_t){m}; return {k + 1}; }}")
             lines.append("  return 0;")
         return "\n".join(lines + ["}"])
-
-
-def _divides(exprs, subst, ranges, inner) -> bool:
-    """Whether an index of ``exprs`` still divides loop variable ``inner`` once ``subst`` is applied."""
-    return any(inner in a.free_symbols for e in exprs
-               for a in simplify(e.xreplace(subst), ranges).atoms(FloorDiv, ModIdx))
-
-
-def _index_exprs(plan) -> list:
-    """Every load, index and store expression of ``plan``'s row members, simplified in its ranges."""
-    out = [n.args[1] if n.op == "load" else n.args[0] for m in plan.members for n in m.value.walk()
-           if n.op in ("load", "index")]
-    return [simplify(e, plan.ranges) for e in out + [m.index for m in plan.members if m.index is not None]]
-
-
-def pointwise_split(plan, min_inner: int):
-    """``(outer, inner)`` of ``xindex = xo * inner + xi``: ``inner`` the longest run of trailing dims every
-    index reads without a division, else the innermost dim; the whole domain below ``min_inner``."""
-    xs = [s for s, _ in plan.dims]
-    if len(xs) < 2:
-        return sympy.Integer(1), plan.xnumel
-    exprs = _index_exprs(plan)
-    for k in range(1, len(xs) - 1):
-        outer, inner = prod(xs[:k]), prod(xs[k:])
-        if inner.is_Integer and int(inner) < min_inner:
-            break
-        if not _divides(exprs, {XINDEX: XO * inner + XI}, Ranges({XO: outer, XI: inner}), XI):
-            return outer, inner
-    inner = xs[-1]
-    if inner.is_Integer and int(inner) < min_inner:
-        return sympy.Integer(1), plan.xnumel
-    return prod(xs[:-1]), inner
-
-
-def row_split(plan, minimum: int):
-    """``(K, substitution, ranges)`` when every index reads ``rindex`` only through ``r // K`` and ``r % K``
-    (K >= ``minimum`` dividing the row, a symbolic row too: 1024 * s), so ``r = r0 * K + r1`` leaves no division;
-    else None."""
-    n = sympy.sympify(plan.rnumel)
-    if minimum <= 0:
-        return None
-    exprs = _index_exprs(plan)
-    ks = set()
-    for e in exprs:
-        for a in e.atoms(FloorDiv, ModIdx):
-            if RINDEX not in a.free_symbols:
-                continue
-            if a.args[0] != RINDEX or (isinstance(a, ModIdx) and a.args[1] != 1):
-                return None
-            ks.add(a.args[-1])
-    if len(ks) != 1:
-        return None
-    k = ks.pop()
-    rows = n / k   # K symbolic too (the spatial size of a fully dynamic CNN), in whole rows
-    if rows.is_integer is not True or k.is_Integer and (int(k) < minimum or n.is_Integer and k >= n) \
-            or k.free_symbols & {RINDEX, XINDEX}:
-        return None
-    bounds = {s: b for s, b in plan.ranges.bounds.items() if s != RINDEX}
-    ranges = Ranges({**bounds, R0: rows, R1: k})
-    subst = {RINDEX: R0 * k + R1}
-    return None if _divides(exprs, subst, ranges, R1) else (k, subst, ranges)
 
 
 def _reducing(lines, clause: str) -> tuple:
