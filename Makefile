@@ -15,15 +15,17 @@ install: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH)" "$(TRITON)" numpy scipy rich matplotlib pytest pytest-timeout hypothesis expecttest
+	$(PY) -m pip install -q "$(TORCH)" "$(TRITON)" numpy scipy rich matplotlib pytest pytest-timeout pytest-xdist hypothesis expecttest
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/kiln demo
 
+# two pytest-xdist workers, one per core of the 2-core machines, each test process on one thread; a test file
+# runs whole in one worker (its module fixtures and shared compiles stay together)
 test: $(STAMP)
-	OMP_NUM_THREADS=2 $(PY) -m pytest -q -p no:cacheprovider --timeout=600
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider --timeout=600 -n 2 --dist loadfile
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m "not gpu"

@@ -3,21 +3,34 @@ and times, kiln compiles at most 2 graphs per case (static, then dynamic), its v
 fresh-mode row comes back from its own process into the shared/fresh table."""
 import time
 
+import pytest
+import torch._dynamo.config
+
 import kiln
 from kiln_bench import report
 from kiln_bench.cli import main
 from kiln_bench.suites import dynamic
 
 
+@pytest.fixture(autouse=True)
+def _pgo_restored():
+    """The suite turns Dynamo's profile-guided automatic-dynamic state off for the rest of its process
+    (``dynamic.no_pgo``); the tests after these get the values back (through Dynamo's own ``config.patch``:
+    pytest's monkeypatch deletes a config entry on undo)."""
+    config = torch._dynamo.config
+    with config.patch({name: getattr(config, name) for name in dynamic.PGO if hasattr(config, name)}):
+        yield
+
+
 def test_tiny_shared_run_counts_compiles_and_times(tmp_path):
     out, md = tmp_path / "dyn.json", tmp_path / "dyn.md"
-    t0 = time.time()
+    t0 = time.process_time()   # this process's CPU time: the run's own work, whatever else the machine runs
     # codegen="aten": the compiles counted are Dynamo's graphs, the same with kiln's C++ kernels, whose builds
     # would take minutes here (the CPU run of the suite uses them)
     with kiln.config.patch(codegen="aten"):
         rc = main(["--suite", "dynamic", "--device", "cpu", "--size", "tiny", "--iters", "1", "--backends",
                    "eager,kiln", "--dynamic-mode", "shared", "--json", str(out), "--md", str(md), "--no-guard"])
-    took = time.time() - t0
+    took = time.process_time() - t0
     meta, rows = report.read_json(out)
     assert rc == 0, [r.get("error") or r.get("check") for r in rows]
     assert meta["suite"] == "dynamic" and meta["modes"] == ["shared"] and "partial" not in meta
@@ -39,7 +52,9 @@ def test_tiny_shared_run_counts_compiles_and_times(tmp_path):
             assert r["compile_s"] > 0
     text = md.read_text()
     assert "automatic_dynamic_local_pgo=False" in text and "| decode_kvcache | kiln | " in text
-    assert took < 120, took   # about 50 s on the shared 2-core machine under a load of 7
+    # about 45 s alone on the 2-core machine, 77 s beside other work (shared caches); its wall time was 150 s
+    # there (half a core), past the bound this had on the wall clock
+    assert took < 120, took
 
 
 def test_fresh_row_comes_from_its_own_process_and_feeds_the_ratio():

@@ -255,3 +255,34 @@ def test_dropout_case_on_the_gpu():
         assert r["kernels_kind"] == "CUDA kernels (profiler)" and r["kernels"] >= 1, (b, r.get("kernels_error"))
         assert r["random_sites"] == 5
     assert rows["kiln"]["kernels"] < rows["eager"]["kernels"]
+
+
+def _with_a_break(x):
+    y = x.sin()
+    torch._dynamo.graph_break()
+    return y.cos()
+
+
+def _compiled_names() -> dict:
+    return {k: v for k, v in globals().items() if k.startswith(("__compiled_fn", "__resume_at"))}
+
+
+def test_compiled_globals_are_dropped_and_a_scan_without_a_compile_is_skipped():
+    """Dynamo installs the compiled graphs and a graph break's resume function in this module's globals;
+    ``_drop_compiled_globals`` sets them to None, a call with nothing compiled since finds nothing to scan, and
+    the next compile's names are found again."""
+    runner._drop_compiled_globals()
+    torch.compile(_with_a_break, backend="eager")(torch.randn(4))
+    made = {k for k, v in _compiled_names().items() if v is not None}
+    assert any(k.startswith("__compiled_fn") for k in made) and any(k.startswith("__resume_at") for k in made), made
+    assert runner._drop_compiled_globals() >= len(made)
+    assert all(_compiled_names()[k] is None for k in made if k in _compiled_names())
+    assert runner._drop_compiled_globals() == 0
+    if runner._dynamo_names_made() is not None:
+        globals()["__compiled_fn_planted"] = object()   # not made by Dynamo: a skipped call leaves it
+        assert runner._drop_compiled_globals() == 0 and globals().pop("__compiled_fn_planted") is not None
+    torch._dynamo.reset()
+    torch.compile(_with_a_break, backend="eager")(torch.randn(4))
+    again = {k for k, v in _compiled_names().items() if v is not None}
+    assert again and runner._drop_compiled_globals() >= len(again)
+    assert not any(v is not None for v in _compiled_names().values())
