@@ -255,6 +255,15 @@ def _rmse(a, b) -> float:
     return (a.double() - b.double()).pow(2).mean().sqrt().item() if a.numel() else 0.0
 
 
+def errors64(truth, *xs) -> tuple:
+    """(float64 tensor ``truth``'s largest finite magnitude, each of ``xs``' RMSE against it over its finite
+    elements)."""
+    fin = torch.isfinite(truth)
+    t = truth[fin]
+    scale = t.abs().max().item() if t.numel() else 0.0
+    return scale, [_rmse(x.detach().to(truth.device)[fin], t) for x in xs]
+
+
 def compare(ref: list, got: list, tol: float, ref64=None) -> dict:
     """Check ``got`` against eager's ``ref`` (same order); ``ref64`` (a callable returning float64
     results) referees a disagreement.
@@ -292,13 +301,7 @@ def compare(ref: list, got: list, tol: float, ref64=None) -> dict:
         return {"ok": False, "err": worst, "check": failed}
     truth = ref64()
     for i, (r, g, t) in enumerate(zip(ref, got, truth)):
-        g = g.detach().to(t.device)
-        r = r.detach().to(t.device)
-        fin = torch.isfinite(t)
-        if not fin.all():
-            r, g, t = r[fin], g[fin], t[fin]
-        e_ref, e_got = _rmse(r, t), _rmse(g, t)
-        scale = t.abs().max().item() if t.numel() else 0.0
+        scale, (e_ref, e_got) = errors64(t, r, g)
         if e_got > 2 * e_ref + tol / 10 * scale:
             return {"ok": False, "err": worst, "err64": e_got, "check": f"{failed}; vs fp64 tensor {i}: "
                     f"rmse {e_got:.2e} > 2x eager's {e_ref:.2e}"}
