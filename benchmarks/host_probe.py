@@ -34,6 +34,41 @@ def bucket(filename: str) -> str:
     return "builtin/C" if filename.startswith("~") or filename == "" else "other"
 
 
+def boundary(step, n):
+    """(ms per step, calls per step) inside the callables the compilers hand to AOTAutograd: kiln's
+    ``Compiled`` and Inductor's ``CompiledFxGraph`` (their ``__call__`` timed for ``n`` steps)."""
+    import time
+    from kiln.runtime.load import Compiled
+    classes = [Compiled]
+    try:
+        from torch._inductor.output_code import CompiledFxGraph
+        classes.append(CompiledFxGraph)
+    except ImportError:
+        pass
+    acc = [0.0, 0]
+    saved = [(c, c.__call__) for c in classes]
+
+    def timing(orig):
+        def call(self, *a, **k):
+            t0 = time.perf_counter()
+            try:
+                return orig(self, *a, **k)
+            finally:
+                acc[0] += time.perf_counter() - t0
+                acc[1] += 1
+        return call
+    for c, orig in saved:
+        c.__call__ = timing(orig)
+    try:
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize()
+    finally:
+        for c, orig in saved:
+            c.__call__ = orig
+    return acc[0] * 1e3 / n, acc[1] / n
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("case")
@@ -45,6 +80,8 @@ def main():
     ap.add_argument("--api", type=int, default=0, help="also list this many CUDA API calls by host time")
     a = ap.parse_args()
     import kiln  # noqa: F401
+    from kiln_bench import cores
+    print("host cores:", cores.pin_fast("cuda"), flush=True)
     from kiln_bench import backends as B
     from kiln_bench.suites import select
     (case,), _ = select(a.suite, "cuda", [a.case])
@@ -59,6 +96,10 @@ def main():
             wl.step(f)
         torch.cuda.synchronize()
         host = times(lambda: wl.step(f), 20)[1]
+        inside, calls = boundary(lambda: wl.step(f), 20)
+        print(f"== {case.name} {be}: host {host:.2f} ms/step, {inside:.2f} ms of it inside the compiled graphs' "
+              f"callables ({calls:.0f} calls/step), {host - inside:.2f} ms outside (Dynamo, AOTAutograd, autograd, "
+              f"optimizer)", flush=True)
         prof = cProfile.Profile()
         torch.cuda.synchronize()
         prof.enable()

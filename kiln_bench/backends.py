@@ -62,23 +62,25 @@ def compile_model(backend: str, model, options=None, budget=None):
 
 
 @contextlib.contextmanager
-def scope(backend: str, budget=None):
+def scope(backend: str, budget=None, dirs=None):
     """Context in force while ``backend`` compiles and runs: Inductor reads its budget from functorch;
     under ``fresh_caches`` each compiled row gets its own empty Triton and kiln kernel directories, and
     kiln forgets the kernels it compiled for earlier rows, so that every row's cold compile is cold
-    (Inductor's in-process caches cannot be reset from here: its later rows may be warmer)."""
+    (Inductor's in-process caches cannot be reset from here: its later rows may be warmer). Yields the
+    directories (None without ``fresh_caches``); ``dirs``: enter a row's directories again (a warm compile)."""
     with contextlib.ExitStack() as stack:
         if backend.startswith("inductor") and budget is not None:
             import torch._functorch.config as fconfig
             stack.enter_context(fconfig.patch(activation_memory_budget=budget))
         root = os.environ.get(FRESH_ROOT)
         if root and backend != "eager":
-            stack.enter_context(_env(TRITON_CACHE_DIR=tempfile.mkdtemp(prefix="triton-", dir=root),
-                                     KILN_KERNEL_DIR=tempfile.mkdtemp(prefix="kernels-", dir=root)))
+            dirs = dirs or {"TRITON_CACHE_DIR": tempfile.mkdtemp(prefix="triton-", dir=root),
+                            "KILN_KERNEL_DIR": tempfile.mkdtemp(prefix="kernels-", dir=root)}
+            stack.enter_context(_env(**dirs))
             if backend.startswith("kiln"):
                 from kiln_bench._internal import kernels as kernel
                 kernel.reset()
-        yield
+        yield dirs
 
 
 @contextlib.contextmanager

@@ -129,7 +129,7 @@ def _run(args, cfg, cases, console, meta):
     jobs = [(c, d) for c in cases for d in (c.dtypes if c.dtypes == ("auto",) else
                                             [x for x in args.dtype if x in c.dtypes])]
     total = sum(len(runner.variants(c, args.backends, args.budget)) for c, _ in jobs)
-    rows = []
+    rows, done = [], []
     with Progress(TextColumn("{task.description:<40}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as progress:
         task = progress.add_task("starting", total=total)
@@ -151,6 +151,12 @@ def _run(args, cfg, cases, console, meta):
                 progress.advance(task)
             for line in report.failures(mine, meta.get("guard") or report.GUARD):
                 progress.console.print(f"FAIL {line}", markup=False, highlight=False)
+            done.append((case, dtype, mine))
+        for case, dtype, mine in done:   # GPU: a profiled pass slows later launches (runner.count_kernels)
+            progress.update(task, description=f"{case.name} {dtype}: kernels per step")
+            runner.count_kernels(case, dtype, mine, cfg)
+        if args.json:
+            report.write_json(args.json, {**meta, "partial": True}, rows)
     return rows
 
 
@@ -238,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     meta = dict(_meta(args, argv, device, size, cases, skipped), **_limits(args))
     for name, why in skipped:
         console.print(f"skip {name}: {why}", markup=False, highlight=False)
+    from kiln_bench import cores
+    meta["host_cores"] = cores.pin_fast(device)
     with B.fresh_caches(args.caches == "fresh") as cache_root:
         meta["prime_errors"] = {b: e for b, e in B.prime(args.backends, device).items() if e}
         if "inductor" in args.backends and "inductor" not in meta["prime_errors"]:

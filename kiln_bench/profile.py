@@ -180,6 +180,9 @@ def main(argv=None):
     a = p.parse_args(argv)
     backends = B.check_names(a.backends.split(","))
     results = {"versions": B.versions(), "device": torch.cuda.get_device_name(), "rows": []}
+    from kiln_bench import cores
+    results["host_cores"] = cores.pin_fast("cuda")
+    print("host cores:", results["host_cores"], flush=True)
     if a.launch:
         results["launch_us"] = launch_probe(backends)
         print("host us per call through torch.compile (one 1024-element kernel) and per kernel below Dynamo:",

@@ -224,7 +224,8 @@ def _host_note(meta, rows, has_host, has_kernels) -> str:
                                                                    if meta.get("device") == "cpu" else ". "))
     kinds = sorted({r["kernels_kind"] for r in rows if r.get("kernels_kind")})
     if has_kernels:
-        out += f"Kernels: {', '.join(kinds) or 'kernels'} per step, counted in a separate profiled pass. "
+        later = " after every timed step (a profiled pass slows later launches)" if meta.get("device") == "cuda" else ""
+        out += f"Kernels: {', '.join(kinds) or 'kernels'} per step, counted in a separate profiled pass{later}. "
     return out
 
 

@@ -361,6 +361,8 @@ def main(args, argv, console) -> int:
             "cases": names, "pgo_off": no_pgo(), "load": load.sample()}
     rows = []
     with B.fresh_caches(args.caches == "fresh"):
+        from kiln_bench import cores
+        meta["host_cores"] = cores.pin_fast(device)
         B.prime(args.backends if "shared" in modes else [], device)
         for mode, name, backend in itertools.product(modes, names, args.backends):
             row = measure(name, backend, device, size, steps, mode) if mode == "shared" else \

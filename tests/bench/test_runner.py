@@ -1,4 +1,6 @@
 """The runner: one row per backend and budget; failures become rows and never stop the run."""
+import os
+
 import pytest
 import torch
 
@@ -249,12 +251,33 @@ def test_dropout_case_on_the_gpu():
     case = dropnet.case()
     case.devices = ("cuda",)
     rows = {r["backend"]: r for r in runner.run_case(case, "auto", ["eager", "inductor", "kiln"], None, cfg)}
+    assert all("_later" in r and "kernels" not in r for r in rows.values())   # counted after every timed step
+    runner.count_kernels(case, "auto", list(rows.values()), cfg)
     for b, r in rows.items():
-        assert r["status"] == "ok" and r["ok"], (b, r.get("error"), r.get("check"))
+        assert r["status"] == "ok" and r["ok"] and "_later" not in r, (b, r.get("error"), r.get("check"))
         assert r["ms"] > 0 and 0 < r["host_ms"] and len(r["host_times_ms"]) == 5
         assert r["kernels_kind"] == "CUDA kernels (profiler)" and r["kernels"] >= 1, (b, r.get("kernels_error"))
         assert r["random_sites"] == 5
     assert rows["kiln"]["kernels"] < rows["eager"]["kernels"]
+
+
+def test_kernels_counted_later_in_the_rows_cache_directories(tmp_path, monkeypatch):
+    """``count_kernels`` (the GPU's deferred profiled pass, run here on the CPU) compiles each marked row again
+    in the directories its timed pass used and counts what ``run_case`` counts in place."""
+    monkeypatch.setenv(B.FRESH_ROOT, str(tmp_path))
+    inline = {r["backend"]: r for r in runner.run_case(_case(), "fp32", ["eager", "kiln"], None, CFG)}
+    seen = []
+
+    def compile_model(backend, model, options=None, budget=None):
+        seen.append((backend, os.environ.get("KILN_KERNEL_DIR")))
+        return B.compile_model(backend, model, options, budget)
+    dirs = {"TRITON_CACHE_DIR": str(tmp_path / "t"), "KILN_KERNEL_DIR": str(tmp_path / "k")}
+    later = [{"backend": b, "budget": None, "status": "ok", "_later": {"dirs": dirs if b == "kiln" else None}}
+             for b in ("eager", "kiln")]
+    runner.count_kernels(_case(), "fp32", later, CFG, compile_model=compile_model)
+    for r in later:
+        assert "_later" not in r and r["kernels"] == inline[r["backend"]]["kernels"] > 0, r
+    assert ("kiln", dirs["KILN_KERNEL_DIR"]) in seen
 
 
 def _with_a_break(x):

@@ -1,0 +1,67 @@
+"""Which host cores a GPU measurement runs on.
+
+On the shared GPU hosts the cost of a kernel launch depends on the core: on an H200 machine of 16 vCPUs
+(2026-11-28, one NUMA node) eight cores launched a small kernel in about 7 us and eight in 10-11 us, the same
+on every call. A process the scheduler placed on the slow kind measured a whole step's host time 1.5x
+longer, and two backends timed one after the other in one process could land on different kinds: the
+bench's "backend order" effect of that day was this. So before timing, the bench measures each allowed
+core's launch cost once and pins every thread of the process to the fast ones (those within ``tolerance``
+of the fastest); the choice and the per-core figures go into the results' metadata.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import torch
+
+
+def _launch_us(x, launches: int) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    y = x
+    for _ in range(launches):
+        y = y + 1
+    us = (time.perf_counter() - t0) * 1e6 / launches
+    torch.cuda.synchronize()
+    return us
+
+
+def launch_cost(cores, launches: int = 200, reps: int = 7) -> dict:
+    """Median host us per small-kernel launch with the calling thread on each core of ``cores``."""
+    mine = os.sched_getaffinity(0)
+    x = torch.zeros(1024, device="cuda")
+    out = {}
+    try:
+        for c in sorted(cores):
+            os.sched_setaffinity(0, {c})
+            _launch_us(x, launches)   # settle on the new core
+            out[c] = round(statistics.median(_launch_us(x, launches) for _ in range(reps)), 2)
+    finally:
+        os.sched_setaffinity(0, mine)
+    return out
+
+
+def pin_all(cores) -> None:
+    """Every thread of this process (and those it starts later) on ``cores``."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except OSError:   # a thread that ended meanwhile
+            pass
+
+
+def pin_fast(device: str, tolerance: float = 1.15) -> dict:
+    """On the GPU (Linux): measure each allowed core's launch cost and pin the process to the fast cores.
+    Returns ``{"cores": [...], "launch_us": {core: us}}`` for the metadata; ``{}`` where nothing was done."""
+    if device != "cuda" or not hasattr(os, "sched_setaffinity") or not os.path.isdir("/proc/self/task"):
+        return {}
+    allowed = os.sched_getaffinity(0)
+    if len(allowed) < 2:
+        return {"cores": sorted(allowed), "launch_us": {}}
+    cost = launch_cost(allowed)
+    best = min(cost.values())
+    fast = sorted(c for c, us in cost.items() if us <= best * tolerance)
+    pin_all(set(fast))
+    return {"cores": fast, "launch_us": cost}
