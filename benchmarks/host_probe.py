@@ -35,8 +35,9 @@ def bucket(filename: str) -> str:
 
 
 def boundary(step, n):
-    """(ms per step, calls per step) inside the callables the compilers hand to AOTAutograd: kiln's
-    ``Compiled`` and Inductor's ``CompiledFxGraph`` (their ``__call__`` timed for ``n`` steps)."""
+    """(ms per step, calls per step, {graph: ms per step}) inside the callables the compilers hand to
+    AOTAutograd: kiln's ``Compiled`` and Inductor's ``CompiledFxGraph`` (their ``__call__`` timed for ``n`` steps;
+    graphs named by kiln's name, else by their first call's order: g0 the forward, g1 the backward)."""
     import time
     from kiln.runtime.load import Compiled
     classes = [Compiled]
@@ -45,7 +46,7 @@ def boundary(step, n):
         classes.append(CompiledFxGraph)
     except ImportError:
         pass
-    acc = [0.0, 0]
+    per: dict = {}
     saved = [(c, c.__call__) for c in classes]
 
     def timing(orig):
@@ -54,8 +55,9 @@ def boundary(step, n):
             try:
                 return orig(self, *a, **k)
             finally:
-                acc[0] += time.perf_counter() - t0
-                acc[1] += 1
+                key = getattr(self, "name", None) or per.setdefault(("order", id(self)), f"g{len(per)}")
+                per[key] = per.get(key, 0.0) + time.perf_counter() - t0
+                per["calls"] = per.get("calls", 0) + 1
         return call
     for c, orig in saved:
         c.__call__ = timing(orig)
@@ -66,7 +68,8 @@ def boundary(step, n):
     finally:
         for c, orig in saved:
             c.__call__ = orig
-    return acc[0] * 1e3 / n, acc[1] / n
+    graphs = {k: v * 1e3 / n for k, v in per.items() if isinstance(k, str) and k != "calls"}
+    return sum(graphs.values()), per.get("calls", 0) / n, graphs
 
 
 def main():
@@ -96,10 +99,10 @@ def main():
             wl.step(f)
         torch.cuda.synchronize()
         host = times(lambda: wl.step(f), 20)[1]
-        inside, calls = boundary(lambda: wl.step(f), 20)
+        inside, calls, graphs = boundary(lambda: wl.step(f), 20)
         print(f"== {case.name} {be}: host {host:.2f} ms/step, {inside:.2f} ms of it inside the compiled graphs' "
-              f"callables ({calls:.0f} calls/step), {host - inside:.2f} ms outside (Dynamo, AOTAutograd, autograd, "
-              f"optimizer)", flush=True)
+              f"callables ({calls:.0f} calls/step: {', '.join(f'{k} {v:.2f}' for k, v in graphs.items())}), "
+              f"{host - inside:.2f} ms outside (Dynamo, AOTAutograd, autograd, optimizer)", flush=True)
         prof = cProfile.Profile()
         torch.cuda.synchronize()
         prof.enable()
