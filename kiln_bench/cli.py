@@ -245,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, why in skipped:
         console.print(f"skip {name}: {why}", markup=False, highlight=False)
     from kiln_bench import cores
-    meta["host_cores"] = cores.pin_fast(device)
+    meta["host_cores"] = cores.fast_cores(device)
+    cfg.cores = tuple(meta["host_cores"].get("cores", ()))
     with B.fresh_caches(args.caches == "fresh") as cache_root:
         meta["prime_errors"] = {b: e for b, e in B.prime(args.backends, device).items() if e}
         if "inductor" in args.backends and "inductor" not in meta["prime_errors"]:

@@ -6,10 +6,11 @@ on every call. A process the scheduler placed on the slow kind measured a whole 
 longer, and two backends timed one after the other in one process could land on different kinds: the
 bench's "backend order" effect of that day was this. So before timing, the bench measures each allowed
 core's launch cost once and pins every thread of the process to the fast ones (those within ``tolerance``
-of the fastest); the choice and the per-core figures go into the results' metadata.
+of the fastest) while it times steps; the choice and the per-core figures go into the results' metadata.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import time
@@ -44,7 +45,7 @@ def launch_cost(cores, launches: int = 200, reps: int = 7) -> dict:
 
 
 def pin_all(cores) -> None:
-    """Every thread of this process (and those it starts later) on ``cores``."""
+    """Every thread of this process (and those its threads start later) on ``cores``."""
     for tid in os.listdir("/proc/self/task"):
         try:
             os.sched_setaffinity(int(tid), cores)
@@ -52,16 +53,29 @@ def pin_all(cores) -> None:
             pass
 
 
-def pin_fast(device: str, tolerance: float = 1.15) -> dict:
-    """On the GPU (Linux): measure each allowed core's launch cost and pin the process to the fast cores.
-    Returns ``{"cores": [...], "launch_us": {core: us}}`` for the metadata; ``{}`` where nothing was done."""
+def fast_cores(device: str, tolerance: float = 1.15) -> dict:
+    """On the GPU (Linux): each allowed core's launch cost and the fast ones (within ``tolerance`` of the best).
+    Returns ``{"cores": [...], "launch_us": {core: us}}`` for the metadata; ``{}`` where there is nothing to pick."""
     if device != "cuda" or not hasattr(os, "sched_setaffinity") or not os.path.isdir("/proc/self/task"):
         return {}
     allowed = os.sched_getaffinity(0)
     if len(allowed) < 2:
-        return {"cores": sorted(allowed), "launch_us": {}}
+        return {}
     cost = launch_cost(allowed)
     best = min(cost.values())
-    fast = sorted(c for c, us in cost.items() if us <= best * tolerance)
-    pin_all(set(fast))
-    return {"cores": fast, "launch_us": cost}
+    return {"cores": sorted(c for c, us in cost.items() if us <= best * tolerance), "launch_us": cost}
+
+
+@contextlib.contextmanager
+def pinned(cores):
+    """Every thread on ``cores`` (None: no change) for the timed steps, back on all allowed cores after: compiles
+    keep the whole machine (Inductor's and kiln's compile workers start with the process's mask)."""
+    if not cores:
+        yield
+        return
+    allowed = os.sched_getaffinity(0)
+    pin_all(set(cores))
+    try:
+        yield
+    finally:
+        pin_all(allowed)

@@ -22,6 +22,7 @@ import torch
 
 from kiln_bench import backends as B
 from kiln_bench import measure as M
+from kiln_bench.cores import pinned
 from kiln_bench.dropout import random_sites
 from kiln.debug import log
 
@@ -38,6 +39,7 @@ class RunConfig:
     min_time: float = 0.5
     warm_compile: bool = True
     kernels: bool = True          # count kernels per step in a profiled pass after the timed steps
+    cores: tuple = ()             # host cores to pin every thread to while timing (``cores.fast_cores``)
 
 
 def variants(case, backends, budgets):
@@ -161,8 +163,9 @@ def measure_backend(case, wl_pristine, ref, backend, budget, cfg: RunConfig, ref
                 _, row["steps_compile_s"] = M.timed(lambda: wl.step(f), cfg.device)
             stage = "steps"
             clock, host = M.GcClock(), []
-            times = M.step_times(lambda: wl.step(f), cfg.device, cfg.warmup, cfg.min_iters, cfg.max_iters,
-                                 cfg.min_time, clock, host)
+            with pinned(cfg.cores):
+                times = M.step_times(lambda: wl.step(f), cfg.device, cfg.warmup, cfg.min_iters, cfg.max_iters,
+                                     cfg.min_time, clock, host)
             hs = M.summarize(host)
             row.update(M.summarize(times), times_ms=[round(t, 4) for t in times],
                        host_ms=hs["ms"], host_p25=hs["p25"], host_p75=hs["p75"],

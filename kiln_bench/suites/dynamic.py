@@ -42,7 +42,10 @@ import torch.nn.functional as F
 
 from kiln_bench import backends as B, load, measure as M, models, report, runner
 from kiln_bench.case import TOLERANCE, tensors
+from kiln_bench.cores import fast_cores, pinned
 from kiln_bench.dropout import no_random
+
+_CORES: list = []   # host cores the timed steps run on (``cores.fast_cores``), for fresh processes too
 
 GPT_LENGTHS = [200, 333, 517, 801, 640, 256, 999, 410]
 PACKS = [(512,), (130, 300), (77, 200, 401), (64, 64, 128, 256), (333,), (250, 250, 90), (100, 411, 37, 180)]
@@ -234,7 +237,8 @@ def measure(name: str, backend: str, device: str, size: str, steps: int, mode: s
             first = [timed(b.inputs(i)) for i in range(n)]
             (g1, _), peak = runner._dynamo_counts(), _peak(device, reset=True)
             row["stage"] = "timed"
-            ms = [1e3 * statistics.median(timed(xs) for _ in range(steps)) for xs in map(b.inputs, range(n))]
+            with pinned(_CORES):
+                ms = [1e3 * statistics.median(timed(xs) for _ in range(steps)) for xs in map(b.inputs, range(n))]
             worst, (g2, k2) = max(range(n), key=ms.__getitem__), runner._dynamo_counts()
             row.update(ms_per_size=ms, first_s=first, first_pass_s=sum(first), compile_s=sum(first) - sum(ms) / 1e3,
                        mean_ms=sum(ms) / n, worst_ms=ms[worst], worst_size=str(b.sizes[worst]), compiles=g2 - g0,
@@ -254,6 +258,7 @@ def child(spec: str) -> None:
     empty caches of its own (the shared run's on-disk Inductor and kiln caches would make its compiles warm)."""
     s = json.loads(spec)
     torch.set_num_threads(s["threads"])
+    _CORES[:] = s.get("cores", ())
     with B.fresh_caches(bool(os.environ.get(B.FRESH_ROOT))):
         B.prime([s["backend"]], s["device"])
         row = measure(s["case"], s["backend"], s["device"], s["size"], s["steps"], "fresh")
@@ -265,7 +270,7 @@ def _fresh(name, backend, device, size, steps) -> dict:
     with tempfile.TemporaryDirectory(prefix="kiln-dyn-") as d:
         out = os.path.join(d, "row.json")
         spec = json.dumps(dict(case=name, backend=backend, device=device, size=size, steps=steps, out=out,
-                               threads=torch.get_num_threads()))
+                               threads=torch.get_num_threads(), cores=list(_CORES)))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
         code = "import sys; from kiln_bench.suites import dynamic; dynamic.child(sys.argv[1])"
         p = subprocess.run([sys.executable, "-c", code, spec], env=env, capture_output=True, text=True)
@@ -361,8 +366,8 @@ def main(args, argv, console) -> int:
             "cases": names, "pgo_off": no_pgo(), "load": load.sample()}
     rows = []
     with B.fresh_caches(args.caches == "fresh"):
-        from kiln_bench import cores
-        meta["host_cores"] = cores.pin_fast(device)
+        meta["host_cores"] = fast_cores(device)
+        _CORES[:] = meta["host_cores"].get("cores", ())
         B.prime(args.backends if "shared" in modes else [], device)
         for mode, name, backend in itertools.product(modes, names, args.backends):
             row = measure(name, backend, device, size, steps, mode) if mode == "shared" else \
