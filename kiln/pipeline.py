@@ -214,7 +214,7 @@ def _lower(gm: fx.GraphModule, inputs: list, opts: Options, trace: Trace, kind: 
     fused = target.fuse(gm, inputs, kind, trace)   # code generation: the graph now calls kernel references
     _show_plans(trace, kind, fused.plans)
     trusted = layout.get("saved", frozenset()) if layout is not None and kind == "backward" else frozenset()
-    wrapper = emit_wrapper(gm, f"{kind}_{trace.id}", trusted, opts)
+    wrapper = emit_wrapper(gm, f"{kind}_{trace.id}", trusted, opts, output_views=kind != "backward")
     if names is not None:
         layout["saved"] = frozenset(n for n, ok in zip(names, wrapper.known_outputs) if ok and n)
     for k in wrapper.kernels:

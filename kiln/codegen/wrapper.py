@@ -59,8 +59,9 @@ def describe_val(val) -> str:
 
 
 class _Emitter:
-    def __init__(self, gm: fx.GraphModule, name: str, trusted=frozenset(), tuning: Tuning = Tuning()):
-        self.gm, self.tuning = gm, tuning
+    def __init__(self, gm: fx.GraphModule, name: str, trusted=frozenset(), tuning: Tuning = Tuning(),
+                 output_views: bool = True):
+        self.gm, self.tuning, self.output_views = gm, tuning, output_views
         self.views = ViewPlan(trusted)
         self.outputs: set = set()
         self.skipped: set = set()   # splits not run: each of their elements reinterprets the input
@@ -213,10 +214,12 @@ class _Emitter:
         if n.op == "call_module":
             mod = self.gm.get_submodule(n.target)
             return f"{name} = {self.bind(mod, n.target)}({', '.join(self._args(n))}){comment}"
-        # a graph output stays an ATen view: autograd may save it, and only a real view shares its
-        # base's version counter (an in-place change of the base before backward must be detected)
+        # a graph output stays an ATen view (``output_views``, all but backward graphs): autograd may save it, and
+        # only a real view shares its base's version counter (an in-place change of the base must be detected);
+        # a backward's outputs are gradients, which autograd accumulates and never checks
         split_kept = n.target is operator.getitem and n.args[0] not in self.skipped   # plain split[i]
-        if self.views.static(n, need_known=False) and n not in self.outputs and not split_kept:
+        kept = split_kept or (self.output_views and n in self.outputs)
+        if self.views.static(n, need_known=False) and not kept:
             val, base = n.meta["val"], self.views.base(n)
             src = base.meta["val"]
             # the offset is relative to the input's own: an input's offset is not guarded by Dynamo
@@ -366,6 +369,7 @@ def _kernel_devices(nodes) -> dict:
     return out
 
 
-def emit_wrapper(gm: fx.GraphModule, name: str, trusted=frozenset(), opts=None) -> Wrapper:
-    """The Python wrapper of ``gm``. ``trusted``: placeholders whose run-time strides are their examples'."""
-    return _Emitter(gm, name, trusted, opts.tuning if opts is not None else Tuning()).emit()
+def emit_wrapper(gm: fx.GraphModule, name: str, trusted=frozenset(), opts=None, output_views=True) -> Wrapper:
+    """The Python wrapper of ``gm``. ``trusted``: placeholders whose run-time strides are their examples';
+    ``output_views``: outputs that are views stay ATen views (False for a backward: see ``_node_line``)."""
+    return _Emitter(gm, name, trusted, opts.tuning if opts is not None else Tuning(), output_views).emit()

@@ -94,6 +94,33 @@ def test_output_views_stay_aten_views():
     torch.testing.assert_close(s, x.sum())
 
 
+def test_backward_outputs_that_are_views_reinterpret_and_autograd_keeps_them():
+    """A backward's outputs are gradients (autograd never checks their version counters): one that is a view
+    of a kernel or mm output (a bias gradient's [1, 1, d] -> [d], a weight gradient's double transpose) is one
+    reinterpret call, not an ATen view; the gradients equal eager's."""
+    import kiln
+
+    lin = torch.nn.Linear(8, 5)
+    x = torch.randn(4, 3, 8)
+    ref = torch.nn.functional.gelu(lin(x)).sum()
+    ref.backward()
+    gw, gb = lin.weight.grad.clone(), lin.bias.grad.clone()
+    lin.weight.grad = lin.bias.grad = None
+    f = kiln.compile(lambda x: torch.nn.functional.gelu(lin(x)).sum())
+    def step(x):
+        f(x).backward()
+    _, code = kiln.run_and_get_code(step, x)
+    backward = next(c for c in code if c.startswith("# kiln wrapper: backward"))
+    ret = backward.strip().splitlines()[-1]
+    outs = [a.strip() for a in ret[ret.index("(") + 1:ret.rindex(")")].split(",") if a.strip()]
+    lines = {ln.split(" = ")[0].strip(): ln for ln in backward.splitlines() if " = " in ln}
+    assert any("reinterpret(" in lines.get(o, "") for o in outs), backward
+    assert not any("aten_view" in lines.get(o, "") or "aten_permute" in lines.get(o, "") or
+                   "aten_t_" in lines.get(o, "") for o in outs), backward
+    torch.testing.assert_close(lin.weight.grad, gw, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lin.bias.grad, gb, atol=1e-5, rtol=1e-5)
+
+
 def test_split_with_an_output_element_keeps_the_split():
     """A split whose elements are not all reinterpreted stays in the wrapper and every element reads
     it (an element reinterpreting the split's input after that input was freed broke HF GPT-2)."""
