@@ -131,12 +131,7 @@ class JointInfo(GraphIndex):
     def _dist_from_bw(self, fw_ids, used, tang) -> np.ndarray:
         dist = [MAX_DIST] * len(self.nodes)
         for i in reversed(fw_ids):
-            if used[i]:
-                dist[i] = 0
-                continue
-            for u in self.users_of[i]:
-                if not tang[u] and dist[u] + 1 < dist[i]:
-                    dist[i] = dist[u] + 1
+            dist[i] = 0 if used[i] else min([dist[u] + 1 for u in self.users_of[i] if not tang[u]] + [MAX_DIST])
         return np.array(dist, dtype=np.int64)
 
     def _classify(self):
@@ -171,9 +166,8 @@ class JointInfo(GraphIndex):
             # a number (size arithmetic) is never a buffer: a SymFloat that cannot be saved is recomputed
             mat[i] = ((i in returned or self._materialized(i)) and not ops.constant_object(n)
                       and not is_sym(n))
-        self.must_recompute = np.array(must_rec, dtype=bool)
-        self.big_reduction = np.array(big_red, dtype=bool)
-        self.materialized = np.array(mat, dtype=bool)
+        self.must_recompute, self.big_reduction, self.materialized = (np.array(x, dtype=bool)
+                                                                       for x in (must_rec, big_red, mat))
 
     @staticmethod
     def _static_reason(n: fx.Node, random_: bool, view: bool) -> Optional[str]:

@@ -66,6 +66,4 @@ def choose_saved(joint_gm: fx.GraphModule, *, num_fwd_outputs: int, opts) -> lis
     info = JointInfo(joint_gm, num_fwd_outputs)
     budget = next((b for n in info.nodes if isinstance(b := n.meta.get("memory_budget"), float)),
                   float(opts.activation_memory_budget))
-    if opts.activation_memory_limit is not None:
-        return limit_saved(info, budget, opts)
-    return plan_for_budget(info, budget, opts)
+    return (plan_for_budget if opts.activation_memory_limit is None else limit_saved)(info, budget, opts)

@@ -43,24 +43,13 @@ RECOMPUTE_ALL = Policy(ban_heavy=False, allowlist=False, ban_materialized=False,
 
 def ban_mask(info: JointInfo, policy: Policy) -> np.ndarray:
     """Boolean array over ``info.nodes``: True where the node must not be recomputed."""
-    N = len(info.nodes)
-    lift = np.zeros(N, dtype=bool)
-    for n in policy.dont_ban:
-        lift[info.index[n]] = True
-        for u in n.users:  # a lifted multi-output op lifts its getitems
-            if ops.is_getitem(u):
-                lift[info.index[u]] = True
-    optional = np.zeros(N, dtype=bool)
-    if policy.ban_heavy:
-        optional |= info.heavy
-    if policy.allowlist:
-        optional |= ~info.cheap & ~info.heavy
-    if policy.ban_reductions:
-        optional |= info.big_reduction
-    if policy.ban_materialized:
-        optional |= info.materialized
+    lift = np.zeros(len(info.nodes), dtype=bool)
+    for n in policy.dont_ban:   # a lifted multi-output op lifts its getitems
+        lift[[info.index[m] for m in (n, *n.users) if m is n or ops.is_getitem(m)]] = True
+    optional = (policy.ban_heavy & info.heavy) | (policy.allowlist & ~info.cheap & ~info.heavy) | \
+        (policy.ban_reductions & info.big_reduction) | (policy.ban_materialized & info.materialized)
     optional &= ~info.view & ~lift
-    static = np.zeros(N, dtype=bool)
+    static = np.zeros(len(info.nodes), dtype=bool)
     static[list(info.static_reason)] = True
     return static | (optional & info.is_call)
 
@@ -95,14 +84,12 @@ def _min_cut(info: JointInfo, policy: Policy) -> List[fx.Node]:
     from scipy.sparse import csr_matrix
     from scipy.sparse.csgraph import breadth_first_order, maximum_flow
 
-    fw_ids = info.fw_ids
-    k = len(fw_ids)
+    fw_ids, k = info.fw_ids, len(info.fw_ids)
     nv = 2 + 2 * k
     local = np.full(len(info.nodes), -1, dtype=np.int64)
     local[fw_ids] = np.arange(k)
     ins, outs = 2 + 2 * np.arange(k), 3 + 2 * np.arange(k)
-    w = info.weight
-    finite = np.isfinite(w)
+    w, finite = info.weight, np.isfinite(info.weight)
     total = float(w[finite].sum()) or 1.0
     scaled = np.where(finite, np.ceil(np.where(finite, w, 0) * (_SCALE_TOTAL / total)), _INF_CAP)
     scaled = np.where(w > 0, np.maximum(scaled, 1), 0).astype(np.int64)
@@ -121,8 +108,7 @@ def _min_cut(info: JointInfo, policy: Policy) -> List[fx.Node]:
     add(ins[mr], np.ones(int(mr.sum()), dtype=np.int64), _INF_CAP)
     bw = info.used_by_bw[fw_ids]
     add(outs[bw], np.ones(int(bw.sum()), dtype=np.int64), _INF_CAP)
-    us, vs = info.user_edges()
-    lu, lv = local[us], local[vs]
+    lu, lv = (local[e] for e in info.user_edges())
     keep = (lu >= 0) & (lv >= 0)
     add(outs[lu[keep]], ins[lv[keep]], _INF_CAP)
     u, v, c = np.concatenate(src), np.concatenate(dst), np.concatenate(cap)
@@ -137,8 +123,7 @@ def _min_cut(info: JointInfo, policy: Policy) -> List[fx.Node]:
     resid.eliminate_zeros()
     reach = np.zeros(nv, dtype=bool)
     reach[breadth_first_order(resid, 0, directed=True, return_predecessors=False)] = True
-    cut = reach[ins] & ~reach[outs]
-    return [info.fw[i] for i in np.flatnonzero(cut)]
+    return [info.fw[i] for i in np.flatnonzero(reach[ins] & ~reach[outs])]
 
 
 def activation_bytes(info: JointInfo, saved) -> int:
@@ -153,8 +138,7 @@ REMAT = "kiln_remat"   # the artifact (torch's logging) of remat decisions
 def source_line(n: fx.Node) -> str:
     """``file:line: code`` of the user's innermost frame that made ``n`` (``meta['stack_trace']``, torch's
     frames skipped; a node a pass made without one takes its nearest neighbour's)."""
-    frames = _FRAME.findall(_described(n).meta.get("stack_trace") or "")
-    frames = [f for f in frames if not f[0].startswith(_TORCH_DIR)]
+    frames = [f for f in _FRAME.findall(_described(n).meta.get("stack_trace") or "") if not f[0].startswith(_TORCH_DIR)]
     if not frames:
         return ""
     (path, line, code), here = frames[-1], os.getcwd() + os.sep

@@ -117,18 +117,16 @@ def _model_peak(joint_gm, saved, num_fwd_outputs, info) -> Peak:
     hold = getattr(saved, "hold", None)
     saved = normalize_saved(saved)
     saved_roots = {_root(s) for s in saved if s.op != "placeholder"}
-    stop = set(saved) | {n for n in graph.nodes if n.op == "placeholder"}
-    fw_need = needed([o for o in fwd_out if isinstance(o, fx.Node)] + list(saved), {
-        n for n in graph.nodes if n.op == "placeholder"})
+    ph = {n for n in graph.nodes if n.op == "placeholder"}
+    stop = set(saved) | ph   # what the backward has without recomputing
+    fw_need = needed([o for o in fwd_out if isinstance(o, fx.Node)] + list(saved), ph)
     fw_order = [n for n in graph.nodes if n in fw_need and n not in tang and n.op != "output"]
     fw_keep = saved_roots | {_root(o) for o in fwd_out if isinstance(o, fx.Node)}
     fwd = _replay(_in_order(fw_order), {}, fw_keep)
     if hold is not None:
         return _model_hold(graph, saved, hold, grads, tang, fwd)
     bw_need = needed([g for g in grads if isinstance(g, fx.Node)], stop)
-    nodes = [n for n in graph.nodes if n.op != "output"]
-    available = set(saved) | {n for n in nodes if n.op == "placeholder"}
-    bw_order = lazy_order(nodes, bw_need, tang, available)
+    bw_order = lazy_order([n for n in graph.nodes if n.op != "output"], bw_need, tang, stop)
     start = {r: size_bytes(r) for r in saved_roots}
     start.update({t: size_bytes(t) for t in graph.nodes if t.op == "placeholder" and t in tang})
     bwd = _replay(_in_order(bw_order), start, {_root(g) for g in grads if isinstance(g, fx.Node)})
