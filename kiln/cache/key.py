@@ -41,14 +41,14 @@ def _versions() -> str:
     return f"kiln={kiln_source_hash()}|torch={torch.__version__}|triton={triton}|py={platform.python_version()}"
 
 
-def _input(x) -> str:
+def _input(x, fake=None) -> str:
     if isinstance(x, torch.Tensor):
-        return (f"T({x.dtype},{x.device},{tuple(str(s) for s in x.shape)},{tuple(str(s) for s in x.stride())},"
-                f"{x.storage_offset()},{x.requires_grad},{x.layout},{type(x).__name__ == 'Parameter'},"
+        t = x if fake is None else fake   # Dynamo's symbolic sizes, where ``symbolic`` gives them
+        return (f"T({x.dtype},{x.device},{tuple(str(s) for s in t.shape)},{tuple(str(s) for s in t.stride())},"
+                f"{t.storage_offset()},{x.requires_grad},{x.layout},{type(x).__name__ == 'Parameter'},"
                 f"conj={x.is_conj()},neg={x.is_neg()},view={x._is_view()},inference={x.is_inference()})")
-    if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        return f"S({type(x).__name__},{x.node.expr})"
-    return f"{type(x).__name__}({x!r})"
+    sym = isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool))
+    return f"S({type(x).__name__},{x.node.expr})" if sym else f"{type(x).__name__}({x!r})"
 
 
 def _devices(inputs) -> str:
@@ -90,10 +90,23 @@ def _state() -> str:
                      f"matmul={torch.get_float32_matmul_precision()}", *_flags(), *aot])
 
 
+def symbolic(gm: torch.fx.GraphModule, inputs) -> list:
+    """Per input, Dynamo's fake tensor where each symbol of its sizes is a SymInt input (the entry's guards check
+    those), else None: a graph gone dynamic then hits at every size they admit, not at the example's alone (#35)."""
+    free = lambda v: v.node.expr.free_symbols if isinstance(v, torch.SymInt) else set()   # noqa: E731
+    known, fakes = set().union(*map(free, inputs)), [n.meta.get("example_value") for n in gm.graph.nodes
+                                                     if n.op == "placeholder"]
+    fakes = [f if isinstance(x, torch.Tensor) and isinstance(f, torch.Tensor) and f.dim() == x.dim() else None
+             for x, f in zip(inputs, fakes if len(fakes) == len(inputs) else [None] * len(inputs))]
+    syms = [f is not None and set().union(*map(free, (*f.shape, *f.stride(), f.storage_offset()))) for f in fakes]
+    return [f if s and s <= known else None for f, s in zip(fakes, syms)]
+
+
 def graph_key(gm: torch.fx.GraphModule, inputs, opts, options_key: str, target: str, ident: str = None) -> str:
     """``options_key``: ``pipeline.cache_key``; ``ident``: ``identity.graph_identity(gm)`` (None: computed here)."""
     ident = identity.graph_identity(gm) if ident is None else ident
-    parts = [gm.code, ident, *(_input(x) for x in inputs), _state(), options_key, target, _versions(), _devices(inputs)]
+    parts = [gm.code, ident, *map(_input, inputs, symbolic(gm, inputs)), _state(), options_key, target, _versions(),
+             _devices(inputs)]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
 
@@ -143,6 +156,4 @@ def bypass(gm: torch.fx.GraphModule, inputs, opts, frozen: bool, registered=()) 
             seen[ref] = i
         elif not isinstance(x, (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)):
             return f"input {i} is a {type(x).__name__}"
-    if torch._functorch.config.functionalize_rng_ops:
-        return "functionalized random ops"
-    return ""
+    return "functionalized random ops" if torch._functorch.config.functionalize_rng_ops else ""

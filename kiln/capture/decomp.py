@@ -42,8 +42,7 @@ def _batch_norm_eval(x, weight, bias, running_mean, running_var, momentum, eps):
     invstd = torch.rsqrt(running_var.to(acc) + eps)
     scale = invstd * weight.to(acc) if weight is not None else invstd
     out = (x.to(acc) - running_mean.to(acc).reshape(shape)) * scale.reshape(shape)
-    if bias is not None:
-        out = out + bias.to(acc).reshape(shape)
+    out = out + bias.to(acc).reshape(shape) if bias is not None else out
     if x.device.type == "cpu":
         return out.to(x.dtype), x.new_zeros((0,)), x.new_zeros((0,))
     return out.to(x.dtype), running_mean.to(acc, copy=True), invstd
@@ -77,19 +76,19 @@ def _vector_norm(decomposition):
 def _pair(v, default=None):
     if v is None or (isinstance(v, (list, tuple)) and len(v) == 0):
         return default
-    if isinstance(v, int):
-        return v, v
-    return (v[0], v[0]) if len(v) == 1 else (v[0], v[1])
+    return (v, v) if isinstance(v, int) else (v[0], v[len(v) > 1])
 
 
 def _max_pool2d_with_indices(x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
     """2-D max pooling as a running maximum of strided slices with ATen's flat indices (first maximum, NaN
-    wins), fusing with the ReLU before it. Dilation, 3-D and integer inputs keep the ATen kernel."""
+    wins), fusing with the ReLU before it. Dilation, 3-D and integer inputs keep the ATen kernel; symbolic
+    heights or widths keep the node, which ``codegen/lower/index.py`` lowers alike (its ~80 ops traced over
+    symbolic sizes took seconds a graph, #35)."""
     kh, kw = _pair(kernel_size)
     sh, sw = _pair(stride, (kh, kw))
     ph, pw = _pair(padding)
     if _pair(dilation) != (1, 1) or x.dim() != 4 or not x.is_floating_point() \
-            or not all(isinstance(v, int) for v in (kh, kw, sh, sw, ph, pw, *(x.shape[-2:] if ceil_mode else ()))):
+            or not all(isinstance(v, int) for v in (kh, kw, sh, sw, ph, pw, *x.shape[-2:])):
         return NotImplemented
     H, W = x.shape[-2:]
 
@@ -105,14 +104,12 @@ def _max_pool2d_with_indices(x, kernel_size, stride=(), padding=0, dilation=1, c
     best = where = None
     for i in range(kh):
         for j in range(kw):
-            v = xp[:, :, i:i + sh * (oh - 1) + 1:sh, j:j + sw * (ow - 1) + 1:sw]
-            idx = base + (i * W + j)
+            v, idx = xp[:, :, i:i + sh * (oh - 1) + 1:sh, j:j + sw * (ow - 1) + 1:sw], base + (i * W + j)
             if best is None:
                 best, where = v, idx.expand(v.shape)
                 continue
             take = (v > best) | torch.isnan(v)
-            best = torch.where(take, v, best)
-            where = torch.where(take, idx, where)
+            best, where = torch.where(take, v, best), torch.where(take, idx, where)
     if ph or pw:
         # a maximum of -inf may sit on the padding: ATen starts each window at its first real element
         # and keeps it then, so the index points inside the input (the backward writes through it)
@@ -137,9 +134,8 @@ def _scatter_into_dense(op):
     """``op`` (slice/select/diagonal_scatter) with an expanded input made dense first: torch 2.11's meta keeps
     the zero strides eager drops, and kernels wrote every element to one address (fuzz seed 10 #409)."""
     def decompose(x, *args, **kwargs):
-        if not _overlaps(x):
-            return NotImplemented
-        return op(aten.clone.default(x, memory_format=torch.contiguous_format), *args, **kwargs)
+        return op(aten.clone.default(x, memory_format=torch.contiguous_format), *args, **kwargs) if _overlaps(x) \
+            else NotImplemented
     return decompose
 
 
@@ -149,21 +145,15 @@ DENSE_RESULT = [aten.slice_scatter.default, aten.select_scatter.default, aten.di
 def _angle(x):
     """Complex ``angle`` as ``atan2(imag, real)``: its meta keeps the input's strides where eager returns a
     dense result, and kernels read the wrong elements (fuzz seed 10 #467). Real inputs keep the op whole."""
-    if not x.is_complex():
-        return NotImplemented
-    return aten.atan2.default(aten.imag.default(x), aten.real.default(x))
+    return aten.atan2.default(aten.imag.default(x), aten.real.default(x)) if x.is_complex() else NotImplemented
 
 
 @functools.lru_cache(maxsize=None)
 def _table(fusion: bool):
-    if fusion:
-        table = dict(core_aten_decompositions())
-        table.update(get_decompositions(FUSION_EXTRA))
-    else:
-        table = dict(get_decompositions(ATEN_EXTRA))
-    for packet in KEEP:
-        for name in packet.overloads():
-            table.pop(getattr(packet, name), None)
+    table = {**core_aten_decompositions(), **get_decompositions(FUSION_EXTRA)} if fusion else \
+        dict(get_decompositions(ATEN_EXTRA))
+    for op in [getattr(packet, name) for packet in KEEP for name in packet.overloads()]:
+        table.pop(op, None)
     if fusion:
         table[aten._native_batch_norm_legit_no_training.default] = _batch_norm_eval
         table[aten.max_pool2d_with_indices.default] = _max_pool2d_with_indices
@@ -172,8 +162,7 @@ def _table(fusion: bool):
     table[prims.broadcast_in_dim.default] = _broadcast_in_dim   # the references of keepdim reductions call it
     # before the table's own decomposition, if it has one (complex inputs too: not wrapped by _real_only)
     for op, first in [(aten.angle.default, _angle)] + [(op, _scatter_into_dense(op)) for op in DENSE_RESULT]:
-        inner = table.get(op)
-        table[op] = _then(first, inner) if inner is not None else first
+        table[op] = _then(first, table[op]) if table.get(op) is not None else first
     return table
 
 
@@ -200,11 +189,8 @@ DECLINE = {aten.index_add.default: lambda x, dim, index, source, *, alpha=1:
 
 
 def _complex(value) -> bool:
-    if isinstance(value, torch.Tensor):
-        return value.is_complex()
-    if isinstance(value, (list, tuple)):
-        return any(_complex(v) for v in value)
-    return False
+    return value.is_complex() if isinstance(value, torch.Tensor) else \
+        isinstance(value, (list, tuple)) and any(_complex(v) for v in value)
 
 
 def _real_only(decomposition, declines=None):
@@ -212,9 +198,8 @@ def _real_only(decomposition, declines=None):
     torch's decompositions fail on them) and where ``declines(*args, **kwargs)`` (``DECLINE``)."""
     @functools.wraps(decomposition)
     def decompose(*args, **kwargs):
-        if _complex(args) or _complex(tuple(kwargs.values())) or (declines and declines(*args, **kwargs)):
-            return NotImplemented
-        return decomposition(*args, **kwargs)
+        declined = _complex(args) or _complex(tuple(kwargs.values())) or (declines and declines(*args, **kwargs))
+        return NotImplemented if declined else decomposition(*args, **kwargs)
     return decompose
 
 

@@ -76,6 +76,25 @@ def test_inference_and_dynamic_shapes_hit(tmp_path):
     assert [r.shape[0] for r in results[1]] == [3, 5, 9]
 
 
+def test_a_graph_gone_dynamic_hits_at_other_sizes(tmp_path):
+    """A training graph that went dynamic on the batch at size 5 serves a later compile that goes dynamic at 9
+    (the bench's check pass, then its timed pass): the key holds Dynamo's symbolic sizes, not the example
+    tensors' (a resnet18 compiled again for 23 s on the H200, #35)."""
+    m = _model()
+    for sizes, hits in (((4, 5), 0), ((4, 9, 3), 2)):
+        torch._dynamo.reset()
+        f = kiln.compile(m, codegen="aten", **_cache(tmp_path))
+        for n in sizes:
+            x = torch.full((n, 16), 0.5)
+            f(x).sum().backward()
+            grads = [p.grad.clone() for p in m.parameters()]
+            m.zero_grad()
+            m(x).sum().backward()
+            assert all(torch.allclose(a, p.grad) for a, p in zip(grads, m.parameters()))
+            m.zero_grad()
+        assert (_count("miss"), _count("hit")) == (2, hits), (sizes, kiln.counters["cache"])
+
+
 def test_changed_option_or_pass_misses(tmp_path):
     m, x = _model(), torch.randn(8, 16)
     _train_step(m, x, codegen="aten", **_cache(tmp_path))

@@ -120,3 +120,32 @@ def test_max_pool_gradients_through_the_decomposed_forward():
         rg, = torch.autograd.grad(f(x), x, go)
         torch.testing.assert_close(g, rg)
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("codegen", ["cpp", "triton"])
+def test_symbolic_heights_and_widths_keep_one_pool_node_that_fuses(codegen):
+    """Height and width symbolic (the fully dynamic CNN): the decomposition declines (its ~80 ops cost seconds
+    of symbolic-shape tracing a graph, #35) and the one ``max_pool2d_with_indices`` node lowers to the same
+    fused running maximum: ATen's values, indices (ties, NaN, an all -inf padded window) and gradients at two
+    sizes of one compile, no ATen pool call in the forward."""
+    f, graphs = kiln.compile(_pool, dynamic=True, codegen=codegen), torch._dynamo.utils.counters["stats"]
+    for n, shape in enumerate([(2, 3, 9, 8), (3, 2, 7, 10)]):
+        x = torch.randn(shape)
+        x[0, 0, :2, :2], x[0, 1, 3, 3] = float("-inf"), float("nan")
+        x.requires_grad_(True)
+        if n == 0:   # Dynamo reset, then one compile
+            (out, idx), code = kiln.run_and_get_code(f, x)
+            before = graphs["unique_graphs"]
+        else:
+            out, idx = f(x)
+        ref, ref_idx = _pool(x)
+        assert torch.equal(idx, ref_idx)
+        torch.testing.assert_close(out, ref, equal_nan=True)
+        go = torch.randn_like(out)
+        torch.testing.assert_close(torch.autograd.grad(out, x, go)[0], torch.autograd.grad(ref, x, go)[0],
+                                   equal_nan=True)
+    assert graphs["unique_graphs"] == before, "one compile serves both sizes"
+    forward = next(c for c in code if c.startswith("# kiln wrapper: forward"))
+    assert "max_pool" not in forward, forward
+    joint = [g for stage, g in kiln.explain(f, x) if stage == "joint"][-1]
+    assert joint.count("max_pool2d_with_indices.default(") == 1 and "isnan" not in joint, joint

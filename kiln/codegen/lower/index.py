@@ -3,6 +3,9 @@ select/slice_scatter), and the scatters that write through an index (scatter_add
 backward). An indirect index is an ``ind*`` symbol bound to a ``checked`` value (``ir/bounds.py``) naming
 eager's error for the op; concatenation and padding read each source under a mask (``masked``).
 """
+import itertools
+import math
+
 import sympy
 import torch
 
@@ -55,9 +58,11 @@ def _rank(node) -> int:
 
 def indirect(sym, v: Pointwise, idx, dim, e):
     """``v`` at ``idx`` with position ``dim`` replaced by the runtime int value ``e`` (``checker``'s ``sym``)."""
-    idx = list(idx)
-    idx[dim] = sym(e, v.shape[dim], dim)
-    return v(idx)
+    return v(_put(idx, dim, sym(e, v.shape[dim], dim)))
+
+
+def _put(idx, dim, e):
+    return [*idx[:dim], e, *idx[dim + 1:]]
 
 
 @register(aten.gather.default)
@@ -95,34 +100,18 @@ def _index(ctx, x, indices):
     sym = checker(ctx, "index", True)
 
     def fn(idx):
-        if adjacent:
-            before, bidx, after = idx[:pos[0]], idx[pos[0]:pos[0] + nb], idx[pos[0] + nb:]
-            rest = list(before) + list(after)
-        else:
-            bidx, rest = idx[:nb], list(idx[nb:])
-        full, it = [], iter(rest)
-        for i in range(len(x.shape)):
-            if indices[i] is None:
-                full.append(next(it))
-            else:
-                t = indices[i]
-                # eager's message counts the dims indexed by tensors (x[:, i] is its dimension 0)
-                full.append(sym(t(broadcast(bidx, t.shape, bshape)), x.shape[i], pos.index(i)))
-        return x(full)
+        bidx, rest = (idx[pos[0]:pos[0] + nb], list(idx[:pos[0]]) + list(idx[pos[0] + nb:])) if adjacent else \
+            (idx[:nb], list(idx[nb:]))
+        it = iter(rest)   # eager's message counts the dims indexed by tensors (x[:, i] is its dimension 0)
+        return x([next(it) if t is None else sym(t(broadcast(bidx, t.shape, bshape)), x.shape[i], pos.index(i))
+                  for i, t in enumerate(indices)])
     return ctx.pointwise(fn)
 
 
-def _broadcast_shape(shapes):
+def _broadcast_shape(shapes):   # per dim (right-aligned), the last size other than 1
     n = max(len(s) for s in shapes)
-    out = []
-    for k in range(n):
-        size = sympy.Integer(1)
-        for s in shapes:
-            j = k - (n - len(s))
-            if j >= 0 and s[j] != 1:
-                size = s[j]
-        out.append(size)
-    return out
+    cols = zip(*([sympy.Integer(1)] * (n - len(s)) + list(s) for s in shapes))
+    return [next((s for s in reversed(col) if s != 1), sympy.Integer(1)) for col in cols]
 
 
 @register(aten.cat.default)
@@ -132,15 +121,9 @@ def _cat(ctx, tensors, dim=0):
     compute = upcast(ctx.meta.dtype)
 
     def fn(idx):
-        pieces, off = [], ZERO
-        for t in parts:
-            pieces.append((t, off, off + t.shape[d]))
-            off = off + t.shape[d]
-        out = None
-        for k, (t, start, end) in enumerate(reversed(pieces)):
-            sub = list(idx)
-            sub[d] = idx[d] - start
-            i = ops.index(idx[d])
+        offs, out = list(itertools.accumulate((t.shape[d] for t in parts), initial=ZERO)), None
+        for k, (t, start, end) in enumerate(reversed(list(zip(parts, offs, offs[1:])))):
+            sub, i = _put(idx, d, idx[d] - start), ops.index(idx[d])
             conds = ([ops.binary("ge", i, _size(sympy.sympify(start)))] if start != 0 else []) + \
                 ([ops.binary("lt", i, _size(sympy.sympify(end)))] if k != 0 else [])
             val = ops.cast(t(sub), compute)
@@ -169,6 +152,11 @@ def _stack(ctx, tensors, dim=0):
     return ctx.pointwise(fn)
 
 
+def _within(e, size):
+    i = ops.index(e)
+    return ops.binary("logical_and", E.bin("ge", i, 0), E.bin("lt", i, _size(size)))
+
+
 @register(aten.constant_pad_nd.default)
 def _pad(ctx, x, pad, value=0):
     n = len(x.shape)
@@ -179,12 +167,38 @@ def _pad(ctx, x, pad, value=0):
         src, cond = list(idx), None
         for d, left in lefts.items():
             src[d] = idx[d] - left
-            i = ops.index(src[d])
-            ok = ops.binary("logical_and", E.bin("ge", i, 0), E.bin("lt", i, _size(x.shape[d])))
+            ok = _within(src[d], x.shape[d])
             cond = ok if cond is None else ops.binary("logical_and", cond, ok)
         val = ops.cast(x(src), compute)
         return val if cond is None else ops.masked(cond, val, ops.const(value, compute))
     return ctx.pointwise(fn)
+
+
+@register(aten.max_pool2d_with_indices.default)
+def _max_pool2d(ctx, x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
+    """``capture/decomp.py``'s 2-D max pooling (running maximum, NaN wins; ATen's flat index of the first maximum;
+    -inf padding), where that declines on symbolic heights or widths: its ~80 ops traced took seconds (#35)."""
+    two = lambda v: [v, v] if isinstance(v, int) else list(v) * (3 - len(v))   # noqa: E731  ([k] -> [k, k])
+    (kh, kw), (sh, sw), (ph, pw) = map(two, (kernel_size, stride or kernel_size, padding))
+    val = ctx.meta[0]   # (ceil mode: the output's size bounds the windows)
+    if len(x.shape) != 4 or not val.dtype.is_floating_point or two(dilation) != [1, 1]:
+        raise Unsupported("max_pool2d_with_indices: dilated, or not of a 4-D floating-point tensor")
+    (H, W), compute = x.shape[2:], upcast(val.dtype)
+    low, ninf = lambda e: ops.binary("maximum", ops.index(e), ops.const(0, torch.int64)), ops.const(-math.inf, compute)
+
+    def scan(idx):   # (maximum, index) at output position idx
+        n, c, o, w = idx
+        best = at = None
+        for r, q in ((o * sh + i - ph, w * sw + j - pw) for i in range(kh) for j in range(kw)):
+            ok = ops.binary("logical_and", _within(r, H), _within(q, W))
+            v, k = ops.masked(ok, ops.cast(x([n, c, r, q]), compute), ninf), ops.index(r * W + q)
+            take = best is not None and ops.binary("logical_or", E.bin("gt", v, best), ops.unary("isnan", v))
+            best, at = (v, k) if best is None else (ops.where(take, v, best), ops.where(take, k, at))
+        # all -inf (padding too): ATen keeps the first element inside the input (the backward writes through it)
+        first = ops.binary("add", ops.binary("mul", low(o * sh - ph), _size(W)), low(w * sw - pw))
+        return best, ops.where(E.bin("eq", best, ninf), first, at)
+    return tuple(ctx.pointwise(lambda idx, k=k: scan(idx)[k], shape_of(val), dtype)
+                 for k, dtype in enumerate((val.dtype, torch.int64)))
 
 
 @register(aten.select_scatter.default)
@@ -217,8 +231,7 @@ def _slice_scatter(ctx, base, src, dim=0, start=None, end=None, step=1):
     length = src.shape[d]
 
     def fn(idx):
-        i = ops.index(idx[d] - start)
-        cond = ops.binary("logical_and", E.bin("ge", i, 0), E.bin("lt", i, _size(sympy.sympify(length * step))))
+        i, cond = ops.index(idx[d] - start), _within(idx[d] - start, sympy.sympify(length * step))
         if step != 1:
             cond = ops.binary("logical_and", cond, E.bin("eq", E.bin("remainder", i, step), 0))
         sub = list(idx)
@@ -249,12 +262,8 @@ def _scatter_add(ctx, x, dim, index, src):
     mode = "add" if ctx.node.target == aten.scatter_add.default else "set"
     sym = checker(ctx, "scatter")
 
-    def target(idx):
-        full = list(idx)
-        full[d] = sym(index(idx), x.shape[d], d)
-        return full
     value = (lambda idx: value_at(src, idx, index.shape, compute))
-    return _scatter(ctx, x, index.shape, target, value, mode)
+    return _scatter(ctx, x, index.shape, lambda idx: _put(idx, d, sym(index(idx), x.shape[d], d)), value, mode)
 
 
 @register(aten.index_put.default)
@@ -284,15 +293,10 @@ def _index_add(ctx, x, dim, index, source, alpha=1):
     compute = upcast(ctx.meta.dtype)
     sym = checker(ctx, "self" if len(x.shape) == 1 else "scatter")   # eager's two messages
 
-    def target(idx):
-        full = list(idx)
-        full[d] = sym(index([idx[d]]), x.shape[d], d)
-        return full
-
     def value(idx):
         v = value_at(source, idx, source.shape, compute)
         return v if alpha == 1 else ops.binary("mul", v, ops.const(alpha, compute))
-    return _scatter(ctx, x, source.shape, target, value, "add")
+    return _scatter(ctx, x, source.shape, lambda idx: _put(idx, d, sym(index([idx[d]]), x.shape[d], d)), value, "add")
 
 
 @register(aten.embedding_dense_backward.default)
@@ -310,7 +314,6 @@ def _embedding_backward(ctx, grad, indices, num_weights, padding_idx, scale_grad
 
     def value(idx):
         g = ops.cast(grad(idx), compute)
-        if padding_idx is None or padding_idx < 0:
-            return g
-        return ops.where(E.bin("eq", indices(idx[:k]), padding_idx), ops.const(0, compute), g)
+        return g if padding_idx is None or padding_idx < 0 else \
+            ops.where(E.bin("eq", indices(idx[:k]), padding_idx), ops.const(0, compute), g)
     return _scatter(ctx, zeros, list(indices.shape) + [out_shape[1]], target, value, "add")
