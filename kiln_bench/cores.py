@@ -68,7 +68,7 @@ def fast_cores(device: str, tolerance: float = 1.15) -> dict:
 
 @contextlib.contextmanager
 def pinned(cores):
-    """Every thread on ``cores`` (None: no change) for the timed steps, back on all allowed cores after: compiles
+    """Every thread on ``cores`` (empty: no change) for the timed steps, back on all allowed cores after: compiles
     keep the whole machine (Inductor's and kiln's compile workers start with the process's mask)."""
     if not cores:
         yield

@@ -8,7 +8,8 @@
   i.e. until its last launch, with no synchronisation inside the step and no profiler. On the CPU it equals
   the step time. It includes any wait the step makes itself (a ``.item()``, a full launch queue).
 - Kernels per step (``kernels_per_step``): a separate short pass under ``torch.profiler`` (on the GPU after
-  every timed step of the run: ``runner.count_kernels``). On the GPU: the device kernels the profiler records (CUDA activity; memcpy, memset and the GPU ranges of
+  every timed step of the run: ``runner.count_kernels``). On the GPU: the device kernels the profiler records
+  (CUDA activity; memcpy, memset and the GPU ranges of
   ``record_function`` annotations such as ``Optimizer.step#AdamW.step`` not counted). On the CPU: the
   top-level ATen ops (ATen ops not called from another ATen op); the fused C++ kernels of inductor and
   kiln are invisible to the profiler and not counted, so on the CPU it counts what a compiler left to ATen.
