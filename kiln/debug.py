@@ -169,7 +169,8 @@ class Trace:
                 verify(gm, label)
             if not wanted(2) and not _EXPLAIN_SINKS and self.dir is None and not logs.tracing():
                 continue   # nobody reads the text: printing a large graph costs seconds
-            text = graph_text(gm, label, note)
+            text = f"# after: {label} ({len(gm.graph.nodes)} nodes{', ' + note if note else ''})\n" + \
+                gm.print_readable(print_output=False, include_stride=True, include_device=True)
             log(2, text)
             for sink in list(_EXPLAIN_SINKS):
                 sink.append((label, text))
@@ -339,12 +340,6 @@ def _dump_dir(root: str, kind: str):
     except OSError as e:
         log(1, f"KILN_DUMP: cannot write under {root} ({e}); compiling without dumps")
     return None
-
-
-def graph_text(gm, stage: str, note: str = "") -> str:
-    """Runnable Python for ``gm`` with shapes as comments, under a ``# after: stage`` header."""
-    header = f"# after: {stage} ({len(gm.graph.nodes)} nodes{', ' + note if note else ''})\n"
-    return header + gm.print_readable(print_output=False, include_stride=True, include_device=True)
 
 
 class VerifyError(RuntimeError, UserError):

@@ -2,8 +2,6 @@
 compiles without Dynamo, one graph per input signature (``aot_function`` silently reuses its first graph);
 ``kiln.explain_memory`` explains the partition of a training graph (``partition/report.py``).
 """
-from __future__ import annotations
-
 import functools
 from typing import Optional, Sequence
 

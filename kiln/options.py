@@ -77,10 +77,9 @@ def _check_value(f, value, name):
                           f"number of processes")
     if isinstance(check, tuple) and not check[0] <= value <= check[1]:
         raise OptionError(f"{name}={value!r} is outside the valid range [{check[0]}, {check[1]}]")
-    if check == "nonneg" and value < 0:
-        raise OptionError(f"{name}={value!r} must be at least 0")
-    if check == "pos" and value < 1:
-        raise OptionError(f"{name}={value!r} must be at least 1")
+    least = {"nonneg": 0, "pos": 1}.get(check)
+    if least is not None and value < least:
+        raise OptionError(f"{name}={value!r} must be at least {least}")
     if check in ("pow2", "warps") and (value < 1 or value & (value - 1)):
         raise OptionError(f"{name}={value!r} must be a power of two")
     if check == "warps" and value > 32:
@@ -462,8 +461,10 @@ def active() -> Options:
 
 def current(**extra) -> Options:
     """The options in force here: defaults < torch's knobs (``torch._functorch.config.activation_memory_budget``
-    when not 1.0, ``TORCH_COMPILE_DEBUG``) < environment < config.patch scopes < extra."""
-    torch_knobs = {**_from_functorch(), **_from_compile_debug()}
+    when not 1.0, ``TORCH_COMPILE_DEBUG=1``: dumps to ``kiln/`` in torch's debug folder) < environment <
+    config.patch scopes < extra."""
+    folder = compat.compile_debug_dir()
+    torch_knobs = {**_from_functorch(), **({} if folder is None else {"dump_dir": os.path.join(folder, "kiln")})}
     return _build({**torch_knobs, **_from_env(), **_OVERRIDES.get(), **_flatten(extra)})
 
 
@@ -478,12 +479,6 @@ def _from_functorch() -> dict:
     except OptionError as e:
         raise OptionError(f"torch._functorch.config: {e}") from None
     return {"activation_memory_budget": budget}
-
-
-def _from_compile_debug() -> dict:
-    """``TORCH_COMPILE_DEBUG=1``: kiln's dumps go to ``kiln/`` in torch's debug folder of this run."""
-    folder = compat.compile_debug_dir()
-    return {} if folder is None else {"dump_dir": os.path.join(folder, "kiln")}
 
 
 class _Patch(contextlib.ContextDecorator):

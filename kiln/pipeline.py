@@ -6,8 +6,6 @@ post-grad passes, the target's kernels -> Python wrapper -> runtime [-> CUDA gra
 times, prints, verifies and dumps each step. ``aot_compilers`` is the one AOTAutograd set-up, for
 ``compile_graph`` and ``kiln.memory_efficient_fusion`` alike.
 """
-from __future__ import annotations
-
 import hashlib
 import os
 import sysconfig

@@ -7,7 +7,7 @@ import torch
 import torch.fx as fx
 
 from kiln.debug import log
-from kiln.passes.constant_fold import add_constant, compute_dtype, constant_value, fake_mode_of, like
+from kiln.passes.constant_fold import add_constant, compute_dtype, constant_value, fake_mode_of, like, recompiled
 from kiln.passes.constant_fold import val as _val
 
 aten = torch.ops.aten
@@ -126,8 +126,4 @@ def fold_binary(gm: fx.GraphModule, fake_mode=None) -> int:
     """Fold binary ops by constants into the conv/linear before them; edits ``gm``, returns the count."""
     fake_mode = fake_mode or fake_mode_of(gm)
     todo = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in BINARY]
-    folded = sum(_fold_one(gm, n, fake_mode) for n in todo)
-    if folded:
-        gm.graph.eliminate_dead_code()
-        gm.recompile()
-    return folded
+    return recompiled(gm, sum(_fold_one(gm, n, fake_mode) for n in todo), dead_code=True)

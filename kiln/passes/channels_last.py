@@ -11,7 +11,7 @@ import torch
 import torch.fx as fx
 
 from kiln.options import active
-from kiln.passes.constant_fold import call, fake_mode_of, infer_val
+from kiln.passes.constant_fold import call, fake_mode_of, infer_val, recompiled
 from kiln.passes.constant_fold import val as _val
 
 aten = torch.ops.aten
@@ -222,9 +222,7 @@ def convert_conv_weights(gm: fx.GraphModule, opts) -> int:
             continue
         n.replace_input_with(w, copy_before(gm, n, w, CL, fake))
         changed += 1
-    if changed:
-        gm.recompile()
-    return changed
+    return recompiled(gm, changed)
 
 
 # Producers whose output layout is the library's choice, not meta['val']'s (oneDNN's channels-last
@@ -267,6 +265,4 @@ def pin_eager_strides(gm: fx.GraphModule, fake_mode=None) -> int:
                 continue
             n.replace_input_with(a, call(gm.graph, fake_mode, aten.contiguous.default, a, memory_format=fmt, before=n))
             pinned += 1
-    if pinned:
-        gm.recompile()
-    return pinned
+    return recompiled(gm, pinned)

@@ -8,7 +8,7 @@ import torch.fx as fx
 
 from kiln.debug import log
 from kiln.passes.channels_last import view_breaks
-from kiln.passes.constant_fold import add_constant, call, constant_value, fake_mode_of, infer_val
+from kiln.passes.constant_fold import add_constant, call, constant_value, fake_mode_of, infer_val, recompiled
 
 aten = torch.ops.aten
 VIEWS = (aten.view.default, aten._unsafe_view.default)
@@ -102,7 +102,4 @@ def concat_linears(gm: fx.GraphModule, fake_mode=None) -> int:
         _concat(gm, group, fake_mode)
         merged += len(group)
         log(5, f"concat_linear: {len(group)} linears on {group[0][1][0]} merged")
-    if merged:
-        gm.graph.eliminate_dead_code()
-        gm.recompile()
-    return merged
+    return recompiled(gm, merged, dead_code=True)

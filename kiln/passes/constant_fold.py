@@ -107,9 +107,7 @@ def protect_outputs(gm: fx.GraphModule) -> int:
         return a
 
     out.args = (pytree.tree_map(guard, out.args[0]),)
-    if count:
-        gm.recompile()
-    return count
+    return recompiled(gm, count)
 
 
 # -- folding -------------------------------------------------------------------------------------
@@ -194,6 +192,15 @@ def _materialize(gm: fx.GraphModule, env: dict, fake_mode, store: set) -> int:
 
 
 # -- helpers of the other folding passes ------------------------------------------------------------
+def recompiled(gm: fx.GraphModule, changed: int, dead_code: bool = False) -> int:
+    """A pass's count ``changed``; when not 0, ``gm`` recompiled (``dead_code``: its dead nodes dropped first)."""
+    if changed and dead_code:
+        gm.graph.eliminate_dead_code()
+    if changed:
+        gm.recompile()
+    return changed
+
+
 def infer_val(node: fx.Node, fake_mode=None):
     """Compute ``node.meta['val']`` from its inputs' vals: under ``fake_mode``, else on the meta device."""
     def meta(a):

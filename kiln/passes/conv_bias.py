@@ -4,7 +4,7 @@ becomes ``conv(x, w, None) + b.view(1, C, 1, ...)``, an add that fuses into the 
 import torch
 import torch.fx as fx
 
-from kiln.passes.constant_fold import call, fake_mode_of
+from kiln.passes.constant_fold import call, fake_mode_of, recompiled
 
 aten = torch.ops.aten
 
@@ -31,6 +31,4 @@ def split_conv_bias(gm: fx.GraphModule) -> int:
         n.replace_all_uses_with(add)
         g.erase_node(n)
         n_split += 1
-    if n_split:
-        gm.recompile()
-    return n_split
+    return recompiled(gm, n_split)

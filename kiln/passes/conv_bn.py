@@ -8,7 +8,8 @@ import torch
 import torch.fx as fx
 
 from kiln.debug import log
-from kiln.passes.constant_fold import add_constant, call, compute_dtype, constant_value, fake_mode_of, like
+from kiln.passes.constant_fold import (add_constant, call, compute_dtype, constant_value, fake_mode_of, like,
+                                       recompiled)
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -100,10 +101,7 @@ def fold_conv_bn(gm: fx.GraphModule, fake_mode=None) -> int:
             gm.graph.erase_node(o)
         folded += 1
         log(5, f"conv_bn: folded {bn.name} into {new.name}")
-    if folded:
-        gm.graph.eliminate_dead_code()
-        gm.recompile()
-    return folded
+    return recompiled(gm, folded, dead_code=True)
 
 
 def bn_to_affine(gm: fx.GraphModule, fake_mode=None) -> int:
@@ -132,7 +130,4 @@ def bn_to_affine(gm: fx.GraphModule, fake_mode=None) -> int:
         for o in outs:
             o.replace_all_uses_with(y)
         changed += 1
-    if changed:
-        gm.graph.eliminate_dead_code()
-        gm.recompile()
-    return changed
+    return recompiled(gm, changed, dead_code=True)

@@ -6,7 +6,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from kiln.passes.constant_fold import call, fake_mode_of
+from kiln.passes.constant_fold import call, fake_mode_of, recompiled
 
 aten = torch.ops.aten
 FILLS = {aten.full_like.default: 1, aten.full.default: 1, aten.zeros_like.default: None, aten.zeros.default: None}
@@ -47,9 +47,7 @@ def scatter_to_where(gm: fx.GraphModule) -> int:
         if not base.users:
             g.erase_node(base)
         count += 1
-    if count:
-        gm.recompile()
-    return count
+    return recompiled(gm, count)
 
 
 def _equal(a, b) -> bool:

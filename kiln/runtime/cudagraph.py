@@ -11,8 +11,6 @@ temporaries reuse it as the plain path's do; it is copied out at each replay fro
 reads the parameters its forwards read in place. Non-tensor or CPU inputs, or a failed capture, leave the
 wrapper running normally, the reason logged (KILN_DEBUG=1).
 """
-from __future__ import annotations
-
 import time
 import weakref
 from typing import List, Optional

@@ -69,10 +69,6 @@ _device = getattr(torch._C, "_cuda_getDevice", None) or (lambda: _STREAM[0][0]()
 _stream_of = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (lambda dev: _triton_stream())
 
 
-def _stream():
-    return _stream_of(_device())
-
-
 def _spec(args):
     key = []
     for a in args:
@@ -171,7 +167,7 @@ def _launch(kernel, grid, args, consts, warps):
             _COMPILED[key] = (kernel, ck)
         return ck
     ck = hit[1]
-    ck.run(grid[0], 1, 1, _stream(), ck.function, ck.packed_metadata, None, None, None, *args, *consts)
+    ck.run(grid[0], 1, 1, _stream_of(_device()), ck.function, ck.packed_metadata, None, None, None, *args, *consts)
     return ck
 
 
