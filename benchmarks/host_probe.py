@@ -84,9 +84,7 @@ def main():
     a = ap.parse_args()
     import kiln  # noqa: F401
     from kiln_bench import cores
-    fast = cores.fast_cores("cuda")
-    cores.pin_all(set(fast.get("cores") or os.sched_getaffinity(0)))
-    print("host cores:", fast, flush=True)
+    print("host cores:", cores.pin_process("cuda"), flush=True)
     from kiln_bench import backends as B
     from kiln_bench.suites import select
     (case,), _ = select(a.suite, "cuda", [a.case])

@@ -66,6 +66,14 @@ def fast_cores(device: str, tolerance: float = 1.15) -> dict:
     return {"cores": sorted(c for c, us in cost.items() if us <= best * tolerance), "launch_us": cost}
 
 
+def pin_process(device: str) -> dict:
+    """For diagnostics: ``fast_cores(device)``, every thread pinned to them from now on; returns the choice."""
+    fast = fast_cores(device)
+    if fast:
+        pin_all(set(fast["cores"]))
+    return fast
+
+
 @contextlib.contextmanager
 def pinned(cores):
     """Every thread on ``cores`` (empty: no change) for the timed steps, back on all allowed cores after: compiles

@@ -9,7 +9,6 @@ time is all host work. A benchmark aid, not a test; output is text (and JSON wit
 from __future__ import annotations
 
 import argparse
-import os
 import json
 import time
 
@@ -182,8 +181,7 @@ def main(argv=None):
     backends = B.check_names(a.backends.split(","))
     results = {"versions": B.versions(), "device": torch.cuda.get_device_name(), "rows": []}
     from kiln_bench import cores
-    results["host_cores"] = cores.fast_cores("cuda")
-    cores.pin_all(set(results["host_cores"].get("cores") or os.sched_getaffinity(0)))   # a diagnostic: pinned throughout
+    results["host_cores"] = cores.pin_process("cuda")
     print("host cores:", results["host_cores"], flush=True)
     if a.launch:
         results["launch_us"] = launch_probe(backends)

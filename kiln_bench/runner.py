@@ -210,7 +210,8 @@ def _kernels(step, device) -> dict:
 
 def count_kernels(case, dtype: str, rows: list, cfg: RunConfig, compile_model=None) -> None:
     """Kernels per step of the GPU ``rows`` of ``case`` (those marked ``_later``), counted after every timed
-    step of the run: a ``torch.profiler`` pass leaves CUPTI attached, and every launch after it pays. On an
+    step of the run: launches after a ``torch.profiler`` pass are slower (CUPTI stays attached, pytorch#144455;
+    the mechanism was not isolated here, the effect was). On an
     H200 (2026-11-28, zoo Llama training) the backend timed after another's profiled pass took 1-3 ms more
     host time per step, whichever it was; without the pass neither order did. Each backend compiles again
     in its row's cache directories (a warm compile), takes two steps and is profiled for two."""

@@ -30,6 +30,8 @@ def test_pinned_moves_every_thread_and_restores_them():
 
 
 def test_nothing_to_pick_without_a_gpu():
-    assert cores.fast_cores("cpu") == {}
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    assert cores.fast_cores("cpu") == {} and cores.pin_process("cpu") == {}
+    assert allowed is None or os.sched_getaffinity(0) == allowed   # nothing pinned
     with cores.pinned(()):   # no cores: no change
         pass
