@@ -35,7 +35,7 @@ def bucket(filename: str) -> str:
 
 
 def boundary(step, n):
-    """(ms per step, calls per step, {graph: ms per step}) inside the callables the compilers hand to
+    """(ms per step, calls per step, {graph: ms per step}, host ms per step of the same steps) inside the callables the compilers hand to
     AOTAutograd: kiln's ``Compiled`` and Inductor's ``CompiledFxGraph`` (their ``__call__`` timed for ``n`` steps;
     graphs named by kiln's name, else by their first call's order: g0 the forward, g1 the backward)."""
     import time
@@ -61,15 +61,19 @@ def boundary(step, n):
         return call
     for c, orig in saved:
         c.__call__ = timing(orig)
+    hosts = []
     try:
-        for _ in range(n):
+        for _ in range(n):   # each step from an empty queue, as ``times`` measures (no launch waits for room)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
             step()
+            hosts.append(time.perf_counter() - t0)
         torch.cuda.synchronize()
     finally:
         for c, orig in saved:
             c.__call__ = orig
     graphs = {k: v * 1e3 / n for k, v in per.items() if isinstance(k, str) and k != "calls"}
-    return sum(graphs.values()), per.get("calls", 0) / n, graphs
+    return sum(graphs.values()), per.get("calls", 0) / n, graphs, sum(hosts) * 1e3 / n
 
 
 def main():
@@ -99,10 +103,11 @@ def main():
             wl.step(f)
         torch.cuda.synchronize()
         host = times(lambda: wl.step(f), 20)[1]
-        inside, calls, graphs = boundary(lambda: wl.step(f), 20)
-        print(f"== {case.name} {be}: host {host:.2f} ms/step, {inside:.2f} ms of it inside the compiled graphs' "
+        inside, calls, graphs, mean = boundary(lambda: wl.step(f), 20)
+        print(f"== {case.name} {be}: host {host:.2f} ms/step (median; the timed steps' mean {mean:.2f}), "
+              f"{inside:.2f} ms of it inside the compiled graphs' "
               f"callables ({calls:.0f} calls/step: {', '.join(f'{k} {v:.2f}' for k, v in graphs.items())}), "
-              f"{host - inside:.2f} ms outside (Dynamo, AOTAutograd, autograd, optimizer)", flush=True)
+              f"{mean - inside:.2f} ms outside (Dynamo, AOTAutograd, autograd, optimizer)", flush=True)
         prof = cProfile.Profile()
         torch.cuda.synchronize()
         prof.enable()
@@ -131,9 +136,13 @@ def main():
                 for _ in range(a.steps):
                     wl.step(f)
                 torch.cuda.synchronize()
-            ev = [e for e in p.key_averages() if e.key.startswith(("cuda", "cu")) and e.count]
+            avg = [e for e in p.key_averages() if e.count and e.device_type == torch.autograd.DeviceType.CPU]
+            ev = [e for e in avg if e.key.startswith(("cuda", "cu"))]
             for e in sorted(ev, key=lambda e: -e.cpu_time_total)[:a.api]:
                 print(f"    api {e.key[:40]:40s} {e.count // a.steps:6d}x/step {e.cpu_time_total / a.steps / 1e3:7.3f} ms/step")
+            for e in sorted(avg, key=lambda e: -e.self_cpu_time_total)[:a.api]:   # every host op by own time
+                print(f"    op  {e.key[:40]:40s} {e.count // a.steps:6d}x/step "
+                      f"{e.self_cpu_time_total / a.steps / 1e3:7.3f} ms/step own")
         del f, wl
         torch._dynamo.reset()
         torch.cuda.empty_cache()

@@ -80,6 +80,19 @@ def test_compare_float64_referee():
     assert not M.compare(close, eager_off, 1e-3)["ok"]       # without a referee it simply fails
 
 
+def test_compare_float64_compile_referee():
+    """A float32 gap that float64 cannot excuse (the backend flipped a ReLU mask that eager did not) passes
+    only when the backend's own float64 compile computes eager's float64 function."""
+    truth = [torch.tensor([1.0, 2.5, 3.0], dtype=torch.float64)]
+    eager = [torch.tensor([1.0, 2.5, 3.0])]
+    flipped = [torch.tensor([1.0, 2.0, 3.0])]
+    assert not M.compare(eager, flipped, 1e-3, lambda: truth)["ok"]
+    same = M.compare(eager, flipped, 1e-3, lambda: truth, lambda: [truth[0].clone()])
+    assert same["ok"] and same["check"].startswith("ok in fp64")
+    wrong = M.compare(eager, flipped, 1e-3, lambda: truth, lambda: [flipped[0].double()])
+    assert not wrong["ok"] and "its fp64 compile too" in wrong["check"]
+
+
 def test_peak_blocks_of_a_memory_trace():
     """peak_sweep.peak_blocks replays a CUDA allocator trace: the peak above the start and the blocks
     alive there (a block allocated before the trace and freed during it lowers the running total)."""
