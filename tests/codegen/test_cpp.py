@@ -166,6 +166,11 @@ def test_outer_reductions_and_folded_column_partials():
     check(lambda x: (x * 2).sum(), x, atol=1e-3, rtol=1e-5)
     check(lambda x: (x.sum(0), torch.softmax(x, -1)), x, atol=1e-4, rtol=1e-5)
     check(lambda x: (x - x.mean(1, keepdim=True)).abs().mean(), x, atol=1e-4, rtol=1e-5)
+    with kiln.config.patch(tuning=dict(split_min_r=32, split_min_numel=256, fold_programs=8, fold_min_chunk=4,
+                                       fold="always")):   # 299 rows: 8 chunks of 38, the last of 33
+        units = []
+        check(lambda x: (x.sum(0), torch.softmax(x, -1)), torch.randn(299, 40), atol=1e-4, rtol=1e-5, units=units)
+    assert any("xo < 38 && xpid * 38 + xo < xnumel" in u.source for u in units)
 
 
 def _random_kernels(fn, x, codegen):

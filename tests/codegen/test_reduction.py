@@ -176,6 +176,24 @@ def test_folded_column_reduction(small_folds, fn, shape, tol):
     torch.testing.assert_close(gm(x), fn(x), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("rows", [74, 37 * 8 + 3])
+def test_folded_chunks_that_do_not_divide_the_rows(small_folds, rows):
+    """Rows of no power-of-two factor (ViT's 32 x 197 tokens) keep the programs: ceil(rows / 8) rows per
+    chunk, the last chunk short and masked, not 2 programs of 37 (or 1 of 299)."""
+    from kiln.codegen.schedule.split import fold_split
+    from kiln.options import current
+    assert fold_split((rows, 48), (0,), current().tuning) == 8
+    x, w, b, g = torch.randn(rows, 48), torch.randn(48), torch.randn(48), torch.randn(rows, 48)
+    with kiln.config.patch(**{"tuning.fold": "always"}):
+        gm = check(lambda x: x.sum(0), x, n_kernels=1, atol=1e-4, rtol=1e-4)
+    (k,) = _folded(gm)
+    assert f"xindex < {rows}" in k.source
+    bwd = lambda g, x, m, r, w, b: torch.ops.aten.native_layer_norm_backward.default(  # noqa: E731
+        g, x, [48], m, r, w, b, [True, True, True])
+    _, mean, rstd = torch.ops.aten.native_layer_norm.default(x, [48], w, b, 1e-5)
+    assert _folded(check(bwd, g, x, mean, rstd, w, b, atol=1e-4, rtol=1e-4))
+
+
 def test_norm_backward_folds_weight_gradients_into_the_row_kernel(small_folds):
     """RMSNorm and layer norm backward: dx by rows, and the weight (and bias) gradients' partials in
     the same kernel, the weights' gradients being sums over the rows it already reads."""

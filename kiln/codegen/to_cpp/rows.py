@@ -340,7 +340,8 @@ class CppKernel(ExprWriter):
             dt = m.buffer.dtype
             end.append(f"for ({t} r = 0; r < rnumel; r++) {self.out_args[m.name]}[{self.pexpr(m.index)}] = "
                        f"{store_code(f'{m.name}_col[r]', dt)};")
-        rows = ([f"for ({t} xo = 0; xo < {chunk}; xo++) {{", f"  const {t} x = xpid * {chunk} + xo;"], row, ["}"])
+        short = "" if programs * chunk == int(plan.xnumel) else f" && xpid * {chunk} + xo < xnumel"   # the last chunk
+        rows = ([f"for ({t} xo = 0; xo < {chunk}{short}; xo++) {{", f"  const {t} x = xpid * {chunk} + xo;"], row, ["}"])
         self.body.append(([self._parallel(), f"for ({t} xpid = 0; xpid < {programs}; xpid++) {{"],
                           Scope(lines=start + [rows] + end), ["}"]))
 

@@ -94,8 +94,10 @@ def kernel_def(k: TritonKernel, name, names, extra=(), tail_lines=(), grouped=Fa
         chunk = plan.chunks[1]
         body += [f"xpid = {pid}"] + k.pre + [f"for xoffset in range(0, {chunk}, XBLOCK):",
                                               f"    xindex = xpid * {chunk} + xoffset + {xrange}"]
-        # rows past the chunk's end belong to the next program (chunks divide the rows exactly)
+        # rows past the chunk's end belong to the next program; the last chunk may end past the rows
         xmask = mask_lines("xmask", f"(xoffset + {xrange})", str(chunk), xshape, True, even)
+        if plan.chunks[0] * chunk != plan.xnumel:
+            xmask.append(f"xmask = xmask & (xindex < {plan.xnumel})")
         ind = "    "
     elif plan.programs is Programs.ONE:   # one program walks all rows
         body += k.pre if plan.outer else []   # ... accumulating the outer reductions
