@@ -4,7 +4,8 @@
 (its shape guards checked and added to Dynamo's); on a miss the session stores the compiled graphs once
 complete, signed. A directory that is not private, or an entry that cannot be written, turns the cache off.
 Counters (``kiln.counters['cache']``): ``hit``, ``miss``, ``saved``, ``bypass``, ``off``, ``damaged``,
-``guard_miss``, ``load_failed``, ``write_failed``, ``replayed``.
+``guard_miss``, ``load_failed``, ``write_failed``, ``replayed``; a hit also adds the compile's
+``counters['random']`` (random ops fused or left to ATen).
 """
 import pickle
 import threading
@@ -57,6 +58,7 @@ class Session:
         self.root, self.key, self.opts = root, k, opts
         self.symints = [x for x in inputs if isinstance(x, torch.SymInt) and getattr(x.node, "hint", None) is not None]
         self.recorder = Recorder(self._guards_expr)
+        self.random = dict(counters["random"])   # the random ops this compile fuses: counted again on a hit
         self.record = Record()   # what the compile shows, for a later hit to replay
 
     def _guards_expr(self):
@@ -109,6 +111,7 @@ class Session:
             log(1, f"cache: entry {self.key} did not load ({type(e).__name__}: {e}); compiling again")
             return None, None
         counters["cache"]["hit"] += 1
+        counters["random"].update(entry.get("random", {}))
         log(1, f"cache: hit {self.key}")
         return fn, entry.get("shown")
 
@@ -140,6 +143,7 @@ class Session:
         rec.closed = True
         rec.parts.clear()
         entry["shown"] = self.record.pack()
+        entry["random"] = {k: n - self.random.get(k, 0) for k, n in counters["random"].items()}
         try:
             payload = serial.dumps(entry)
         except serial.NotCacheable as e:

@@ -206,3 +206,17 @@ def test_random_kernels_cost_no_host_time_in_steady_state():
         torch.cuda.synchronize()
     assert counters["random"]["aten"] == 0
     assert worst < 0.05, f"a step took {worst * 1e3:.1f} ms of host time"
+
+
+def test_a_cache_hit_counts_the_random_ops_its_compile_fused(tmp_path):
+    """counters['random'] after a compile-cache hit: what the compile that stored the entry counted."""
+    def run():
+        torch._dynamo.reset()
+        fn = kiln.compile(_tiny_model(), codegen="cpp", on_error="raise", cache=True, cache_dir=str(tmp_path / "c"))
+        fn(torch.randn(8, 16, 32, requires_grad=True)).sum().backward()
+        return dict(counters["random"]), counters["cache"]["hit"]
+    first, hits = run()
+    assert first["fused"] >= 6 and hits == 0
+    counters.clear()
+    again, hits = run()
+    assert hits >= 1 and again == first
