@@ -92,6 +92,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-guard", action="store_true",
                    help="report cliffs, failed checks and kiln errors but exit 0 for them")
     p.add_argument("--no-kernels", action="store_true", help="skip the profiled pass that counts kernels per step")
+    p.add_argument("--rounds", type=int, default=0,
+                   help="N >= 2: after a case's rows, time its backends again in N rounds of alternating order "
+                        "(warm compiles, all kept alive): ratios that host drift cannot tilt")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
     p.add_argument("--from-json", nargs="+", default=None, metavar="JSON",
                    help="render and record saved runs instead of running")
@@ -151,6 +154,9 @@ def _run(args, cfg, cases, console, meta):
                 progress.advance(task)
             for line in report.failures(mine, meta.get("guard") or report.GUARD):
                 progress.console.print(f"FAIL {line}", markup=False, highlight=False)
+            if cfg.rounds >= 2:   # before any profiled pass (count_kernels)
+                progress.update(task, description=f"{case.name} {dtype}: {cfg.rounds} interleaved rounds")
+                runner.interleave(case, dtype, mine, cfg)
             done.append((case, dtype, mine))
         for case, dtype, mine in done:   # GPU: a profiled pass slows later launches (runner.count_kernels)
             progress.update(task, description=f"{case.name} {dtype}: kernels per step")
@@ -240,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
                            min_iters=args.iters or d["min_iters"], max_iters=args.iters or d["max_iters"],
                            min_time=0.0 if args.iters else (args.min_time if args.min_time is not None
                                                             else d["min_time"]),
-                           warm_compile=not args.no_warm, kernels=not args.no_kernels)
+                           warm_compile=not args.no_warm, kernels=not args.no_kernels, rounds=args.rounds)
     meta = dict(_meta(args, argv, device, size, cases, skipped), **_limits(args))
     for name, why in skipped:
         console.print(f"skip {name}: {why}", markup=False, highlight=False)

@@ -331,6 +331,17 @@ def summary(rows, backends, ratios) -> list:
         mine = [r for r in rows if r["backend"] == b]
         if mine:
             out.append(f"- pass rate {b}: {sum(_passed(r) for r in mine)}/{len(mine)}")
+    for n, d in ratios:   # runner.interleave: the backends timed again in alternating rounds
+        timed = [(k[0], c[n], c[d]) for k, c in cells
+                 if (c.get(n) or {}).get("ms_rounds") and (c.get(d) or {}).get("ms_rounds")]
+        if not timed:
+            continue
+        g = geomean([a["ms_rounds"] / b["ms_rounds"] for _, a, b in timed])
+        out.append(f"- interleaved ({timed[0][1]['rounds']} rounds, alternating order) {n}/{d}: "
+                   f"geomean **{g:.2f}**; " + ", ".join(
+                       f"{case} {a['ms_rounds'] / b['ms_rounds']:.2f}" + (
+                           f" (host {a['host_ms_rounds'] / b['host_ms_rounds']:.2f})"
+                           if a.get("host_ms_rounds") and b.get("host_ms_rounds") else "") for case, a, b in timed))
     if "kiln" in backends:
         for other in ("eager", "inductor"):
             above = [f"{k[0]} ({c['kiln']['peak_bytes'] / c[other]['peak_bytes']:.2f})" for k, c in cells
@@ -350,6 +361,8 @@ def _check(row) -> str:
         return "ref"
     if str(row.get("check", "")).startswith("ok vs fp64"):
         return "ok~fp64"  # differs from eager, but not less accurate than eager against float64
+    if str(row.get("check", "")).startswith("ok in fp64"):
+        return "ok~fp64 run"  # its own float64 compile computes eager's float64 function (measure.compare)
     return ("ok" if row.get("ok") else "FAIL") + (f" {row['err']:.0e}" if row.get("err") is not None else "")
 
 

@@ -40,6 +40,7 @@ class RunConfig:
     warm_compile: bool = True
     kernels: bool = True          # count kernels per step in a profiled pass after the timed steps
     cores: tuple = ()             # host cores to pin every thread to while timing (``cores.fast_cores``)
+    rounds: int = 0               # >= 2: time the case's backends again in alternating rounds (``interleave``)
 
 
 def variants(case, backends, budgets):
@@ -179,6 +180,8 @@ def measure_backend(case, wl_pristine, ref, backend, budget, cfg: RunConfig, ref
             if wl.train:
                 row.update(M.saved_bytes(lambda: wl.forward_for_memory(f), wl.backward_for_memory, wl.state()))
             row["mem_bytes"] = row.get("peak_bytes") if cfg.device == "cuda" else row.get("saved_bytes")
+            if cfg.rounds >= 2:
+                row["_dirs"] = dirs   # timed again by interleave, beside the case's other backends
             if cfg.kernels and cfg.device == "cuda":
                 row["_later"] = {"dirs": dirs}   # counted by count_kernels after every timed step of the run
             elif cfg.kernels:
@@ -245,6 +248,45 @@ def count_kernels(case, dtype: str, rows: list, cfg: RunConfig, compile_model=No
             _cleanup(cfg.device)
     del pristine
     _cleanup(cfg.device)
+
+
+def interleave(case, dtype: str, rows: list, cfg: RunConfig, compile_model=None) -> None:
+    """Step and host times of ``case``'s rows measured again side by side: every backend compiled again in
+    its row's cache directories (a warm compile) and kept, then ``cfg.rounds`` rounds each timing every
+    backend for ``min_time / rounds`` s, the order reversed each round (A B C, C B A, ...). A drift of the
+    host (launch cost moved 1.5x between processes on the H200) then lands on every backend alike; rows get
+    ``ms_rounds`` / ``host_ms_rounds`` (medians over all rounds). Runs before any profiled pass."""
+    compile_model = compile_model or B.compile_model
+    todo = [r for r in rows if "_dirs" in r]
+    live = []
+    try:
+        if len(todo) >= 2:
+            torch.manual_seed(0)
+            pristine = case.build(cfg.device, dtype, cfg.size)
+            pristine.park()
+            for row in todo:
+                wl = pristine.fresh()
+                with B.scope(row["backend"], row["budget"], row["_dirs"]):
+                    f = compile_model(row["backend"], wl.model, case.options, row["budget"])
+                    for _ in range(max(cfg.warmup, 2)):
+                        wl.step(f)
+                live.append((row, wl, f, [], []))
+            share = cfg.min_time / cfg.rounds
+            for k in range(cfg.rounds):
+                for row, wl, f, times, host in (live if k % 2 == 0 else live[::-1]):
+                    with pinned(cfg.cores):
+                        times += M.step_times(lambda: wl.step(f), cfg.device, 1, 3, cfg.max_iters, share, None, host)
+            for row, _, _, times, host in live:
+                row.update(ms_rounds=M.summarize(times)["ms"], host_ms_rounds=M.summarize(host)["ms"] if host else None,
+                           rounds=cfg.rounds)
+    except Exception as e:   # the rounds are an extra: their failure is noted, the row's own timings stand
+        for row in todo:
+            row["rounds_error"] = _error(e)
+    finally:
+        for row in todo:
+            row.pop("_dirs", None)
+        del live
+        _cleanup(cfg.device)
 
 
 class RandomCheckError(RuntimeError):

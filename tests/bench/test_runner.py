@@ -309,3 +309,38 @@ def test_compiled_globals_are_dropped_and_a_scan_without_a_compile_is_skipped():
     again = {k for k, v in _compiled_names().items() if v is not None}
     assert again and runner._drop_compiled_globals() >= len(again)
     assert not any(v is not None for v in _compiled_names().values())
+
+
+def test_interleaved_rounds_time_every_backend_in_alternating_order(tmp_path, monkeypatch):
+    """``interleave`` compiles each row again in its cache directories, keeps them all, and times them in
+    rounds whose order alternates (A B, B A, A B); the rows get medians over the rounds, the markdown an
+    interleaved geomean. A failure leaves the row's own timings."""
+    import dataclasses
+    from kiln_bench import report
+    monkeypatch.setenv(B.FRESH_ROOT, str(tmp_path))
+    cfg = dataclasses.replace(CFG, rounds=3)
+    rows = list(runner.run_case(_case(), "fp32", ["eager", "aot_eager", "kiln"], None, cfg))
+    assert all("_dirs" in r for r in rows), [(r["backend"], r["status"], r.get("error")) for r in rows]
+    order = []
+
+    def compile_model(backend, model, options=None, budget=None):
+        f = B.compile_model(backend, model, options, budget)
+
+        def step(*a, **k):
+            order.append(backend)
+            return f(*a, **k)
+        return step
+    runner.interleave(_case(), "fp32", rows, cfg, compile_model=compile_model)
+    for r in rows:
+        assert "_dirs" not in r and r["rounds"] == 3 and r["ms_rounds"] > 0 and "rounds_error" not in r, r
+    runs = [b for i, b in enumerate(order) if i == 0 or order[i - 1] != b]   # blocks of steps (repeats merged)
+    # warm-up E I K, then rounds E I K | K I E | E I K: the repeats at the rounds' joins merge
+    assert runs == ["eager", "aot_eager", "kiln", "eager", "aot_eager", "kiln", "aot_eager", "eager", "aot_eager", "kiln"]
+    assert any("interleaved (3 rounds" in line for line in report.summary(rows, ["eager", "aot_eager", "kiln"],
+                                                                             [("kiln", "aot_eager")]))
+
+    def broken(backend, model, options=None, budget=None):
+        raise RuntimeError("no")
+    rows = list(runner.run_case(_case(), "fp32", ["eager", "kiln"], None, cfg))
+    runner.interleave(_case(), "fp32", rows, cfg, compile_model=broken)
+    assert all("rounds_error" in r and "ms_rounds" not in r and r["ms"] > 0 for r in rows)
