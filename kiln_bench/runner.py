@@ -310,13 +310,28 @@ def _reference(pristine) -> list:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 first = _host(eager.check(eager.model))
-                det = M.compare(first, _host(eager.check(eager.model)), pristine.tol)
+                second = _host(eager.check(eager.model))
+                det = M.compare(first, second, pristine.tol)
         finally:
             torch.use_deterministic_algorithms(was)
-        if not det["ok"] and not _both_near_fp64(pristine, first, ref):
+        if not det["ok"] and not _scattered(first, second, pristine.tol) and not _both_near_fp64(pristine, first, ref):
             raise RandomCheckError(f"eager's check differs from itself, also with deterministic kernels "
                                    f"({det['check']}): random ops still on in the check; see kiln_bench.dropout")
     return ref
+
+
+def _scattered(a: list, b: list, tol: float) -> bool:
+    """Whether two eager runs differ beyond ``tol`` (relative to each tensor's largest value) in at most 1% of
+    any tensor's elements and at most a tenth of the tensors: atomics reordering a few sums (BART's bf16
+    backward on the H200: 1-4 of 768 elements of one gradient of 200), not a random op, whose draws reach
+    every element downstream of them."""
+    hit = []
+    for x, y in zip(a, b):
+        x, y = x.float(), y.float()
+        n = int(((x - y).abs() > tol * max(x.abs().max().item() if x.numel() else 0.0, 1e-6)).sum())
+        if n:
+            hit.append(n / x.numel())
+    return bool(hit) and max(hit) <= 0.01 and len(hit) <= max(1, len(a) // 10)
 
 
 def _both_near_fp64(pristine, a: list, b: list) -> bool:
