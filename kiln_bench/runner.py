@@ -211,6 +211,12 @@ def _kernels(step, device) -> dict:
         return {"kernels": None, "kernels_error": _error(e)}
 
 
+def _build(case, dtype: str, cfg: RunConfig):
+    """``case``'s workload as every pass over it builds it: seeded alike, so the same weights and inputs."""
+    torch.manual_seed(0)
+    return case.build(cfg.device, dtype, cfg.size)
+
+
 def count_kernels(case, dtype: str, rows: list, cfg: RunConfig, compile_model=None) -> None:
     """Kernels per step of the GPU ``rows`` of ``case`` (those marked ``_later``), counted after every timed
     step of the run: launches after a ``torch.profiler`` pass are slower (CUPTI stays attached, pytorch#144455;
@@ -223,8 +229,7 @@ def count_kernels(case, dtype: str, rows: list, cfg: RunConfig, compile_model=No
     if not todo:
         return
     try:
-        torch.manual_seed(0)
-        pristine = case.build(cfg.device, dtype, cfg.size)
+        pristine = _build(case, dtype, cfg)
         pristine.park()
     except Exception as e:
         for row in todo:
@@ -261,8 +266,7 @@ def interleave(case, dtype: str, rows: list, cfg: RunConfig, compile_model=None)
     live = []
     try:
         if len(todo) >= 2:
-            torch.manual_seed(0)
-            pristine = case.build(cfg.device, dtype, cfg.size)
+            pristine = _build(case, dtype, cfg)
             pristine.park()
             for row in todo:
                 wl = pristine.fresh()
@@ -354,8 +358,7 @@ def run_case(case, dtype: str, backend_names, budgets, cfg: RunConfig, on_start=
     pairs = variants(case, backend_names, budgets)
     stage = "build"
     try:
-        torch.manual_seed(0)
-        pristine = case.build(cfg.device, dtype, cfg.size)
+        pristine = _build(case, dtype, cfg)
         stage = "reference"
         ref = _reference(pristine)
         pristine.park()

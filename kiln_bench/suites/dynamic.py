@@ -210,21 +210,19 @@ def measure(name: str, backend: str, device: str, size: str, steps: int, mode: s
         model, n, checked = copy.deepcopy(b.model).to(device), len(b.sizes), (0, len(b.sizes) - 1)
         runner._cleanup(device)
 
-        def ref64(i):   # float64, no autocast: the referee when a check fails
+        def run64(i, compiled=False):
+            """Float64, no autocast: eager's run (the referee when a check fails), or with ``compiled`` the
+            backend's own compile of the float64 model (the referee's referee)."""
             m = copy.deepcopy(b.model).double().to(device)
-            with no_random(m):
-                return _step(b, m, m, tuple(t.double() if t.is_floating_point() else t for t in b.inputs(i)),
-                             device, True, False)
-
-        def got64(i):   # the backend's own compile of the float64 model: the referee's referee
-            m = copy.deepcopy(b.model).double().to(device)
-            torch._dynamo.reset()
+            xs = tuple(t.double() if t.is_floating_point() else t for t in b.inputs(i))
+            if compiled:
+                torch._dynamo.reset()
             try:
                 with no_random(m):
-                    return _step(b, m, B.compile_model(backend, m), tuple(
-                        t.double() if t.is_floating_point() else t for t in b.inputs(i)), device, True, False)
+                    return _step(b, m, B.compile_model(backend, m) if compiled else m, xs, device, True, False)
             finally:
-                torch._dynamo.reset()
+                if compiled:
+                    torch._dynamo.reset()
 
         def timed(xs):
             return M.timed(lambda: _step(b, model, f, xs, device), device)[1]
@@ -236,7 +234,7 @@ def measure(name: str, backend: str, device: str, size: str, steps: int, mode: s
                     fc = B.compile_model(backend, model)
                     got = [_step(b, model, fc, b.inputs(i), device, True) for i in checked]
                     fc = None   # the referees below may compile again (after a reset)
-                    res = [M.compare(r, g, TOLERANCE[row["dtype"]], lambda i=i: ref64(i), lambda i=i: got64(i))
+                    res = [M.compare(r, g, TOLERANCE[row["dtype"]], lambda i=i: run64(i), lambda i=i: run64(i, True))
                            for r, g, i in zip(ref, got, checked)]
                 row.update(ok=all(r["ok"] for r in res), err=max(r["err"] or 0.0 for r in res),
                            check="; ".join(f"{b.sizes[i]}: {r['check']}" for i, r in zip(checked, res)))
