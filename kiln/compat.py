@@ -1,4 +1,5 @@
 """Every difference between the torch versions kiln supports (2.11 to 2.14) is guarded here."""
+import logging
 import os
 import re
 import warnings
@@ -90,6 +91,20 @@ def aot_runtime_wrappers(fw, bw, meta, n_saved, n_symints, detach):
     spec.pop("bw_compiler")
     spec["num_symints_saved_for_bw_"] = spec.pop("num_symints_saved_for_bw")
     return rw.AOTDispatchAutograd.post_compile(**spec)
+
+
+def aot_call(fn, *args, keep: bool):
+    """``fn(*args)``, an AOTAutograd call; unless ``keep`` or TORCH_LOGS shows its graphs, its config has
+    ``enable_log=False`` (``aot_module_simplified`` takes none): it does not ``print_readable`` graphs nobody reads."""
+    from torch._functorch._aot_autograd import graph_compile as gc, utils
+    aot, made = torch._functorch.aot_autograd, torch._functorch.aot_autograd.AOTConfig
+    shown = [vars(gc).get("aot_graphs_log"), vars(gc).get("aot_joint_log"), vars(utils).get("aot_graphs_effects_log")]
+    if not keep and not any(lg is None or lg.isEnabledFor(logging.INFO) for lg in shown):
+        aot.AOTConfig = lambda *a, **k: made(*a, **{"enable_log": False, **k})
+    try:
+        return fn(*args)
+    finally:
+        aot.AOTConfig = made
 
 
 def dynamo_frame_times() -> list:

@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 
-from kiln import cache, debug, logs, partition, passes
+from kiln import cache, compat, debug, logs, partition, passes
 from kiln.capture.hazards import upstream_hazard
 from kiln.codegen.target import Target, resolve
 from kiln.codegen.wrapper import emit_wrapper
@@ -107,7 +107,7 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: list, opts: Options, trac
             log(1, "freeze: no parameters or buffers in this graph; compiling without freezing")
     compilers = aot_compilers(opts, target, trace, region, registered, session)
     with trace.timed("aot"):   # AOTAutograd's time: this call less kiln's compilers in it
-        compiled = aot_autograd(**compilers)(gm, example_inputs)
+        compiled = compat.aot_call(aot_autograd(**compilers), gm, example_inputs, keep=logs.tracing())
     if region is not None:
         freeze.finish(region, opts)
     if session is not None:

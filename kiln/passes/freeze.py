@@ -103,9 +103,7 @@ def _mkldnn_rewrite(gm: fx.GraphModule, target, inputs, opts=None) -> int:
         return 0
     if opts is not None and opts.layout_optimization:
         channels_last.to_channels_last(gm, opts.replace(layout_devices="any"))
-    n = pack_conv_weights(gm)
-    gm.recompile()
-    return n
+    return pack_conv_weights(gm)   # it and to_channels_last recompile what they change
 
 
 def freezing_passes(gm: fx.GraphModule, opts, target, trace, fake_mode=None, inputs=()) -> dict:
