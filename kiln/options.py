@@ -173,6 +173,8 @@ class Tuning:
                      ("shared", "always", "never"))
     fold_programs: int = _opt(256, "programs (row chunks) of a folded column reduction, at most", check="pow2")
     fold_min_chunk: int = _opt(16, "rows each program of a folded column reduction reduces, at least", check="pos")
+    fold_min_r: int = _opt(0, "fold column reductions of this many rows or more, whatever their size; 0: where a "
+                              "split would pay (split_min_r, split_min_numel), on C++ at any size", check="nonneg")
     # chained kernels
     chain: bool = _opt(True, "run a small kernel that reads one kernel's results in that kernel's last program")
     tail_max: int = _opt(1 << 16, "elements a chained tail may reduce or write", check="pos")

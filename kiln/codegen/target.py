@@ -121,11 +121,14 @@ class _Fusing(Target):
         """``([KernelSource per plan], Unit or None)``; a plan the emitter declines gets a source without text."""
         raise NotImplementedError
 
+    def tuned(self, kind: str) -> Options:
+        """The options the scheduler gets for a ``kind`` graph: inference graphs recompute fewer loads."""
+        t = self.opts.tuning
+        return self.opts.replace(**{"tuning.cheap_loads": t.cheap_loads_inference}) \
+            if kind == "inference" and t.cheap_loads != t.cheap_loads_inference else self.opts
+
     def fuse(self, gm, inputs, kind="inference", trace=None, strict=False) -> Fused:
-        opts = self.opts
-        if kind == "inference" and opts.tuning.cheap_loads != opts.tuning.cheap_loads_inference:
-            opts = opts.replace(**{"tuning.cheap_loads": opts.tuning.cheap_loads_inference})
-        fused = _stage(trace, f"fuse_{kind}", self._fuse, gm, opts, strict)
+        fused = _stage(trace, f"fuse_{kind}", self._fuse, gm, self.tuned(kind), strict)
         if trace is not None:
             trace.show(f"fuse_{kind}", gm, note=f"{fused.kernels} kernels")
         return fused
@@ -210,6 +213,14 @@ class CppTarget(_Fusing):
         if on_cuda(gm):
             return Fused()   # C++ kernels run on CPU tensors only
         return super().fuse(gm, inputs, kind, trace, strict)
+
+    def tuned(self, kind):
+        """... and column reductions of short rows fold at any size (``tuning.fold_min_r`` 0: 1), since a fold
+        costs no program here and saves a kernel, in at most as many chunks as a reduction over all rows."""
+        opts = super().tuned(kind)
+        t = opts.tuning
+        chunks = min(t.fold_programs, 1 << (t.cpp_outer_chunks.bit_length() - 1))   # a power of two
+        return opts.replace(**{"tuning.fold_min_r": t.fold_min_r or 1, "tuning.fold_programs": chunks})
 
     def emit(self, plans, opts, on_cuda):
         unit, sources = write_unit(plans, opts.tuning)

@@ -95,6 +95,36 @@ def test_layer_norm_backward_at_most_two_kernels():
     check(grads(layer_norm, 3), x, torch.randn(24), torch.randn(24), g, atol=1e-4, rtol=1e-4)
 
 
+def test_small_layer_norm_backward_folds_its_column_sums():
+    """The weight and bias gradients of a LayerNorm backward over 64 x 32 rows of 48 (below the GPU's fold
+    floors, split_min_r and split_min_numel) fold into its row kernel: one kernel fewer than unfolded."""
+    x, w, b, g = torch.randn(64, 32, 48), torch.randn(48), torch.randn(48), torch.randn(64, 32, 48)
+    tol = 2e-6 * (64 * 32) ** 0.5   # a column sum over 2048 rows, in another order than eager's
+    n = {}
+    for floor in (0, 1 << 30):   # 0: the C++ target folds at any size; 2**30 rows: never
+        with kiln.config.patch(tuning=dict(fold_min_r=floor)):
+            units = []
+            gm, n[floor] = fused(grads(layer_norm, 3), x, w, b, g, units=units)
+            compare(gm(x, w, b, g), grads(layer_norm, 3), x, w, b, g, atol=tol, rtol=tol)
+        assert any("xpid" in u.source for u in units) == (floor == 0)
+    assert n[0] == n[1 << 30] - 1, n
+
+
+def test_bias_gradient_folds_into_the_norm_backward_making_its_input():
+    """The bias gradient of a linear layer under a LayerNorm (the column sum of the norm backward's input
+    gradient) folds into that norm's row kernel beside the norm's own weight and bias gradients."""
+    def fn(x, W, b, w, c):
+        return F.layer_norm(F.linear(x, W, b), (48,), w, c)
+    args = [torch.randn(2048, 40), torch.randn(48, 40), torch.randn(48), torch.randn(48), torch.randn(48),
+            torch.randn(2048, 48)]
+    tol = 2e-6 * 2048 ** 0.5   # column sums over 2048 rows, in another order than eager's
+    units = []
+    gm, n = fused(grads(fn, 5), *args, units=units)
+    compare(gm(*args), grads(fn, 5), *args, atol=tol, rtol=tol)
+    assert n == 1, gm.code   # the matmuls run as ATen; every reduction sits in the norm's kernel
+    assert sum(u.source.count("xpid <") for u in units) == 1   # one loop over chunks of rows: the fold
+
+
 @pytest.mark.parametrize("n", [10, LOOPED], ids=["short", "long"])
 def test_softmax_one_kernel_each_way(n):
     x = torch.randn(3, n)

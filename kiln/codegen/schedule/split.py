@@ -5,9 +5,10 @@ most of a GPU idle as one kernel. It is left whole, or cut in two: the classic s
 chunks per row: ``split_partial``, then ``split_final`` over the partials), or a fold (``fold_split``): a
 column reduction of short rows cut into chunks of whole rows, whose partials run inside the row kernel
 reading those rows (role 'colpart'). A fold pays only where a row reduction over the same rows reads a
-buffer the column reduction reads (a norm backward); elsewhere the classic split measured faster on an H200
-(GELU backward with its bias gradient, 8192x3072 bf16: 0.058 ms against 0.083). ``tuning.fold``: 'shared'
-(that rule), 'always', 'never'.
+buffer the column reduction reads, or makes it (a norm backward, a bias gradient of its input gradient);
+elsewhere the classic split measured faster on an H200 (GELU backward with its bias gradient, 8192x3072
+bf16: 0.058 ms against 0.083). ``tuning.fold``: 'shared' (that rule), 'always', 'never'. On the GPU a fold
+needs the rows of a split (``split_min_r``, ``split_min_numel``); the C++ target folds at any size.
 """
 import sympy
 import torch
@@ -31,7 +32,7 @@ def split_reductions(lowering, tuning: Tuning) -> int:
                 folds.append(buf)
             else:
                 n += _split(lowering, buf, split_count(c.ranges, c.reduced, tuning))
-    shared = _read_by_rows(lowering, set(folds)) if tuning.fold == "shared" else None
+    shared = _read_by_rows(lowering, set(folds), tuning.fold_min_r) if tuning.fold == "shared" and folds else None
     for buf in folds:
         c = buf.compute
         k = len(c.reduced)
@@ -50,15 +51,22 @@ def _reads(buf) -> set:
     return {name for name, _ in loads(body(buf, node_dims(buf)))}
 
 
-def _read_by_rows(lowering, skip) -> dict:
-    """(rows, columns) -> the buffers row reductions over them read (``skip``: the fold candidates)."""
-    out = {}
+def _read_by_rows(lowering, skip, made: bool) -> dict:
+    """(rows, columns) -> the buffers row reductions over them read and (``made``: where ``fold_min_r`` is set, as
+    on C++; not measured on the GPU) the values over those rows made from their results, in their kernel (a norm
+    backward's input gradient) (``skip``: the fold candidates)."""
+    out, rows = {}, {}
     for b in lowering.computed:
         c = b.compute
         if isinstance(c, Reduction) and b not in skip and not c.split and c.reduced:
             kept = len(c.ranges) - len(c.reduced)
             if list(c.reduced) == list(range(kept, len(c.ranges))):
-                out.setdefault(_key(c.ranges[:kept], c.ranges[kept:]), set()).update(_reads(b))
+                rows[b.name] = key = _key(c.ranges[:kept], c.ranges[kept:])
+                out.setdefault(key, set()).update(_reads(b))
+        elif isinstance(c, Pointwise) and made:
+            for key in {rows[n] for n in _reads(b) if n in rows}:
+                if sympy.expand(b.numel - key[0] * key[1]) == 0:
+                    out[key].add(b.name)
     return out
 
 
@@ -107,7 +115,7 @@ def fold_split(shape, dims, tuning: Tuning) -> int:
     if not (r.is_Integer and c.is_Integer) or int(c) > tuning.persistent_max:
         return 1
     r, c = int(r), int(c)
-    if r < tuning.split_min_r or r * c < tuning.split_min_numel:
+    if (r < tuning.fold_min_r) if tuning.fold_min_r else (r < tuning.split_min_r or r * c < tuning.split_min_numel):
         return 1
     s = tuning.fold_programs
     while s > 1 and r // s < tuning.fold_min_chunk:
