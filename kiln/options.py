@@ -125,8 +125,6 @@ class Tuning:
     outer_xblock: int = _opt(32, "columns of a column reduction's tile", check="pow2")
     outer_rblock: int = _opt(64, "rows of a column reduction's tile", check="pow2")
     outer_warps: int = _opt(16, "warps of a column reduction over 1024 rows or more", check="warps")
-    strided_rows: bool = _opt(False, "a row reduction whose largest read is contiguous across rows, not along "
-                                     "them (a norm over a transposed layout), tiled as a column reduction")
     xblock_max: int = _opt(1 << 14, "rows of any kernel's tile, at most (small: rows spread over many programs)",
                            check="pow2")
     even_masks: bool = _opt(True, "a mask over a static size that the block divides is constant-true")

@@ -345,15 +345,3 @@ def test_reduction_read_at_another_row_forces_a_new_kernel():
     gm = check(fn, torch.randn(4, 8), atol=1e-5, rtol=1e-5)
     assert len(kernels(gm)) == 2
     assert aten_ops(gm) == []
-
-
-@pytest.mark.parametrize("on", [False, True])
-def test_strided_rows_tile_as_columns(on):
-    # a norm over the channels of [B, C, T] activations (MLP-Mixer's layout): the rows are strided in memory
-    # and the columns adjacent; tuning.strided_rows loops over such rows with a column tile (same values)
-    fn = grads(lambda x, w, b: layer_norm(x.transpose(1, 2), w, b), 3)
-    x, w, b, g = torch.randn(3, 96, 10), torch.randn(96), torch.randn(96), torch.randn(3, 10, 96)
-    with kiln.config.patch(**{"tuning.strided_rows": on}):
-        gm = check(fn, x, w, b, g, atol=1e-4, rtol=1e-4)
-    looped = ["_acc0 = tl.full([XBLOCK, RBLOCK]" in k.source for k in kernels(gm)]
-    assert any(looped) == on

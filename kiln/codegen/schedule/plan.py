@@ -107,12 +107,6 @@ class KernelPlan:
     scatter: Optional[ScatterWrite] = None
     chained: bool = False         # a tail: runs in its head's last program, reading the head's stores
     tail: Optional["KernelPlan"] = None
-    strided: bool = False         # rows strided in memory, columns adjacent (``planner._strided``)
-
-    @property
-    def inner(self) -> bool:
-        """Whether a tile runs along rows (the last dim reduced and the rows not ``strided``)."""
-        return bool(self.dims) and self.dims[-1][1] and not self.strided
 
     @property
     def reduction(self) -> bool:

@@ -84,9 +84,7 @@ def plan_kernel(group: Group, buffers: dict, tuning: Tuning, summary: tuple) -> 
     last = outer and not (total.is_Integer and int(total) <= tuning.outer_max)
     # a column reduction over long columns loops so that a tile spans many columns, not one strided column
     # per program (an H100 profile of GPT-2's bias gradients: 0.78 ms per layer with one per program)
-    strided = red and not chunks and tuning.strided_rows and bool(dims) and dims[-1][1] and _strided(
-        [m.value for m in members if m.reduce], buffers)
-    inner = bool(dims) and dims[-1][1] and not strided
+    inner = bool(dims) and dims[-1][1]
     persistent = red and rnumel.is_Integer and int(rnumel) <= (
         tuning.persistent_max if inner else tuning.outer_persistent_max)
     programs = (Programs.CHUNKS if chunks else Programs.LAST if last else Programs.ONE if outer
@@ -99,7 +97,7 @@ def plan_kernel(group: Group, buffers: dict, tuning: Tuning, summary: tuple) -> 
     wide = not fits or max(int(xnumel) * int(rnumel), largest) >= 2 ** 31
     plan = KernelPlan(Kind.REDUCTION if red else Kind.POINTWISE, group.nodes[0].device, dims, xnumel, rnumel,
                       tuple(members), tuple(group.stored), buffers, persistent, programs, chunks, passes, row_stores,
-                      wide, frozenset(reads), frozenset(symbols), random, (), levels, strided=strided)
+                      wide, frozenset(reads), frozenset(symbols), random, (), levels)
     return replace(plan, reusable=_reusable(plan, group))
 
 
@@ -175,21 +173,6 @@ def element_reads(roots, levels: Levels) -> set:
         else:
             stack += [(c, m) for c in e.children()]
     return out
-
-
-def _strided(exprs, buffers) -> bool:
-    """Whether the largest buffer ``exprs`` load along their rows steps by one from row to row and not along a
-    row: a norm over the channels of [B, C, tokens] activations (MLP-Mixer), whose persistent tile of 4 rows
-    read 8 adjacent bytes per row element; tiled as a column reduction, a warp reads adjacent rows."""
-    best = (0, False)
-    for e in {e for root in exprs for e in root.walk() if e.op == "load" and e.args[0] in buffers}:
-        b, index = buffers[e.args[0]], sympy.sympify(e.args[1])
-        if not (index.free_symbols <= {XINDEX, RINDEX} and b.numel.is_Integer):
-            continue
-        at = [int(index.subs({XINDEX: x, RINDEX: r})) for x, r in ((0, 0), (1, 0), (0, 1))]
-        if at[2] != at[0] and int(b.numel) * b.dtype.itemsize > best[0]:
-            best = (int(b.numel) * b.dtype.itemsize, at[1] - at[0] == 1 and at[2] - at[0] != 1)
-    return best[1]
 
 
 def _facts(exprs, ranges, store_indices) -> tuple:
