@@ -83,6 +83,13 @@ class _Entries(logging.Handler):
     def artifacts(self) -> dict:
         return {m["artifact"]["name"]: (m, p) for m, p in self.records if "artifact" in m}
 
+    def __enter__(self):
+        trace_log.addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        trace_log.removeHandler(self)
+
 
 def test_structured_trace_has_kiln_stages_plans_kernels_and_times():
     entries = _Entries()

@@ -1,15 +1,14 @@
 """AOTAutograd's graph text (kiln/compat.py ``aot_call``): not formatted when nothing reads it; formatted, logged
 and traced when TORCH_LOGS shows AOTAutograd's graphs or a structured trace is written."""
-import logging
 import os
 import sys
 
 import pytest
 import torch
 from torch._functorch._aot_autograd.schemas import AOTConfig
-from torch._logging._internal import trace_log
 
 import kiln
+from tests.test_logs import _Entries
 
 
 @pytest.fixture
@@ -61,24 +60,9 @@ def test_torch_logs_aot_graphs_still_formats_and_logs(formatted, capfd):
     assert len(formatted) >= 3, formatted   # joint, forward, backward: what AOTAutograd's cache would keep
 
 
-class _Entries(logging.Handler):
-    """A structured-trace sink (what TORCH_TRACE writes), kept in memory."""
-
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.records = []
-
-    def emit(self, record):
-        self.records.append((record.metadata, record.payload))
-
-
 def test_structured_trace_still_has_aot_graphs(formatted):
-    entries = _Entries()
-    trace_log.addHandler(entries)
-    try:
+    with _Entries() as entries:
         _train()
-    finally:
-        trace_log.removeHandler(entries)
     found = {next(iter(m)): p for m, p in entries.records}
     for name in ("aot_joint_graph", "aot_forward_graph", "aot_backward_graph"):
         assert isinstance(found.get(name), str) and "def forward" in found[name], (name, sorted(found))
