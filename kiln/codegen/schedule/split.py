@@ -32,7 +32,7 @@ def split_reductions(lowering, tuning: Tuning) -> int:
                 folds.append(buf)
             else:
                 n += _split(lowering, buf, split_count(c.ranges, c.reduced, tuning))
-    shared = _read_by_rows(lowering, set(folds), tuning.fold_min_r) if tuning.fold == "shared" and folds else None
+    shared = _read_by_rows(lowering, set(folds), tuning.fold_min_r > 0) if tuning.fold == "shared" and folds else None
     for buf in folds:
         c = buf.compute
         k = len(c.reduced)
