@@ -193,6 +193,9 @@ class Tuning:
                                      "over many layers reads them all), in forward and backward graphs", check="nonneg")
     cheap_loads_inference: int = _opt(2, "cheap_loads in inference graphs, where each layer's output dies once read: "
                                          "recomputing a residual stream from them keeps them all alive", check="nonneg")
+    remat_max_reads: int = _opt(4, "the partition's default cut saves a value whose recompute would read more than "
+                                   "this many saved tensors of half its size or more (a residual stream summed "
+                                   "again from every block's outputs)", check="pos")
     fuse_stored_views: bool = _opt(True, "read views of stored tensors inside kernels (else ATen views)")
     reuse_inputs: bool = _opt(True, "a kernel may write its output into an input that dies at the call")
     merge_updates: int = _opt(4096, "merge pointwise kernels over one domain of at most this many elements whose "

@@ -96,7 +96,7 @@ def default_saved(joint_gm: fx.GraphModule, num_fwd_outputs: int, gi=None) -> Li
 class JointInfo(GraphIndex):
     """Arrays over the joint graph's nodes; see the module docstring."""
 
-    def __init__(self, joint_gm: fx.GraphModule, num_fwd_outputs: int):
+    def __init__(self, joint_gm: fx.GraphModule, num_fwd_outputs: int, max_reads: int = 4):
         super().__init__(joint_gm, num_fwd_outputs)
         N, idx, tang, fwd_out = len(self.nodes), self.index, self.tang_l, self.fwd_out
         self.is_tang = np.array(tang, dtype=bool)
@@ -114,6 +114,7 @@ class JointInfo(GraphIndex):
         self.dist = self._dist_from_bw(fw_ids, used, tang)
         self.mutated = mutated_primals(self.graph, self.primals)
         self._classify()
+        self.wide = self._wide(max_reads)
         self.weight = self._weights()
 
     def user_edges(self):
@@ -168,6 +169,24 @@ class JointInfo(GraphIndex):
                       and not is_sym(n))
         self.must_recompute, self.big_reduction, self.materialized = (np.array(x, dtype=bool)
                                                                        for x in (must_rec, big_red, mat))
+
+    def _wide(self, max_reads: int) -> np.ndarray:
+        """Nodes whose recompute would read more than ``max_reads`` tensors (saved or banned) of at least half
+        their size: MLP-Mixer's residual stream, where saving each block's matmul outputs instead of the sums
+        had the backward add them all up again per block (one kernel read 30 tensors)."""
+        leaf = self.heavy | (~self.cheap & ~self.heavy) | self.big_reduction | self.materialized
+        leaf[list(self.static_reason)] = True
+        wide, reads = np.zeros(len(self.nodes), dtype=bool), {}
+        for i in self.fw_ids.tolist():
+            n = self.nodes[i]
+            if leaf[i] and not self._view_l[i] or n.op != "call_function":
+                reads[i] = frozenset((i,))
+                continue
+            r = frozenset().union(*(reads.get(a, ()) for a in self.inputs_of[i]))
+            big = sum(2 * self.size.get(self.nodes[j], 0) >= self.size[n] for j in r)
+            wide[i] = big > max_reads and self.size[n] > 0 and not self._view_l[i] and not self.must_recompute[i]
+            reads[i] = frozenset((i,)) if wide[i] else r
+        return wide
 
     @staticmethod
     def _static_reason(n: fx.Node, random_: bool, view: bool) -> Optional[str]:

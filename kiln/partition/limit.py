@@ -63,7 +63,7 @@ def choose_saved(joint_gm: fx.GraphModule, *, num_fwd_outputs: int, opts) -> lis
     ``meta['memory_budget']`` on a node overrides it), or under ``activation_memory_limit``."""
     if opts.partitioner == "default":
         return default_saved(joint_gm, num_fwd_outputs)
-    info = JointInfo(joint_gm, num_fwd_outputs)
+    info = JointInfo(joint_gm, num_fwd_outputs, opts.tuning.remat_max_reads)
     budget = next((b for n in info.nodes if isinstance(b := n.meta.get("memory_budget"), float)),
                   float(opts.activation_memory_budget))
     return (plan_for_budget if opts.activation_memory_limit is None else limit_saved)(info, budget, opts)

@@ -30,7 +30,8 @@ class Policy:
     """Which nodes must not be recomputed. Random and impure nodes and primals are always banned."""
     ban_heavy: bool = True           # matmul/conv/attention
     allowlist: bool = True           # ban ops outside the cheap-to-recompute list
-    ban_materialized: bool = True    # ban nodes the forward returns or whose backward user (through views) does not fuse
+    ban_materialized: bool = True    # ban nodes the forward returns or whose backward user (through views) does not
+    #                                  fuse, and those whose recompute reads many saved tensors (``JointInfo.wide``)
     ban_reductions: bool = True      # ban reductions that shrink their input more than 4x
     dont_ban: FrozenSet[fx.Node] = field(default_factory=frozenset)  # lift the optional bans for these
 
@@ -47,7 +48,7 @@ def ban_mask(info: JointInfo, policy: Policy) -> np.ndarray:
     for n in policy.dont_ban:   # a lifted multi-output op lifts its getitems
         lift[[info.index[m] for m in (n, *n.users) if m is n or ops.is_getitem(m)]] = True
     optional = (policy.ban_heavy & info.heavy) | (policy.allowlist & ~info.cheap & ~info.heavy) | \
-        (policy.ban_reductions & info.big_reduction) | (policy.ban_materialized & info.materialized)
+        (policy.ban_reductions & info.big_reduction) | (policy.ban_materialized & (info.materialized | info.wide))
     optional &= ~info.view & ~lift
     static = np.zeros(len(info.nodes), dtype=bool)
     static[list(info.static_reason)] = True
@@ -69,6 +70,8 @@ def ban_reason(info: JointInfo, n: fx.Node, policy: Policy) -> Optional[str]:
         return "reduction shrinks its input >4x"
     if n in info.fwd_out:
         return "returned by the forward"
+    if info.wide[i] and not info.materialized[i]:
+        return "recompute reads many saved tensors"
     return "backward user does not fuse"
 
 

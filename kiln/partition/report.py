@@ -57,7 +57,7 @@ def report(gm: fx.GraphModule, saved: Sequence[fx.Node], n: int, opts, budgets: 
            png: Optional[str] = None, inputs: Sequence[str] = ()) -> MemoryReport:
     """The report of joint graph ``gm`` (``n`` forward outputs) cut at ``saved`` (see ``explain_memory``);
     ``inputs``: the user's name of each flat input (a placeholder's ``desc.idx``)."""
-    info = JointInfo(gm, n)
+    info = JointInfo(gm, n, opts.tuning.remat_max_reads)
     peak = model_peak(gm, saved, n, info)
     policy = RUNTIME_OPTIMAL if opts.activation_memory_budget >= 1 else Policy(ban_materialized=False)
 
