@@ -271,6 +271,7 @@ def main(cfg: Config) -> dict:
     ctx = mp.get_context("spawn")
     run, workers = Run(cfg), []
     main_thread = threading.current_thread() is threading.main_thread()
+    _pending.clear()
     old = signal.signal(signal.SIGTERM, _stopped) if main_thread else None
     try:
         if cfg.inline:
@@ -314,8 +315,18 @@ class Stopped(BaseException):
     KeyboardInterrupt: no ``except Exception`` of a program's check swallows it)."""
 
 
+_pending: list = []   # signals received: raised again between programs, since a raise that lands in a gc
+                      # callback (hypothesis installs one) is printed and ignored
+
+
 def _stopped(signum, frame):
+    _pending.append(signum)
     raise Stopped()
+
+
+def _check_signal() -> None:
+    if _pending:
+        raise Stopped()
 
 
 def _inline(run: Run) -> None:
@@ -324,6 +335,7 @@ def _inline(run: Run) -> None:
     cfg = run.cfg
     hook = load_hook(cfg.hook)
     while True:
+        _check_signal()
         if cfg.deadline is not None and time.monotonic() - run.t0 > cfg.deadline and not run.closed:
             run.close("deadline")
         task, session = run.next_task()
@@ -339,6 +351,7 @@ def _inline(run: Run) -> None:
 def _loop(run: Run, workers: list, ctx) -> None:
     cfg, written = run.cfg, time.monotonic()
     while True:
+        _check_signal()
         now = time.monotonic()
         if cfg.deadline is not None and now - run.t0 > cfg.deadline and not run.closed:
             run.close("deadline")
