@@ -9,6 +9,7 @@ import numpy as np
 import torch
 import torch.fx as fx
 
+from kiln.options import Tuning
 from kiln.partition import ops
 from kiln.partition.estimate import size_bytes
 from kiln.partition.extract import _inputs, is_impure, is_sym, is_symint, is_tangent, split_outputs
@@ -96,7 +97,7 @@ def default_saved(joint_gm: fx.GraphModule, num_fwd_outputs: int, gi=None) -> Li
 class JointInfo(GraphIndex):
     """Arrays over the joint graph's nodes; see the module docstring."""
 
-    def __init__(self, joint_gm: fx.GraphModule, num_fwd_outputs: int, max_reads: int = 4):
+    def __init__(self, joint_gm: fx.GraphModule, num_fwd_outputs: int, max_reads: int = Tuning.remat_max_reads):
         super().__init__(joint_gm, num_fwd_outputs)
         N, idx, tang, fwd_out = len(self.nodes), self.index, self.tang_l, self.fwd_out
         self.is_tang = np.array(tang, dtype=bool)
