@@ -6,6 +6,7 @@
 # one archive, since the device tool returns a bounded number of files)
 set -u
 LIMIT=$1; shift
+export OUT=${OUT:-/tmp/kiln_zoo}; mkdir -p "$OUT"   # the streams' logs are opened here, before zoo_rounds.sh runs
 N=$(nvidia-smi -L | wc -l); CORES=$(nproc); PER=$((CORES / N))
 cases=("$@")
 for k in $(seq 0 $((N - 1))); do
@@ -13,8 +14,8 @@ for k in $(seq 0 $((N - 1))); do
   for i in "${!cases[@]}"; do [ $((i % N)) -eq "$k" ] && mine+=("${cases[$i]}"); done
   [ ${#mine[@]} -eq 0 ] && continue
   CUDA_VISIBLE_DEVICES=$k taskset -c $((k * PER))-$(((k + 1) * PER - 1)) \
-    bash benchmarks/zoo_rounds.sh "$LIMIT" "${mine[@]}" > "${OUT:-/tmp/kiln_zoo}/stream_$k.log" 2>&1 &
+    bash benchmarks/zoo_rounds.sh "$LIMIT" "${mine[@]}" > "$OUT/stream_$k.log" 2>&1 &
 done
 wait
-cd "${OUT:-/tmp/kiln_zoo}" && cat stream_*.log && tar czf /tmp/zoo.tgz stream_*.log zoo_* && rm -f stream_*.log zoo_* &&
+cd "$OUT" && cat stream_*.log && tar czf /tmp/zoo.tgz stream_*.log zoo_* && rm -f stream_*.log zoo_* &&
   mv /tmp/zoo.tgz .
