@@ -42,7 +42,7 @@ def post_grad(gm: fx.GraphModule, opts, registered=None, inference: bool = False
     if opts.pad_matmuls != "never":
         t, where = opts.tuning, opts.tuning.pad_mm_in_place
         padded = pad_matmuls(gm, devices=None if opts.pad_matmuls == "always" else ("cuda",),
-                             min_flops=t.pad_mm_min_flops, min_flops_per_byte=t.pad_mm_min_flops_per_byte,
+                             kernel_bytes=t.pad_mm_kernel_bytes, min_flops_per_byte=t.pad_mm_min_flops_per_byte,
                              out_blocks=t.pad_mm_out_blocks,
                              in_place=where == "always" or (where == "inference" and inference))
         if padded:

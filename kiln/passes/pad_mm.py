@@ -5,8 +5,9 @@ vocabulary (50257) misses that and its lm_head matmuls ran 4-7x slower (H200: 3.
 ``mm(a, b)`` becomes ``mm(pad(a), pad(b))[:M, :N]`` with zeros, exactly the original values; a transposed
 operand is padded in storage order, so one copy serves every reader. A 2-D product the graph returns is
 computed in ``tuning.pad_mm_out_blocks`` blocks (``mm_rows``, ``mm_cols``), not materialized twice.
-It pays (``tuning.pad_mm_min_flops*``) from 1e9 FLOPs and 80 FLOPs per byte copied (padding saves 1.5 /
-300e12 s per FLOP, costs 1 / 2.5e12 s per byte), which rejects memory-bound shapes (decode-time logits).
+It pays (``tuning.pad_mm_*``) from 80 FLOPs per byte copied, each kernel it adds counted as 30 MB (padding
+saves 1.5 / 300e12 s per FLOP, costs 1 / 2.5e12 s per byte and ~12 us per launch), which rejects memory-bound
+shapes (decode-time logits) and small products (Mixer's 196 tokens: H200, 33 us plain, 69 padded and copied).
 """
 import torch
 import torch.fx as fx
@@ -33,8 +34,8 @@ def _operands(node):
     return (a[1], a[2], a[0]) if node.target is aten.addmm.default else (a[0], a[1], None)
 
 
-def plan(node: fx.Node, devices=("cuda",), min_flops: float = Tuning.pad_mm_min_flops,
-         min_flops_per_byte: float = Tuning.pad_mm_min_flops_per_byte):
+def plan(node: fx.Node, devices=("cuda",), kernel_bytes: float = Tuning.pad_mm_kernel_bytes,
+         min_flops_per_byte: float = Tuning.pad_mm_min_flops_per_byte, out_blocks: int = Tuning.pad_mm_out_blocks):
     """(pad_m, pad_k, pad_n) for a matmul worth padding, else None (``devices=None``: any device)."""
     if node.op != "call_function" or node.target not in MATMULS:
         return None
@@ -48,9 +49,8 @@ def plan(node: fx.Node, devices=("cuda",), min_flops: float = Tuning.pad_mm_min_
            for v in every):   # real constants, symbolic shapes: skip
         return None
     align = ALIGN.get(av.dtype)
-    if align is None or bv.dtype != av.dtype or out.dtype != av.dtype:
-        return None
-    if devices is not None and any(v.device.type not in devices for v in tensors):
+    if align is None or bv.dtype != av.dtype or out.dtype != av.dtype or \
+            (devices is not None and any(v.device.type not in devices for v in tensors)):
         return None
     batch = av.shape[0] if av.dim() == 3 else 1
     m, k = av.shape[-2:]
@@ -61,20 +61,23 @@ def plan(node: fx.Node, devices=("cuda",), min_flops: float = Tuning.pad_mm_min_
     pad_n = _round_up(n, align) - n
     if not (pad_m or pad_k or pad_n):
         return None
-    flops = 2 * batch * m * n * k
-    size = av.element_size()
-    copied = 0
-    if pad_m or pad_k:
-        copied += batch * (m * k + (m + pad_m) * (k + pad_k)) * size
-    if pad_k or pad_n:
-        copied += batch * (k * n + (k + pad_k) * (n + pad_n)) * size
-    if pad_n or (pad_m and av.dim() == 3):
-        copied += 2 * batch * m * n * size   # the copy of a sliced output that is not contiguous
-    if flops < min_flops or flops < min_flops_per_byte * copied:
+    flops, size = 2 * batch * m * n * k, av.element_size()
+    copies = [batch * (m * k + (m + pad_m) * (k + pad_k)) * size if pad_m or pad_k else 0,
+              batch * (k * n + (k + pad_k) * (n + pad_n)) * size if pad_k or pad_n else 0,
+              2 * batch * m * n * size if pad_n or (pad_m and av.dim() == 3) else 0]   # a sliced output's copy
+    kernels = 2 * out_blocks if _blocked(node, pads := (pad_m, pad_k, pad_n)) else sum(c > 0 for c in copies)
+    copied = sum(copies) + kernel_bytes * kernels
+    if flops < min_flops_per_byte * copied:
         log(5, f"pad_mm: {node.name} misaligned but too small to pay ({flops:.3g} FLOPs, "
-               f"{copied} bytes copied)")
+               f"{copied:.3g} bytes copied, launches counted)")
         return None
-    return pad_m, pad_k, pad_n
+    return pads
+
+
+def _blocked(node, pads) -> bool:
+    """Whether the padded product goes by blocks (``mm_rows``, ``mm_cols``): 2-D, returned, misaligned in N."""
+    return bool(pads[2] and not pads[0] and node.target is not aten.bmm.default and _returned(node)
+                and node.meta["val"].is_contiguous())
 
 
 class _Builder:
@@ -230,7 +233,7 @@ def _rewrite(b: _Builder, node: fx.Node, pads, out_blocks: int = Tuning.pad_mm_o
     b.anchor = node
     old, kwargs = node.meta["val"], dict(node.kwargs)
     m, n = old.shape[-2:]
-    blocks = pad_n and not pad_m and not lead and _returned(node) and old.is_contiguous()
+    blocks = _blocked(node, pads)
     if blocks and not pad_k:   # blocks of columns: no padded copy of ``b``
         align = ALIGN[old.dtype]
         cols = _round_up(-(-n // out_blocks), align)
@@ -256,7 +259,7 @@ def _rewrite(b: _Builder, node: fx.Node, pads, out_blocks: int = Tuning.pad_mm_o
     b.g.erase_node(node)
 
 
-def pad_matmuls(gm: fx.GraphModule, devices=("cuda",), *, min_flops: float = Tuning.pad_mm_min_flops,
+def pad_matmuls(gm: fx.GraphModule, devices=("cuda",), *, kernel_bytes: float = Tuning.pad_mm_kernel_bytes,
                 min_flops_per_byte: float = Tuning.pad_mm_min_flops_per_byte,
                 out_blocks: int = Tuning.pad_mm_out_blocks, in_place: bool = True) -> int:
     """Pad misaligned mm / addmm / bmm nodes of ``gm`` in place where they pay (operands on ``devices``, any
@@ -264,7 +267,7 @@ def pad_matmuls(gm: fx.GraphModule, devices=("cuda",), *, min_flops: float = Tun
     fake_mode = fake_mode_of(gm)
     if fake_mode is None:
         return 0
-    todo = [(n, p) for n in gm.graph.nodes if (p := plan(n, devices, min_flops, min_flops_per_byte)) is not None]
+    todo = [(n, p) for n in gm.graph.nodes if (p := plan(n, devices, kernel_bytes, min_flops_per_byte, out_blocks))]
     if not todo:
         return 0
     builder = _Builder(gm, fake_mode)

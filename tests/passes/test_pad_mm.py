@@ -18,7 +18,7 @@ from tests.numerics import assert_product_close
 aten = torch.ops.aten
 
 
-SMALL_OPTIONS = {"tuning.pad_mm_min_flops": 0, "tuning.pad_mm_min_flops_per_byte": 0}
+SMALL_OPTIONS = {"tuning.pad_mm_kernel_bytes": 0, "tuning.pad_mm_min_flops_per_byte": 0}
 
 
 @pytest.fixture
@@ -26,7 +26,7 @@ def small():
     """Pad even the small matmuls of these tests: the thresholds as options (in force for torch.compile)
     and as the arguments of ``pad_matmuls`` (the fixture's value)."""
     with kiln.config.patch(**SMALL_OPTIONS):
-        yield {"min_flops": 0, "min_flops_per_byte": 0}
+        yield {"kernel_bytes": 0, "min_flops_per_byte": 0}
 
 
 def traced(fn, *args):
@@ -172,6 +172,19 @@ def test_default_thresholds():
     with mode:   # the same d 4096 with 2048 tokens: 8.4e11 FLOPs, ~680 FLOPs per byte
         x2k = torch.empty(2048, 4096, dtype=torch.bfloat16)
     assert pad_matmuls(make_fx(lambda x, w: x @ w.t(), tracing_mode="fake")(x2k, w8), devices=None) == 1
+    with mode:   # MLP-Mixer's token mixing (196 tokens, batch 32 x 768 channels): 3.7e9 FLOPs, but the two
+        # kernels padding adds cost more than it saves (H200: 33 us plain, 69 padded and copied back)
+        xt, wt, bt = (torch.empty(24576, 384, dtype=torch.bfloat16), torch.empty(196, 384, dtype=torch.bfloat16),
+                      torch.empty(196, dtype=torch.bfloat16))
+        gt = torch.empty(24576, 196, dtype=torch.bfloat16)
+    mix = make_fx(lambda x, w, b, g: (torch.addmm(b, x, w.t()), g @ w, g.t() @ x), tracing_mode="fake")
+    assert pad_matmuls(mix(xt, wt, bt, gt), devices=None) == 0
+    assert pad_matmuls(mix(xt, wt, bt, gt), devices=None, kernel_bytes=0) == 3   # the launches tip it
+    with mode:   # a returned [8192, 1001] product (1.3e10 FLOPs) would go by 8 column blocks: 16 launches
+        xc, wc = torch.empty(8192, 768, dtype=torch.bfloat16), torch.empty(1001, 768, dtype=torch.bfloat16)
+    head = make_fx(lambda x, w: x @ w.t(), tracing_mode="fake")
+    assert pad_matmuls(head(xc, wc), devices=None) == 0
+    assert pad_matmuls(head(xc, wc), devices=None, out_blocks=1) == 1
 
 
 def test_devices_filter(small):
