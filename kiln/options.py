@@ -206,10 +206,8 @@ class Tuning:
     # passes
     graph_host_share: float = _opt(0.6, "cuda_graphs='auto' captures a graph whose timed call took at least this "
                                         "share of its GPU time on the host", check="nonneg")
-    pad_mm_kernel_bytes: float = _opt(30e6, "pad_mm: each kernel padding adds counts as this many bytes copied ...",
-                                      check="nonneg")
-    pad_mm_min_flops_per_byte: float = _opt(80.0, "... and a matmul is padded from this many FLOPs per byte copied",
-                                            check="nonneg")
+    pad_mm_kernel_bytes: float = _opt(30e6, "pad_mm: a kernel padding adds counts as this many bytes", check="nonneg")
+    pad_mm_min_flops_per_byte: float = _opt(80.0, "pad_mm: pad from this many FLOPs per byte copied", check="nonneg")
     empty_mask_max_bytes: int = _opt(1 << 28, "drop_empty_masks: evaluate (at compile time, on its device) only "
                                               "masks of at most this many bytes", check="nonneg")
     pad_mm_out_blocks: int = _opt(8, "pad_mm: a padded matmul whose result the graph returns is computed in this "

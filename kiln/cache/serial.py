@@ -86,7 +86,7 @@ def pack(compiled: Compiled, units=()) -> dict:
     globals_ = {**w.globals, **w.handles}   # each handle's overload; ``unpack`` binds the handle again
     fallback = compiled.fallback
     return {"name": w.name, "source": w.source, "globals": globals_, "handles": sorted(w.handles),
-            "known_outputs": list(w.known_outputs),
+            "known_outputs": list(w.known_outputs), "written": list(w.written),
             "fallback": None if fallback is None else StoredFallback(dumps(fallback)),
             "units": [(u.source, tuple(u.functions), _binary(u), u.prelude) for u in units]}
 
@@ -115,5 +115,5 @@ def unpack(part: dict, opts) -> Compiled:
             seen.add(obj.name)
             kernels.append(obj)
     w = Wrapper(name=part["name"], source=part["source"], globals=globals_, kernels=kernels,
-                known_outputs=part["known_outputs"])
+                known_outputs=part["known_outputs"], written=part["written"])
     return load(w, part["fallback"], units)

@@ -150,6 +150,7 @@ class _Emitter:
 
         body: list[str] = []
         placeholders = [n for n in nodes if n.op == "placeholder"]
+        self.w.written = sorted(placeholders.index(c.args[0]) for c in self.landed)
         self.names.update((n, self._fresh(n.name)) for n in placeholders)
         if placeholders:
             lhs = ", ".join(self.names[n] for n in placeholders)
@@ -265,15 +266,14 @@ class _Emitter:
         """Kernels write graph inputs' new values in place: for output ``v`` of kernel ``n`` that the graph
         copies into input ``d`` (AOTAutograd's input mutation, ``copy_(d, v)``), ``d`` is ``n``'s argument at a
         position output ``v`` may overwrite (``KernelPlan.reusable``), ``v`` is not returned, and every other
-        reader of ``d`` is a kernel or an op with a fresh result (no view) at or before ``n``. Not when some
-        kernel lacks an ATen fallback of its own: its graph's fallback reruns from inputs written by then."""
-        kernels = [n for n in nodes if n.op == "call_function" and is_kernel(n.target)]
-        if not self.tuning.write_mutations or any(getattr(k.target, "fallback", None) is None for k in kernels):
+        reader of ``d`` is a kernel or an op with a fresh result (no view) at or before ``n`` (``Wrapper.written``
+        lists such inputs: a graph fallback restores them)."""
+        if not self.tuning.write_mutations:
             return
         order = {n: i for i, n in enumerate(nodes)}
         copy = torch.ops.aten.copy_.default
         fresh = lambda u: u.op == "call_function" and (is_kernel(u.target) or _fresh_result(u.target))  # noqa: E731
-        for n in (k for k in kernels if _reusing(k)):
+        for n in filter(_reusing, nodes):
             multi = isinstance(n.meta.get("val"), (tuple, list))
             values = [u for u in n.users if u.target is operator.getitem] if multi else [n]
             into = [None] * len(n.target.reuse)

@@ -15,7 +15,7 @@ _SOURCE_SINKS: list = []
 class Compiled:
     """A loaded wrapper: ``compiled(args_list)`` runs it (boxed, so AOTAutograd can free inputs).
     ``fallback``: the graph's ATen nodes, run from its inputs (now and from then on) when a kernel without
-    an ATen fallback of its own fails on the first call (input mutations come at a graph's end)."""
+    an ATen fallback of its own fails on the first call (the inputs kernels wrote in place restored first)."""
 
     def __init__(self, wrapper: Wrapper, fn, fallback=None):
         # An instance attribute: Dynamo's disable() wrapper copies __dict__, not class attributes.
@@ -27,6 +27,7 @@ class Compiled:
         if self._direct:
             return self.fn(args)
         saved = list(args) if self.fallback is not None else None
+        kept = [saved[i].clone() for i in self.wrapper.written] if saved is not None else ()
         try:
             out = self.fn(args)
         except KernelFailed as e:
@@ -36,6 +37,8 @@ class Compiled:
             log(1, f"codegen: {self.name} runs its ATen graph from now on ({e})")
             self.fn = _boxed(self.fallback)
             self._direct = True
+            for i, value in zip(self.wrapper.written, kept):
+                saved[i].copy_(value)
             return self.fn(saved)
         self._direct = True
         direct_kernel_calls(self.fn.__globals__)

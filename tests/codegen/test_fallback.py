@@ -214,3 +214,35 @@ def test_cpu_plans_of_a_gpu_graph_are_not_interpreted():
     assert not target.interpreted(cpu, graph_on_cuda=False)
     assert not target.interpreted(cuda, graph_on_cuda=True)
     assert not TritonTarget(current(codegen="triton", emit_for="cuda")).interpreted(cpu, graph_on_cuda=True)
+
+
+def test_a_graph_fallback_restores_the_inputs_its_kernels_wrote(monkeypatch):
+    """A kernel writes a graph input's new value in place (a running statistic) while another kernel of the
+    graph has no ATen fallback of its own; when that one fails on the first call, the graph's ATen nodes run
+    from the inputs as they were: the input is updated once, not twice."""
+    import re
+
+    import kiln.runtime.kernels as K
+    from kiln.options import current
+    from kiln.pipeline import compile_graph
+    from kiln.runtime.load import collect_sources
+
+    def f(x, buf):
+        buf.mul_(0.5).add_(1.0)
+        return (x * 2).sum(), x.amax()
+    x, buf = torch.randn(4096), torch.randn(64)
+    opts = current(codegen="triton").replace(tuning=dict(split_min_r=64, split_min_numel=256, split_min_chunk=64,
+                                                         chain=False))
+    with collect_sources() as sources, torch.no_grad():
+        compiled = compile_graph(torch.fx.symbolic_trace(f), [x, buf.clone()], opts)
+    wrapper = next(s for s in sources if s.startswith("# kiln wrapper"))
+    assert "into=(" in wrapper   # the update is written in place
+    for name in sorted(set(re.findall(r"kiln_red_[0-9a-f]{12}", wrapper))):
+        _break(monkeypatch, KernelCall(K._CACHE[name], None))
+    before, want = counters["codegen"]["graph_fallback"], buf * 0.5 + 1.0
+    with torch.no_grad():
+        out = compiled(x, buf)
+    assert counters["codegen"]["graph_fallback"] == before + 1
+    torch.testing.assert_close(buf, want)
+    for o, r in zip(out, f(x, torch.zeros(64))):
+        torch.testing.assert_close(o, r, rtol=1e-4, atol=1e-4)

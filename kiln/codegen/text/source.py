@@ -78,6 +78,7 @@ class Wrapper:
     kernels: list = field(default_factory=list)  # the KernelRefs it calls, one per kernel
     handles: dict = field(default_factory=dict)  # global name -> the OpOverload whose C++ handle it binds
     known_outputs: list = field(default_factory=list)  # per output: strides at run time = example's
+    written: list = field(default_factory=list)  # positions of the inputs kernels may write in place
 
 
 _PREFIX = {"reduction": "red", "scatter": "scatter", "group": "grp"}

@@ -98,22 +98,20 @@ class PatternError(RuntimeError, UserError):
     the pattern, so a match cannot bind it). Use every argument, or list the unused one in ``scalar_workaround``."""
 
 
-def register_graph_pattern(pattern: PatternExpr, extra_check: Callable = _return_true, *, pass_dict,
-                           prepend: bool = False):
-    """Decorator: ``handler(match, *args, **kwargs)`` edits the graph for every match of ``pattern``."""
-    def decorator(handler):
-        GraphPatternEntry(pattern, handler, extra_check).register(pass_dict, prepend=prepend)
-        return handler
-    return decorator
+def _registrar(entry, doc: str):
+    def register(pattern: PatternExpr, extra_check: Callable = _return_true, *, pass_dict, prepend: bool = False):
+        def decorator(handler):
+            entry(pattern, handler, extra_check).register(pass_dict, prepend=prepend)
+            return handler
+        return decorator
+    register.__doc__ = doc
+    return register
 
 
-def register_lowering_pattern(pattern: PatternExpr, extra_check: Callable = _return_true, *, pass_dict,
-                              prepend: bool = False):
-    """Decorator: ``handler(match, *args, **kwargs)`` returns the root's replacement, built with ``L[op](...)``."""
-    def decorator(handler):
-        LoweringPatternEntry(pattern, handler, extra_check).register(pass_dict, prepend=prepend)
-        return handler
-    return decorator
+register_graph_pattern = _registrar(GraphPatternEntry, "Decorator: ``handler(match, *args, **kwargs)`` edits "
+                                                       "the graph for every match of ``pattern``.")
+register_lowering_pattern = _registrar(LoweringPatternEntry, "Decorator: ``handler(match, *args, **kwargs)`` returns "
+                                                             "the root's replacement, built with ``L[op](...)``.")
 
 
 def _check_duplicate(pass_dicts, pattern, skip_duplicates: bool) -> bool:
