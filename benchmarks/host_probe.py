@@ -85,6 +85,7 @@ def main():
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--size", default="gpu")
     ap.add_argument("--api", type=int, default=0, help="also list this many CUDA API calls by host time")
+    ap.add_argument("--callers", default="", help="also list the callers of functions whose name has this text")
     a = ap.parse_args()
     import kiln  # noqa: F401
     from kiln_bench import cores
@@ -130,6 +131,8 @@ def main():
             print(f"  {b:18s} {tt / a.steps * 1e3:8.2f} ms/step  {nc // a.steps:7d} calls/step")
         for tt, nc, name in sorted(rows, reverse=True)[:a.top]:
             print(f"    {tt / a.steps * 1e3:7.3f} ms {nc // a.steps:6d}x  {name}")
+        if a.callers:   # who calls e.g. Tensor.copy_ (cProfile's caller table)
+            st.print_callers(a.callers)
         if a.api:   # CUDA runtime and driver calls of a few steps (a synchronizing call shows here)
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                     torch.profiler.ProfilerActivity.CUDA]) as p:

@@ -177,17 +177,25 @@ def test_unchecked_when_asked():
 
 def test_a_checked_gather_still_vectorizes():
     """A gather whose index varies per element checks it in the vectorized loop: a select and an unsigned max
-    per lane, the loads stay vector gathers."""
+    per lane, the loads stay vector gathers wherever the host's compiler makes the unchecked loop's loads
+    vector gathers (its tuning decides: gcc does not emit gathers for every x86-64 CPU it targets)."""
     flags = open("/proc/cpuinfo").read() if shutil.os.path.exists("/proc/cpuinfo") else ""
     if NO_CXX or " avx2" not in flags or not shutil.which("objdump"):
         pytest.skip("no C++ compiler, AVX2 host or objdump")
     x, i = torch.randn(16, 256), torch.randint(0, 256, (16, 256))
+
+    def gathers(gm, checked):
+        name = re.search(rf"cpp_build\.function\('(\w+)', \d+, \d+{', checked=True' if checked else ''}\)",
+                         kernels(gm)[0].source).group(1)
+        asm = subprocess.run(["objdump", "-d", "--no-show-raw-insn", cpp_build.library(name)], capture_output=True,
+                             text=True).stdout
+        mine = "\n".join(f for f in re.split(r"\n\n(?=[0-9a-f]+ <)", asm) if f"<{name}" in f.split("\n")[0])
+        return bool(re.search(r"\sv\w*gather\w*\s", mine))
+    plain = _fused(lambda x, i: torch.gather(x, 1, i) * 2, x, i, target="cpp", index_checks="never")
+    if not gathers(plain, False):
+        pytest.skip("this host's compiler makes no vector gather of the unchecked loop either")
     gm = _same_error(lambda x, i: torch.gather(x, 1, i) * 2, (x, i), [(x, i.clamp(max=255) + 1)], "cpp")
-    name = re.search(r"cpp_build\.function\('(\w+)', \d+, \d+, checked=True\)", kernels(gm)[0].source).group(1)
-    asm = subprocess.run(["objdump", "-d", "--no-show-raw-insn", cpp_build.library(name)], capture_output=True,
-                         text=True).stdout
-    mine = "\n".join(f for f in re.split(r"\n\n(?=[0-9a-f]+ <)", asm) if f"<{name}" in f.split("\n")[0])
-    assert re.search(r"\sv\w*gather\w*\s", mine), "the checked gather loop is not vectorized"
+    assert gathers(gm, True), "the checked gather loop is not vectorized"
 
 
 @pytest.mark.gpu

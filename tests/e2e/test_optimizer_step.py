@@ -174,16 +174,22 @@ def _wrapper_of(case, **options):
     g.output((out, new) if case == "returned" else (out,))
     for n, v in zip(g.nodes, [torch.ones(4, 4)] * 2):
         n.meta["val"] = v
-    return emit_wrapper(fx.GraphModule(torch.nn.Module(), g), "w", opts=current(**options)).source
+    return emit_wrapper(fx.GraphModule(torch.nn.Module(), g), "w", opts=current(**options))
 
 
-@pytest.mark.parametrize("case", ["read_after", "view_alive", "returned", "other_position", "no_fallback",
-                                  "option_off"])
+def test_an_input_is_written_in_place_beside_a_kernel_without_fallback():
+    """A kernel without an ATen fallback of its own no longer stops the write in place: the wrapper lists the
+    input it writes (``Wrapper.written``) for the graph fallback to restore."""
+    w = _wrapper_of("no_fallback")
+    assert re.search(r"\w+ = \w+\(x, y, into=\(x,\)\)", w.source) and w.written == [0], w.source
+
+
+@pytest.mark.parametrize("case", ["read_after", "view_alive", "returned", "other_position", "option_off"])
 def test_the_wrapper_writes_an_input_in_place_only_where_safe(case):
-    src = _wrapper_of("plain")   # the control: written in place, the copy left only for a refused ``into``
+    src = _wrapper_of("plain").source   # the control: written in place, the copy left only for a refused ``into``
     m = re.search(r"(\w+) = \w+\(x, y, into=\(x,\)\)", src)
     assert m and f"if {m[1]} is not x: aten_copy__default(x, {m[1]})" in src, src
-    src = _wrapper_of(case, **({"tuning.write_mutations": False} if case == "option_off" else {}))
+    src = _wrapper_of(case, **({"tuning.write_mutations": False} if case == "option_off" else {})).source
     assert "into=" not in src and re.search(r"^\s+\w+ = aten_copy__default\(x, ", src, re.M), src
 
 
