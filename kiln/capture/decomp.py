@@ -125,17 +125,13 @@ KEEP = [aten.convolution, aten.convolution_backward, aten.mm, aten.addmm, aten.b
         aten._native_batch_norm_legit_no_training]
 
 
-def _overlaps(x) -> bool:
-    """Whether ``x`` has elements sharing memory (a stride 0 on a dim longer than 1: an expanded input)."""
-    return any(st == 0 and statically_known_true(n > 1) for n, st in zip(x.shape, x.stride()))
-
-
 def _scatter_into_dense(op):
     """``op`` (slice/select/diagonal_scatter) with an expanded input made dense first: torch 2.11's meta keeps
     the zero strides eager drops, and kernels wrote every element to one address (fuzz seed 10 #409)."""
     def decompose(x, *args, **kwargs):
-        return op(aten.clone.default(x, memory_format=torch.contiguous_format), *args, **kwargs) if _overlaps(x) \
-            else NotImplemented
+        if not any(st == 0 and statically_known_true(n > 1) for n, st in zip(x.shape, x.stride())):   # not expanded
+            return NotImplemented
+        return op(aten.clone.default(x, memory_format=torch.contiguous_format), *args, **kwargs)
     return decompose
 
 

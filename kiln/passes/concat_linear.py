@@ -45,11 +45,6 @@ def _groups(gm) -> list:
     return [g for g in groups.values() if len(g) >= MIN_GROUP]
 
 
-def _needs_copy(user: fx.Node, sliced_val) -> bool:
-    """True when ``user`` cannot take a column slice in place of a contiguous matrix."""
-    return user.op == "output" or user.target in VIEWS and view_breaks(user, sliced_val)
-
-
 def _concat(gm, group, fake_mode) -> None:
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     g = gm.graph
@@ -58,10 +53,8 @@ def _concat(gm, group, fake_mode) -> None:
     widths = [lin[1].shape[1] for _, lin in group]
     with unset_fake_temporarily(), torch.no_grad():
         ws = [lin[1] for _, lin in group]
-        if all(w.stride() == (1, w.shape[0]) for w in ws):  # transposed views of [N, K] weights: keep that
-            w_cat = torch.cat([w.t() for w in ws], 0).t()
-        else:
-            w_cat = torch.cat(ws, 1)
+        transposed = all(w.stride() == (1, w.shape[0]) for w in ws)   # views of [N, K] weights: keep that
+        w_cat = torch.cat([w.t() for w in ws], 0).t() if transposed else torch.cat(ws, 1)
         b_cat = torch.cat([lin[2].reshape(-1) if lin[2] is not None else
                            torch.zeros(lin[1].shape[1], dtype=lin[1].dtype, device=lin[1].device)
                            for _, lin in group])
@@ -74,8 +67,8 @@ def _concat(gm, group, fake_mode) -> None:
         start += width
     for n, s in zip(nodes, slices):
         for user in list(n.users):
-            src = s
-            if _needs_copy(user, s.meta.get("val")):
+            src = s   # copied where the user cannot take a column slice for a contiguous matrix
+            if user.op == "output" or user.target in VIEWS and view_breaks(user, s.meta.get("val")):
                 src = call(g, fake_mode, aten.clone.default, s, memory_format=torch.contiguous_format, before=user)
             user.replace_input_with(n, src)
             if src is s:   # the user now reads a strided slice: its value (and its views') change layout

@@ -90,16 +90,13 @@ def module_file(name: str, source: str, directory=None, overwrite: bool = False)
     """The path of kernel module ``name``, (re)written unless it holds ``source`` exactly."""
     directory = directory or cache_dir()
     path = os.path.join(directory, f"{name}.py")
-    if overwrite or not _holds(path, source):
+    try:
+        fresh = not overwrite and private.read(path) == source.encode()
+    except OSError:
+        fresh = False
+    if not fresh:
         private.write(directory, f"{name}.py", source)
     return path
-
-
-def _holds(path: str, source: str) -> bool:
-    try:
-        return private.read(path) == source.encode()
-    except OSError:
-        return False
 
 
 def import_file(modname: str, path: str, interpret: bool, source=None):

@@ -50,10 +50,8 @@ def _source(call: FlexCall, opts, cpp: bool):
         interpret = call.val(call.q).device.type != "cuda" and opts.emit_for != "cuda"
         if call.dtype == torch.float64:
             raise Unsupported("flex: float64 on the Triton target (its kernels accumulate in float32)")
-        if call.backward:
-            text, kind = backward_module(call, interpret)
-        else:
-            text, kind = forward_module(call, interpret, opts.tuning.flex_decode_q)
+        text, kind = backward_module(call, interpret) if call.backward else \
+            forward_module(call, interpret, opts.tuning.flex_decode_q)
     outputs = ("dq", "dk", "dv", "grads") if call.backward else ("out", "lse", "max_scores")
     return KernelSource(text, (), outputs, (), kind, (), interpret), kind, unit
 

@@ -75,10 +75,8 @@ def backward_config(call) -> Bwd:
         tiles, stages, warps = (t, t, t, t), 1, 4
     elif hd < 64:
         tiles, stages, warps = (64, 64, 64, 64), 3, 4
-    elif hd <= 128:
-        tiles, stages, warps = (64, 128, 128, 64), 3, 8
     else:
-        tiles, stages, warps = (64, 64, 64, 64), 2, 4
+        tiles, stages, warps = ((64, 128, 128, 64), 3, 8) if hd <= 128 else ((64, 64, 64, 64), 2, 4)
     o = call.options
     m1, n1, m2, n2 = (_opt(o, (f"bwd_BLOCK_{k}", f"BLOCK_{k}", f"bwd_BLOCK_{k[0]}"), x)
                       for k, x in zip(("M1", "N1", "M2", "N2"), tiles))

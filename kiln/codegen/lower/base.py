@@ -135,10 +135,9 @@ class Lowering:
             self.values[node] = Pointwise.of_buffer(buf)
         elif isinstance(val, (tuple, list)) and node.op != "placeholder":
             self.values[node] = ExternTuple(val)
-        elif isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-            self.values[node] = sympy.sympify(val.node.expr)
         else:
-            self.values[node] = val
+            sym = isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool))
+            self.values[node] = sympy.sympify(val.node.expr) if sym else val
 
     def _node_buffer(self, node, kind, val):
         shape, stride = meta_layout(val)

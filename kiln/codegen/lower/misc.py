@@ -42,9 +42,7 @@ def _arange(ctx, *args, **kwargs):
     nums = [a for a in args if not isinstance(a, (torch.dtype, torch.device, torch.layout))]
     if ctx.node.target == aten.arange.default:
         start, step = 0, 1
-    elif ctx.node.target == aten.arange.start:
-        start, step = nums[0], 1
-    else:
+    else:   # start (start, end) or start_step (start, end, step)
         start, step = nums[0], (nums[2] if len(nums) > 2 else 1)
     dtype = ctx.meta.dtype
     compute = upcast(dtype)

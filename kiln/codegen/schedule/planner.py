@@ -41,14 +41,10 @@ class _Resolver:
             if not all(v is old for (_, v), (_, old) in zip(binds, e.args[2])):
                 idx = idx.xreplace({s: indirect_symbol(v) for s, v in binds})
             idx = simplify(idx, self.ranges)
-            if idx == given:
-                r = e
-            else:
-                r = ops.load(self.buffers[e.args[0]], idx) if e.op == "load" else ops.index(idx, e.dtype)
-        elif e.children():
-            r = Expr(e.op, tuple(self(a) if isinstance(a, Expr) else a for a in e.args), e.dtype)
+            r = e if idx == given else ops.load(self.buffers[e.args[0]], idx) if e.op == "load" else \
+                ops.index(idx, e.dtype)
         else:
-            r = e
+            r = Expr(e.op, tuple(self(a) if isinstance(a, Expr) else a for a in e.args), e.dtype) if e.children() else e
         self._memo[e] = r
         return r
 
@@ -129,10 +125,8 @@ def row_passes(members, levels: Levels, tuning: Tuning) -> tuple:
     online = _online_pairs(reductions, tuning)
     stage = {}
     for m in reductions:
-        if m.name in online:
-            stage[m.name] = stage[online[m.name].name]
-        else:
-            stage[m.name] = 1 + max([stage[r] for r in reds(m.value)], default=-1)
+        stage[m.name] = stage[online[m.name].name] if m.name in online else \
+            1 + max([stage[r] for r in reds(m.value)], default=-1)
     n = 1 + max(stage.values(), default=-1)
     element_stores, row_stores = {}, []
     for m in members:

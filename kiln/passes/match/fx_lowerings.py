@@ -51,12 +51,10 @@ def fake_values(values):
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
     flat, spec = torch.utils._pytree.tree_flatten(values)
     tensors = [v for v in flat if isinstance(v, torch.Tensor)]
-    try:
+    with contextlib.suppress(AssertionError):
         mode = detect_fake_mode(tensors)
         if mode is not None and all(isinstance(t, FakeTensor) for t in tensors):
             return mode, values
-    except AssertionError:
-        pass
     if not _FALLBACK_MODE:
         _FALLBACK_MODE.append(FakeTensorMode(allow_non_fake_inputs=True))
     mode = _FALLBACK_MODE[0]
