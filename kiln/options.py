@@ -151,6 +151,8 @@ class Tuning:
     cpp_row_split: int = _opt(16, "a C++ reduction row read at r / K and r % K (NCHW BatchNorm: batch, pixels) "
                                   "loops over K contiguous elements inside when K is at least this; 0: never",
                               check="nonneg")
+    cpp_double_columns: bool = _opt(True, "C++ float sums down a column (over rows) add in double, as accurate as "
+                                          "eager's cascaded sums")
     cpp_vector_math: bool = _opt(True, "C++ kernels call glibc's vector math (libmvec) where no comparison, "
                                        "rounding or max depends on the result (false: scalar math everywhere, "
                                        "the same bits in every kernel)")
