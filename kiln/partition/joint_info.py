@@ -175,7 +175,7 @@ class JointInfo(GraphIndex):
         """Nodes whose recompute would read more than ``max_reads`` tensors (saved or banned) of at least half
         their size: MLP-Mixer's residual stream, where saving each block's matmul outputs instead of the sums
         had the backward add them all up again per block (one kernel read 30 tensors)."""
-        leaf = self.heavy | (~self.cheap & ~self.heavy) | self.big_reduction | self.materialized
+        leaf = self.heavy | ~self.cheap | self.big_reduction | self.materialized
         leaf[list(self.static_reason)] = True
         wide, reads = np.zeros(len(self.nodes), dtype=bool), {}
         for i in self.fw_ids.tolist():

@@ -109,6 +109,11 @@ class KernelPlan:
     tail: Optional["KernelPlan"] = None
 
     @property
+    def inner(self) -> bool:
+        """Whether a tile runs along rows (the last dim reduced)."""
+        return bool(self.dims) and self.dims[-1][1]
+
+    @property
     def reduction(self) -> bool:
         return self.kind is Kind.REDUCTION
 

@@ -174,7 +174,7 @@ def narrow_data(k) -> bool:
 def launch_line(k, name, args, names):
     plan = k.plan
     kind = "reduction" if k.red else "pointwise"
-    inner = bool(k.dims) and k.dims[-1][1]
+    inner = plan.inner
     cfg = None
     narrow = narrow_data(k)
     blocks = Blocks.of(k.tuning)
@@ -255,7 +255,7 @@ def _chain(head: TritonKernel, tail: TritonKernel):
     last program of ``head`` runs ``tail`` as a ``@triton.jit`` helper."""
     plan = tail.plan
     kind = "reduction" if tail.red else "pointwise"
-    inner = bool(tail.dims) and tail.dims[-1][1]
+    inner = plan.inner
     xb, rb, _ = config(kind, int(tail.xnumel), int(tail.rnumel), tail.persistent, inner, tail.interpret, False,
                        Blocks.of(tail.tuning))
     if tail.red and tail.persistent and not tail.interpret:
